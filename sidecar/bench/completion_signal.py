@@ -1,0 +1,286 @@
+"""``kv-sidecar bench signal``: how long a Done takes from the daemon's send to the shim's receiving thread.
+
+Real processes: a prefill emulator (NIXL over UCX), ``kv-sidecar serve`` (the CPU twin), and in this process
+the shim's own client (``vllm_glue.client.SidecarClient``: a DEALER on a background I/O thread that stamps
+``time.monotonic_ns()`` when a reply arrives) over K/V planes in /dev/shm. ``--concurrency`` Pulls are kept in
+flight (each a real read + conversion), so the signal is measured under load. The daemon stamps
+``Done.sent_at_ns`` (monotonic, same host, same clock) just before the socket send; signal latency is
+``received_at_ns - sent_at_ns``. Prints (and with ``--json`` writes) one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from sidecar import __version__, ipc
+from sidecar import protocol as p
+from sidecar.formats import PageFormat
+
+GOAL_P50_US = 100.0
+GOAL_P99_US = 1000.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pulls", type=int, default=2000, help="Pulls measured (after the warm-up)")
+    parser.add_argument("--warmup", type=int, default=50, help="Pulls before measuring (handshake, caches)")
+    parser.add_argument("--concurrency", type=int, default=32, help="Pulls kept in flight")
+    parser.add_argument("--blocks", type=int, default=1, help="blocks per Pull (0: notification only)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        metavar="S",
+        help="sys.setswitchinterval for this process (the shim's): how long the receiving "
+        "thread may wait for the GIL held by the engine thread (Python's default 0.005)",
+    )
+    parser.add_argument(
+        "--prefill-nice",
+        type=int,
+        default=10,
+        metavar="N",
+        help="nice value for the prefill emulator's threads: in production the prefill runs on "
+        "another host, here it shares the cores (its NIXL progress thread spins) (default 10)",
+    )
+    parser.add_argument("--json", metavar="FILE", help="also write the result here")
+
+
+def _percentiles(values_ns: list[int]) -> dict[str, float]:
+    a = np.asarray(values_ns, dtype=np.float64) / 1e3
+    if a.size == 0:
+        return {}
+    return {
+        "p50": round(float(np.percentile(a, 50)), 1),
+        "p90": round(float(np.percentile(a, 90)), 1),
+        "p99": round(float(np.percentile(a, 99)), 1),
+        "p99.9": round(float(np.percentile(a, 99.9)), 1),
+        "max": round(float(a.max()), 1),
+        "mean": round(float(a.mean()), 1),
+    }
+
+
+def _renice(pid: int, nice: int) -> None:
+    """setpriority on every thread of ``pid`` (on Linux PRIO_PROCESS with a pid reaches one thread only)."""
+    if not nice:
+        return
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+
+
+def _new_request(client: Any, tokens: int) -> dict[str, Any]:
+    """A finished prefill; if the emulator has not yet freed earlier requests' blocks, retry briefly."""
+    from sidecar.emulator_control import ControlError
+
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return client.new_request(num_tokens=tokens).kv_transfer_params
+        except ControlError as exc:
+            if exc.field != "num_blocks" or time.monotonic() > deadline:
+                raise
+            time.sleep(0.001)
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run(args: argparse.Namespace) -> int:
+    from sidecar.cli import spawn_serve
+    from sidecar.emulator_control import spawn_emulator
+    from vllm_glue.client import Reply, SidecarClient
+
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    n, h, d, layers = args.block_size, args.heads, args.head_size, args.layers
+    remote = PageFormat(
+        kind="standard", layout="LBHNC", dtype="bfloat16", num_heads=h, block_size=n, head_size=d
+    )
+    local = PageFormat(
+        kind="aiter_shuffled", layout="LHBNC", dtype="bfloat16", num_heads=h, block_size=n, head_size=d
+    )
+    per_pull = max(args.blocks, 1)
+    decoder_blocks = args.concurrency * per_pull + 1
+    # the emulator frees a request's blocks when it polls the notification, a little after our Done
+    prefill_blocks = 8 * args.concurrency * per_pull + 64
+    plane = n * h * d
+    workdir = tempfile.mkdtemp(prefix="kv-sidecar-bench-")
+    endpoint = f"ipc://{workdir}/daemon.sock"
+    remotes = json.dumps([{"match": "127.0.0.1:*", "page_format": msgspec.to_builtins(remote)}])
+    emu = spawn_emulator(
+        [
+            "--layers",
+            str(layers),
+            "--heads",
+            str(h),
+            "--head-size",
+            str(d),
+            "--block-size",
+            str(n),
+            "--num-blocks",
+            str(prefill_blocks),
+        ]
+    )
+    _renice(emu.proc.pid, args.prefill_nice)
+    daemon = spawn_serve(
+        [
+            "--socket",
+            endpoint,
+            "--metrics-port",
+            "-1",
+            "--remotes",
+            remotes,
+            "--max-inflight",
+            str(args.concurrency),
+            "--log-level",
+            "WARNING",
+        ]
+    )
+    shm = ipc.create_shm_buffer(layers * 2 * decoder_blocks * plane * 2)
+    views = [
+        ipc.LayerView(
+            name=f"model.layers.{i}.self_attn.attn",
+            buffer_index=0,
+            offset_bytes=i * 2 * decoder_blocks * plane * 2,
+            shape=[decoder_blocks, 2, n, h * d],
+            strides=[plane, decoder_blocks * plane, h * d, 1],
+            dtype="bfloat16",
+        )
+        for i in range(layers)
+    ]
+    hello = p.Hello(protocol_version=p.PROTOCOL_VERSION, package_version=__version__, pid=os.getpid())
+    register = p.RegisterCaches(
+        buffers=[shm.description],
+        layers=views,
+        page_format=local,
+        compat_factors=dict(emu.ready.compat_factors),
+    )
+    client = SidecarClient(endpoint, hello, register)
+    signal_ns: list[int] = []
+    round_trip_ns: list[int] = []
+    daemon_e2e_s: list[float] = []
+    failures: list[str] = []
+    try:
+        if not client.wait_ready(60):
+            raise RuntimeError(f"client not ready: {client.status_reason}")
+        free = list(range(1, decoder_blocks))  # block 0 stays unused
+        cpu0 = {
+            "daemon": _cpu_s(daemon.proc.pid),
+            "prefill_emulator": _cpu_s(emu.proc.pid),
+            "shim": _cpu_s(os.getpid()),
+        }
+        outstanding: dict[str, tuple[int, list[int]]] = {}
+        total = args.warmup + args.pulls
+        sent = done = 0
+        t_start = time.monotonic()
+        while done < total:
+            while sent < total and len(outstanding) < args.concurrency:
+                blocks = [free.pop() for _ in range(args.blocks)]
+                kv = _new_request(emu.client, per_pull * n)
+                req_id = f"sig-{sent}"
+                pull = p.Pull(
+                    req_id=req_id,
+                    remote_engine_id=kv["remote_engine_id"],
+                    remote_host=kv["remote_host"],
+                    remote_port=kv["remote_port"],
+                    remote_request_id=kv["remote_request_id"],
+                    remote_block_ids=kv["remote_block_ids"][0],
+                    local_block_ids=blocks,
+                    timeout_s=30.0,
+                    remote_registration_generation=kv["remote_registration_generation"],
+                    remote_num_tokens=kv["remote_num_tokens"],
+                    lease_started_at_ns=time.monotonic_ns(),
+                )
+                outstanding[req_id] = (time.monotonic_ns(), blocks)
+                client.send(pull)
+                sent += 1
+            events = client.poll_events()
+            if not events:
+                time.sleep(0.001)  # the receive stamps are taken on the client's thread, not here
+                continue
+            for ev in events:
+                if not isinstance(ev, Reply):
+                    raise RuntimeError(f"lost the daemon: {ev.reason}")
+                msg = ev.message
+                if not isinstance(msg, p.Done) or msg.req_id not in outstanding:
+                    continue
+                t_sent, blocks = outstanding.pop(msg.req_id)
+                free.extend(blocks)
+                done += 1
+                if not msg.ok:
+                    failures.append(f"{msg.req_id}: {msg.reason}")
+                if done > args.warmup and msg.sent_at_ns:
+                    signal_ns.append(ev.received_at_ns - msg.sent_at_ns)
+                    round_trip_ns.append(ev.received_at_ns - t_sent)
+                    daemon_e2e_s.append(msg.timings.get("end_to_end", 0.0))
+        wall = time.monotonic() - t_start
+        cpu = {
+            "daemon": _cpu_s(daemon.proc.pid) - cpu0["daemon"],
+            "prefill_emulator": _cpu_s(emu.proc.pid) - cpu0["prefill_emulator"],
+            "shim_and_bench": _cpu_s(os.getpid()) - cpu0["shim"],
+        }
+    finally:
+        client.close()
+        daemon.stop()
+        emu.stop()
+        shm.close()
+    sig = _percentiles(signal_ns)
+    result: dict[str, Any] = {
+        "bench": "signal",
+        "client": "vllm_glue.client.SidecarClient (DEALER on its I/O thread; receive stamped there)",
+        "pulls": len(signal_ns),
+        "warmup": args.warmup,
+        "concurrency": args.concurrency,
+        "blocks_per_pull": args.blocks,
+        "layers": layers,
+        "page_bytes": remote.page_bytes,
+        "failed": len(failures),
+        "failures_sample": failures[:5],
+        "signal_us": sig,
+        "pull_round_trip_us": _percentiles(round_trip_ns),
+        "daemon_end_to_end_us": _percentiles([int(s * 1e9) for s in daemon_e2e_s]),
+        "pulls_per_s": round(total / wall, 1),
+        "cpu_cores_busy": {k: round(v / wall, 2) for k, v in cpu.items()},
+        "goal": {
+            "p50_us": GOAL_P50_US,
+            "p99_us": GOAL_P99_US,
+            "met": bool(sig) and sig["p50"] <= GOAL_P50_US and sig["p99"] <= GOAL_P99_US,
+        },
+        "gil_switch_interval_s": sys.getswitchinterval(),
+        "prefill_nice": args.prefill_nice,
+        "host_cpus": os.cpu_count(),
+        "load_average_1m_after": round(os.getloadavg()[0], 2),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    return 0 if not failures else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kv-sidecar bench signal", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Prometheus metrics of the daemon and its HTTP endpoint (/metrics, /healthz, /readyz).
+
+The endpoint runs in its own thread, so /healthz can tell a stuck event loop (no tick for ``stall_s``)
+from a live one. Names are fixed (docs: common team map); each Metrics owns its registry, so several
+daemons (tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from sidecar import __version__
+
+OUTCOMES = ("ok", "failed", "refused", "aborted", "expired")
+STAGES = ("handshake", "queue", "transfer", "convert", "signal", "end_to_end")
+# 50 µs .. ~100 s, roughly x2.5 per bucket: signal latencies and multi-second pulls both resolve.
+BUCKETS = (
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    100.0,
+)
+
+
+class Metrics:
+    """Every metric object of one daemon, registered in its own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("kv_sidecar_requests", "Pulls answered, by outcome", ["outcome"], registry=r)
+        self.bytes_pulled = Counter("kv_sidecar_bytes_pulled", "Bytes read from prefills", registry=r)
+        self.stage_seconds = Histogram(
+            "kv_sidecar_stage_seconds", "Seconds per stage of a pull", ["stage"], buckets=BUCKETS, registry=r
+        )
+        self.in_flight = Gauge(
+            "kv_sidecar_requests_in_flight", "Pulls accepted and not yet answered", registry=r
+        )
+        self.refusals = Counter(
+            "kv_sidecar_refusals", "Refusals by the field that refused", ["field"], registry=r
+        )
+        self.heartbeats_sent = Counter(
+            "kv_sidecar_heartbeats_sent", "HB: notifications sent to prefills", registry=r
+        )
+        self.registered_bytes = Gauge(
+            "kv_sidecar_registered_bytes", "Decoder cache bytes imported and registered with NIXL", registry=r
+        )
+        self.handshakes = Counter(
+            "kv_sidecar_handshakes", "Side-channel handshakes, by outcome", ["outcome"], registry=r
+        )
+        self.invalid_messages = Counter(
+            "kv_sidecar_invalid_messages", "Socket messages that failed validation", registry=r
+        )
+        self.ready = Gauge(
+            "kv_sidecar_ready", "1 when caches are registered and the NIXL agent is up", registry=r
+        )
+        self.build_info = Gauge("kv_sidecar_build_info", "kv-sidecar version", ["version"], registry=r)
+        self.build_info.labels(version=__version__).set(1)
+        # Pre-create label sets so every series exists (at 0) from the start.
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome=outcome)
+        for stage in STAGES:
+            self.stage_seconds.labels(stage=stage)
+        for outcome in ("ok", "failed"):
+            self.handshakes.labels(outcome=outcome)
+
+    def answered(self, outcome: str, timings: dict[str, float] | None = None) -> None:
+        """One Pull answered: count its outcome and observe its stage timings."""
+        if outcome not in OUTCOMES:
+            raise ValueError(f"outcome {outcome!r} is not one of {OUTCOMES}")
+        self.requests.labels(outcome=outcome).inc()
+        for stage, seconds in (timings or {}).items():
+            if stage in STAGES:
+                self.stage_seconds.labels(stage=stage).observe(seconds)
+
+    def refused(self, field: str) -> None:
+        self.refusals.labels(field=field or "unknown").inc()
+
+    def handshake(self, ok: bool, seconds: float | None = None) -> None:
+        self.handshakes.labels(outcome="ok" if ok else "failed").inc()
+        if seconds is not None:
+            self.stage_seconds.labels(stage="handshake").observe(seconds)
+
+    def expose(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class Health:
+    """What /healthz and /readyz report; the event loop calls ``tick`` and sets the readiness parts."""
+
+    def __init__(self, stall_s: float = 5.0) -> None:
+        self.stall_s = stall_s
+        self.last_tick = time.monotonic()
+        self.socket_bound = False
+        self.agent_up = False
+        self.caches_registered = False
+        self.stopping = False
+
+    def tick(self) -> None:
+        self.last_tick = time.monotonic()
+
+    def healthy(self) -> tuple[bool, str]:
+        age = time.monotonic() - self.last_tick
+        if age > self.stall_s:
+            return False, f"event loop stalled: no tick for {age:.1f} s"
+        return True, "ok"
+
+    def ready(self) -> tuple[bool, str]:
+        missing = [
+            name
+            for name, ok in (
+                ("socket bound", self.socket_bound),
+                ("NIXL agent up", self.agent_up),
+                ("caches registered", self.caches_registered),
+            )
+            if not ok
+        ]
+        if self.stopping:
+            missing.insert(0, "shutting down")
+        return (not missing), ("ok" if not missing else "not ready: " + ", ".join(missing))
+
+
+class MetricsServer:
+    """The HTTP endpoint in a daemon thread; ``port`` is the bound one (useful with port 0)."""
+
+    def __init__(self, metrics: Metrics, health: Health, host: str = "127.0.0.1", port: int = 9464) -> None:
+        handler = _handler(metrics, health)
+        self._server = ThreadingHTTPServer((host, port), handler)
+        self._server.daemon_threads = True
+        self.host, self.port = self._server.server_address[:2]
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            name="kv-sidecar-metrics",
+            kwargs={"poll_interval": 0.1},
+            daemon=True,
+        )
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)
+
+
+def start_http_server(
+    metrics: Metrics, health: Health, host: str = "127.0.0.1", port: int = 9464
+) -> MetricsServer:
+    """Serve /metrics, /healthz and /readyz on ``host:port`` (loopback unless configured)."""
+    return MetricsServer(metrics, health, host, port)
+
+
+def _handler(metrics: Metrics, health: Health) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = f"kv-sidecar/{__version__}"
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._reply(200, metrics.expose(), CONTENT_TYPE_LATEST)
+            elif path == "/healthz":
+                ok, text = health.healthy()
+                self._reply(200 if ok else 503, (text + "\n").encode())
+            elif path == "/readyz":
+                ok, text = health.ready()
+                self._reply(200 if ok else 503, (text + "\n").encode())
+            else:
+                self._reply(404, b"not found: try /metrics, /healthz, /readyz\n")
+
+        def _reply(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, fmt: str, *args: object) -> None:  # scrapes every few seconds: keep quiet
+            pass
+
+    return Handler

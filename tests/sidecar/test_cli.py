@@ -1,0 +1,97 @@
+"""The command line: fast help, generated serve flags, dependency and config errors, version."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sidecar import cli
+from sidecar.config import Config
+
+
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sidecar.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_help_is_light():
+    code = ("import sys; from sidecar import cli; cli.build_parser().format_help(); "
+            "print(sorted(m for m in ('torch', 'nixl', 'numpy', 'uvloop', 'prometheus_client') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    top = run("--help")
+    assert top.returncode == 0
+    for command in ("serve", "bench", "emulate-prefill", "doctor", "demo", "version"):
+        assert command in top.stdout
+
+
+def test_serve_help_documents_every_key():
+    out = run("serve", "--help")
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    for name in Config.__struct_fields__:
+        assert f"--{name.replace('_', '-')}" in text
+        assert f"KV_SIDECAR_{name.upper()}" in text
+    assert "requests read and converted at the same time" in text
+
+
+def test_flags_become_config_values():
+    args = cli.build_parser().parse_args(["serve", "--max-inflight", "7", "--log-json", "--remotes",
+                                          '[{"match": "*:*"}]', "--socket", "ipc:///tmp/x.sock"])
+    over = cli.config_overrides(args)
+    assert over == {"max_inflight": 7, "log_json": True, "remotes": [{"match": "*:*"}],
+                    "socket": "ipc:///tmp/x.sock"}
+
+
+def test_serve_reports_bad_config_naming_the_key():
+    out = run("serve", "--max-inflight", "0", "--metrics-port", "-1")
+    assert out.returncode == 2
+    assert "configuration:" in out.stderr and "key max_inflight" in out.stderr
+
+
+def test_missing_dependencies_are_found_without_importing():
+    needs = {"numpy": "x", "kv_sidecar_no_such_module": "pip install nothing"}
+    assert cli.missing_dependencies(needs) == ["kv_sidecar_no_such_module"]
+
+
+def test_serve_names_missing_dependencies(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "missing_dependencies", lambda: ["nixl"])
+    assert cli.main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert "needs nixl" in err and "pip install 'kv-sidecar[daemon,nixl]'" in err and "ROCm" in err
+
+
+def test_missing_subcommand_module_is_named(monkeypatch, capsys):
+    monkeypatch.setitem(cli.DELEGATED, "doctor", "sidecar.no_such_doctor")
+    assert cli.main(["doctor"]) == 2
+    assert "sidecar.no_such_doctor is not part of this installation" in capsys.readouterr().err
+
+
+def test_delegated_subcommand_gets_its_arguments():
+    out = run("emulate-prefill", "--help")
+    assert out.returncode == 0 and "--num-blocks" in out.stdout
+
+
+def test_version_json():
+    out = run("version", "--json")
+    assert out.returncode == 0
+    found = json.loads(out.stdout)
+    from sidecar import __version__
+
+    assert found["kv-sidecar"] == __version__
+    assert found["torch"] and found["pyzmq"] and found["msgspec"] and found["nixl"]
+    assert {"vllm", "aiter"} <= set(found)
+
+
+@pytest.mark.e2e
+def test_serve_starts_and_stops_on_sigterm(tmp_path):
+    socket = f"ipc://{tmp_path}/s/cpu.sock"
+    proc = cli.spawn_serve(["--socket", socket, "--metrics-port", "0", "--log-json"], stderr=subprocess.PIPE)
+    assert proc.ready["device"] == "cpu" and proc.ready["socket"].endswith("/s/cpu.sock")
+    assert proc.stop() == 0
+    lines = proc.proc.stderr.read().decode().splitlines()
+    logs = [json.loads(line) for line in lines if line.startswith("{")]
+    assert any(rec["msg"].startswith("kv-sidecar") and "serving cpu" in rec["msg"] for rec in logs)
+    assert logs[-1]["msg"] == "kv-sidecar stopped"
