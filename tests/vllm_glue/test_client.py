@@ -1,0 +1,207 @@
+"""The shim's daemon client over real ZMQ ipc sockets, against a scripted ROUTER peer speaking
+sidecar.protocol.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+
+from sidecar import protocol as p
+from sidecar.formats import PageFormat
+from sidecar.ipc import IpcBuffer, LayerView, ShmFile
+from vllm_glue.client import Lost, NotReady, Reply, SidecarClient
+
+FMT = PageFormat(
+    kind="aiter_shuffled", layout="LHBNC", dtype="bfloat16", num_heads=2, block_size=16, head_size=64
+)
+
+
+def register_msg() -> p.RegisterCaches:
+    buf = IpcBuffer(kind="shm", nbytes=4096, device="cpu", shm=ShmFile(path="/dev/shm/x", data_offset=0))
+    layer = LayerView(
+        name="l0",
+        buffer_index=0,
+        offset_bytes=0,
+        shape=[1, 2, 16, 128],
+        strides=[4096, 2048, 128, 1],
+        dtype="bfloat16",
+    )
+    return p.RegisterCaches(buffers=[buf], layers=[layer], page_format=FMT, compat_factors={"model": "m"})
+
+
+def hello() -> p.Hello:
+    return p.Hello(protocol_version=p.PROTOCOL_VERSION, package_version="test", pid=1)
+
+
+def pull(req_id: str) -> p.Pull:
+    return p.Pull(
+        req_id=req_id,
+        remote_engine_id="e",
+        remote_host="127.0.0.1",
+        remote_port=5600,
+        remote_request_id=f"{req_id}-remote",
+        remote_block_ids=[1, 2],
+        local_block_ids=[3, 4],
+        timeout_s=5,
+    )
+
+
+class Peer:
+    """A ROUTER the test drives step by step; every frame it gets is decoded as the daemon would."""
+
+    def __init__(self, address: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(address)
+        self.identity = b""
+
+    def recv(self, timeout_s: float = 5.0) -> p.ToDaemon:
+        assert self.sock.poll(int(timeout_s * 1000)), "peer got nothing"
+        ident, data = self.sock.recv_multipart()
+        self.identity = ident
+        return p.decode_to_daemon(data)
+
+    def send(self, msg: p.ToShim) -> None:
+        self.sock.send_multipart([self.identity, p.encode(msg)])
+
+    def welcome_and_register(self) -> p.RegisterCaches:
+        assert isinstance(self.recv(), p.Hello)
+        self.send(p.Welcome(protocol_version=p.PROTOCOL_VERSION, package_version="t", device="cpu"))
+        reg = self.recv()
+        assert isinstance(reg, p.RegisterCaches)
+        self.send(p.Registered(generation=1, registered_bytes=4096, num_layers=1))
+        return reg
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def wait_events(client: SidecarClient, n: int, timeout_s: float = 5.0) -> list:
+    got: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < n and time.monotonic() < deadline:
+        got += client.poll_events()
+        time.sleep(0.005)
+    return got
+
+
+@pytest.fixture
+def address(tmp_path) -> str:
+    return f"ipc://{tmp_path}/d.sock"
+
+
+def test_hello_register_pull_done(address: str) -> None:
+    peer = Peer(address)
+    client = SidecarClient(address, hello(), register_msg())
+    try:
+        reg = peer.welcome_and_register()
+        assert reg.page_format == FMT
+        assert client.wait_ready(5)
+        t0 = time.monotonic_ns()
+        client.send(pull("r1"))
+        got = peer.recv()
+        assert isinstance(got, p.Pull) and got.local_block_ids == [3, 4]
+        peer.send(p.Done(req_id="r1", ok=True, timings={"transfer": 0.002}))
+        (ev,) = wait_events(client, 1)
+        assert isinstance(ev, Reply) and isinstance(ev.message, p.Done) and ev.message.ok
+        assert ev.received_at_ns >= t0
+    finally:
+        client.close()
+        peer.close()
+
+
+def test_daemon_down_refuses_sends_then_registers_when_it_appears(address: str) -> None:
+    client = SidecarClient(address, hello(), register_msg(), reply_timeout_s=5)
+    try:
+        assert not client.wait_ready(0.2)
+        with pytest.raises(NotReady, match="connecting"):
+            client.send(pull("r1"))
+        peer = Peer(address)
+        try:
+            peer.welcome_and_register()
+            assert client.wait_ready(5)
+            client.send(pull("r2"))
+            assert isinstance(peer.recv(), p.Pull)
+        finally:
+            peer.close()
+    finally:
+        client.close()
+
+
+def test_disconnect_is_reported_and_reconnect_reregisters(address: str) -> None:
+    peer = Peer(address)
+    client = SidecarClient(address, hello(), register_msg())
+    try:
+        peer.welcome_and_register()
+        assert client.wait_ready(5)
+        peer.close()
+        (ev,) = wait_events(client, 1)
+        assert isinstance(ev, Lost) and "disconnected" in ev.reason
+        with pytest.raises(NotReady, match="lost"):
+            client.send(pull("r1"))
+        peer = Peer(address)
+        peer.welcome_and_register()  # Hello and RegisterCaches again, unprompted
+        assert client.wait_ready(5)
+    finally:
+        client.close()
+        peer.close()
+
+
+def test_refused_registration_fails_with_the_reason(address: str) -> None:
+    peer = Peer(address)
+    client = SidecarClient(address, hello(), register_msg())
+    try:
+        assert isinstance(peer.recv(), p.Hello)
+        peer.send(p.Welcome(protocol_version=p.PROTOCOL_VERSION, package_version="t", device="cpu"))
+        assert isinstance(peer.recv(), p.RegisterCaches)
+        peer.send(p.Error(reason="page_format: no plan", in_reply_to="RegisterCaches"))
+        assert not client.wait_ready(5)
+        assert client.state == "failed" and "page_format: no plan" in client.status_reason
+        with pytest.raises(NotReady, match="page_format"):
+            client.send(pull("r1"))
+    finally:
+        client.close()
+        peer.close()
+
+
+def test_protocol_mismatch_fails(address: str) -> None:
+    peer = Peer(address)
+    client = SidecarClient(address, hello(), register_msg())
+    try:
+        assert isinstance(peer.recv(), p.Hello)
+        peer.send(p.Welcome(protocol_version=p.PROTOCOL_VERSION + 1, package_version="t", device="cpu"))
+        assert not client.wait_ready(5)
+        assert "protocol_version" in client.status_reason
+    finally:
+        client.close()
+        peer.close()
+
+
+def test_invalid_frame_is_dropped_and_client_keeps_running(address: str) -> None:
+    peer = Peer(address)
+    client = SidecarClient(address, hello(), register_msg())
+    try:
+        peer.welcome_and_register()
+        assert client.wait_ready(5)
+        peer.sock.send_multipart([peer.identity, b"\x93garbage"])
+        peer.send(p.Done(req_id="r9", ok=False, reason="x"))
+        (ev,) = wait_events(client, 1)
+        assert ev.message.req_id == "r9"
+    finally:
+        client.close()
+        peer.close()
+
+
+def test_client_imports_without_torch_or_vllm() -> None:
+    code = (
+        "import sys, vllm_glue.client, vllm_glue.worker, vllm_glue.scheduler_book; "
+        "bad = [m for m in ('torch', 'vllm', 'nixl') if m in sys.modules]; assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -1,0 +1,35 @@
+"""The /dev/shm reaper: the files go when their owner dies, even by SIGKILL, and not before."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+from vllm_glue.shm_reaper import unlink_when_gone
+
+
+def test_files_are_unlinked_after_the_owner_is_killed() -> None:
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    paths = [f"/dev/shm/kv-sidecar-reaper-test-{uuid.uuid4().hex}" for _ in range(2)]
+    try:
+        for p in paths:
+            with open(p, "wb") as f:
+                f.write(b"x" * 4096)
+        unlink_when_gone(owner.pid, paths)
+        time.sleep(0.3)  # the reaper must hold off while the owner lives
+        assert all(os.path.exists(p) for p in paths)
+        owner.kill()
+        owner.wait()
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(p) for p in paths) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not any(os.path.exists(p) for p in paths)
+    finally:
+        owner.kill()
+        owner.wait()
+        for p in paths:
+            if os.path.exists(p):
+                os.unlink(p)

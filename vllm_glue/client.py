@@ -1,0 +1,296 @@
+"""The shim's client of its kv-sidecar daemon: one ZMQ DEALER owned by a background I/O thread.
+
+The caller (vLLM's engine thread, or the decoder stand-in) never blocks on the daemon: ``send`` hands a
+message to the I/O thread and returns; replies (Done, Aborted, Error) are collected with the monotonic time
+they arrived and taken with ``poll_events``. The thread says Hello and registers the caches whenever it
+(re)connects, and reports a lost daemon as an event, so outstanding loads fail instead of hanging. Importable
+without vLLM and without torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from sidecar import protocol as p
+
+log = logging.getLogger(__name__)
+
+_STOP = b"\x00stop"
+_REGISTER = b"\x00register"
+_UP = getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", zmq.EVENT_CONNECTED)
+
+
+class NotReady(RuntimeError):
+    """The daemon is not connected and registered; the text says why."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A message from the daemon (Done, Aborted, Error, Pong) and ``time.monotonic_ns()`` at its arrival."""
+
+    message: p.ToShim
+    received_at_ns: int
+
+
+@dataclass(frozen=True)
+class Lost:
+    """The connection to the daemon dropped (or registration failed): every outstanding load is lost."""
+
+    reason: str
+    received_at_ns: int
+
+
+Event = Reply | Lost
+
+
+class SidecarClient:
+    """Connect to ``address`` (e.g. ``ipc:///run/kv-sidecar/gpu0.sock``), say Hello, register, then carry
+    messages.
+
+    States: ``connecting`` → ``ready`` (Welcome and Registered received) → ``lost`` on disconnect → back to
+    ``ready`` when the daemon returns (Hello and RegisterCaches are sent again). ``failed`` when the daemon
+    refused Hello or RegisterCaches: the reason stays in ``status_reason``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        hello: p.Hello,
+        register: p.RegisterCaches | None = None,
+        *,
+        reply_timeout_s: float = 10.0,
+    ) -> None:
+        self.address = address
+        self._hello = hello
+        self._register = register
+        self.reply_timeout_s = reply_timeout_s
+        self._ctx = zmq.Context()
+        self._inbox = f"inproc://kv-sidecar-client-{id(self):x}-{os.getpid()}"
+        self._events: deque[Event] = deque()
+        self._send_lock = threading.Lock()
+        self._state = "connecting"
+        self.status_reason = "not connected yet"
+        self.welcome: p.Welcome | None = None
+        self.registered: p.Registered | None = None
+        self._changed = threading.Condition()
+        self._bound = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-sidecar-client", daemon=True)
+        self._thread.start()
+        self._bound.wait()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(self._inbox)
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------- caller side
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def is_ready(self) -> bool:
+        return self._state == "ready"
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Block until registered (True), or until the timeout or a refusal (False). For startup only."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while self._state != "ready":
+                left = deadline - time.monotonic()
+                if self._state == "failed" or left <= 0:
+                    return False
+                self._changed.wait(left)
+        return True
+
+    def send(self, msg: p.ToDaemon) -> None:
+        """Queue one message for the daemon; NotReady if it is not registered (the caller fails the load)."""
+        if self._closed:
+            raise NotReady("client is closed")
+        if self._state != "ready":
+            raise NotReady(f"kv-sidecar at {self.address} is {self._state}: {self.status_reason}")
+        data = p.encode(msg)
+        with self._send_lock:
+            try:
+                self._push.send(data, zmq.NOBLOCK)
+            except zmq.Again:
+                raise NotReady("client queue is full: the I/O thread is not keeping up") from None
+
+    def set_registration(self, register: p.RegisterCaches) -> None:
+        """Set (or replace) the caches to register; sent now if connected, and again after each reconnect."""
+        self._register = register
+        with self._send_lock:
+            self._push.send(_REGISTER, zmq.NOBLOCK)
+
+    def poll_events(self) -> list[Event]:
+        """Every reply and loss collected since the last call, in arrival order."""
+        out: list[Event] = []
+        while self._events:
+            out.append(self._events.popleft())
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._send_lock, contextlib.suppress(zmq.ZMQError):
+            self._push.send(_STOP, zmq.NOBLOCK)
+        self._thread.join(timeout=5)
+        self._push.close(linger=0)
+        self._ctx.term()
+
+    # ------------------------------------------------------------------------------------------- I/O thread
+
+    def _set_state(self, state: str, reason: str) -> None:
+        with self._changed:
+            self._state = state
+            self.status_reason = reason
+            self._changed.notify_all()
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as e:  # never die silently: the engine must see loads fail, not hang
+            log.exception("kv-sidecar client I/O thread failed")
+            self._set_state("failed", f"client I/O thread failed: {e!r}")
+            self._events.append(Lost(self.status_reason, time.monotonic_ns()))
+            self._bound.set()
+
+    def _loop(self) -> None:
+        inbox = self._ctx.socket(zmq.PULL)
+        inbox.setsockopt(zmq.LINGER, 0)
+        inbox.bind(self._inbox)
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        # Never queue messages for a daemon that is not there: a send then fails at once instead of later.
+        dealer.setsockopt(zmq.IMMEDIATE, 1)
+        # Hello only once the ZMTP handshake is through: before that IMMEDIATE refuses to send.
+        monitor = dealer.get_monitor_socket(_UP | zmq.EVENT_DISCONNECTED)
+        dealer.connect(self.address)
+        self._bound.set()
+        poller = zmq.Poller()
+        for s in (inbox, dealer, monitor):
+            poller.register(s, zmq.POLLIN)
+        self._phase, self._deadline = "idle", float("inf")
+        connected = False
+        try:
+            while True:
+                timeout_ms = (
+                    None
+                    if self._deadline == float("inf")
+                    else max(0, int((self._deadline - time.monotonic()) * 1000))
+                )
+                ready = dict(poller.poll(timeout_ms))
+                if monitor in ready:
+                    ev = recv_monitor_message(monitor)
+                    if ev["event"] == _UP:
+                        connected = True
+                        self._say_hello(dealer)
+                    elif ev["event"] == zmq.EVENT_DISCONNECTED and connected:
+                        connected = False
+                        self._phase, self._deadline = "idle", float("inf")
+                        self._lose(f"kv-sidecar at {self.address} disconnected")
+                if dealer in ready:
+                    while dealer.poll(0):
+                        self._on_frame(dealer)
+                if inbox in ready:
+                    while inbox.poll(0):
+                        data = inbox.recv()
+                        if data == _STOP:
+                            return
+                        self._forward(dealer, data)
+                if self._phase in ("hello", "register") and time.monotonic() >= self._deadline:
+                    what = "Welcome" if self._phase == "hello" else "Registered"
+                    self._set_state("failed", f"no {what} from kv-sidecar within {self.reply_timeout_s:g} s")
+                    self._phase, self._deadline = "idle", float("inf")
+        finally:
+            dealer.disable_monitor()
+            for s in (monitor, dealer, inbox):
+                s.close(linger=0)
+
+    def _forward(self, dealer: zmq.Socket, data: bytes) -> None:
+        if data == _REGISTER:
+            if self._phase == "ready" and self._register is not None:
+                self._send_register(dealer)
+            return
+        try:
+            dealer.send(data, zmq.NOBLOCK)
+        except zmq.Again:
+            self._reply_failure(data, "kv-sidecar is not reachable (send would block)")
+
+    def _say_hello(self, dealer: zmq.Socket) -> None:
+        self._set_state("connecting", "waiting for Welcome")
+        self._phase, self._deadline = "hello", time.monotonic() + self.reply_timeout_s
+        with contextlib.suppress(zmq.Again):  # the reply deadline turns this into a clear failure
+            dealer.send(p.encode(self._hello), zmq.NOBLOCK)
+
+    def _send_register(self, dealer: zmq.Socket) -> None:
+        assert self._register is not None
+        self._set_state("connecting", "waiting for Registered")
+        self._phase, self._deadline = "register", time.monotonic() + self.reply_timeout_s
+        with contextlib.suppress(zmq.Again):
+            dealer.send(p.encode(self._register), zmq.NOBLOCK)
+
+    def _on_frame(self, dealer: zmq.Socket) -> None:
+        frames = dealer.recv_multipart()
+        at = time.monotonic_ns()
+        payload = frames[-1]  # a ROUTER may send an empty delimiter first
+        try:
+            msg = p.decode_to_shim(payload)
+        except p.DecodeError as e:
+            log.error("kv-sidecar sent an invalid frame: %s", e)
+            return
+        if isinstance(msg, p.Welcome) and self._phase == "hello":
+            self.welcome = msg
+            if msg.protocol_version != p.PROTOCOL_VERSION:
+                self._refused(
+                    f"protocol_version: daemon speaks {msg.protocol_version}, shim {p.PROTOCOL_VERSION}", at
+                )
+            elif self._register is None:
+                self._set_state("connecting", "connected; caches not registered yet")
+                self._phase, self._deadline = "ready", float("inf")
+            else:
+                self._send_register(dealer)
+            return
+        if isinstance(msg, p.Registered) and self._phase == "register":
+            self.registered = msg
+            self._phase, self._deadline = "ready", float("inf")
+            self._set_state("ready", "registered")
+            return
+        if isinstance(msg, p.Error) and msg.req_id is None and self._phase in ("hello", "register"):
+            self._refused(f"kv-sidecar refused {msg.in_reply_to or 'a message'}: {msg.reason}", at)
+            return
+        self._events.append(Reply(msg, at))
+
+    def _refused(self, reason: str, at: int) -> None:
+        self._phase, self._deadline = "idle", float("inf")
+        self._set_state("failed", reason)
+        self._events.append(Lost(reason, at))
+
+    def _lose(self, reason: str) -> None:
+        self._set_state("lost", reason)
+        self._events.append(Lost(reason, time.monotonic_ns()))
+
+    def _reply_failure(self, data: bytes, reason: str) -> None:
+        """A message that could not be sent: a Pull gets a failed Done so its load ends now."""
+        try:
+            msg = p.decode_to_daemon(data)
+        except p.DecodeError:
+            return
+        if isinstance(msg, p.Pull):
+            self._events.append(
+                Reply(p.Done(req_id=msg.req_id, ok=False, reason=reason), time.monotonic_ns())
+            )
+        elif isinstance(msg, p.Abort):
+            # No daemon: nothing it runs can write into the blocks any more.
+            self._events.append(
+                Reply(p.Aborted(req_id=msg.req_id, safe=True, reason=reason), time.monotonic_ns())
+            )

@@ -1,0 +1,106 @@
+"""What the scheduler half tells the worker half each step: pulls to start, aborts, heartbeats. Plain data.
+
+vLLM hands these to the workers inside the per-step connector metadata (in process, or through its own
+executor channel when workers are separate processes), so they are small frozen msgspec Structs of builtins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+REQUIRED_REMOTE_KEYS = (
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+)
+
+
+class RemoteRef(msgspec.Struct, frozen=True):
+    """Where a request's prefilled pages are: one prefill engine, its request id and its logical block ids."""
+
+    engine_id: str
+    host: str
+    port: int
+    request_id: str
+    block_ids: list[int]
+    tp_size: int = 1
+    registration_generation: int = 0
+    num_tokens: int | None = None
+
+
+class PullOrder(msgspec.Struct, frozen=True):
+    """Start one pull. ``awaiting`` False: vLLM is not waiting (full local hit, or cleanup): notify the
+    prefill only.
+
+    ``lease_started_at_ns``: ``time.monotonic_ns()`` when the scheduler first saw the request (0: unknown).
+    """
+
+    req_id: str
+    remote: RemoteRef
+    local_block_ids: list[int]
+    awaiting: bool
+    lease_started_at_ns: int = 0
+
+
+class HeartbeatOrder(msgspec.Struct, frozen=True):
+    """Renew the lease of these prefill requests on one engine."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    remote_request_ids: list[str]
+
+
+class StepOrders(msgspec.Struct, frozen=True):
+    """One step's work for the worker half; pulls are applied before aborts."""
+
+    pulls: list[PullOrder] = []
+    aborts: list[str] = []
+    heartbeats: list[HeartbeatOrder] = []
+
+    def is_empty(self) -> bool:
+        return not (self.pulls or self.aborts or self.heartbeats)
+
+
+class InvalidParams(ValueError):
+    """kv_transfer_params this shim cannot act on; the text names the key."""
+
+
+def parse_remote(params: Mapping[str, Any]) -> RemoteRef:
+    """The prefill reference in a decoder request's kv_transfer_params, or InvalidParams naming the key."""
+    missing = [k for k in REQUIRED_REMOTE_KEYS if params.get(k) is None]
+    if missing:
+        raise InvalidParams(f"kv_transfer_params lacks {', '.join(missing)}")
+    groups = params["remote_block_ids"]
+    if not isinstance(groups, (list, tuple)) or any(not isinstance(g, (list, tuple)) for g in groups):
+        raise InvalidParams(f"remote_block_ids must be a list of block-id lists, got {groups!r}")
+    if len(groups) != 1:
+        raise InvalidParams(
+            f"remote_block_ids has {len(groups)} KV-cache groups; only one (non-hybrid models) is supported"
+        )
+    pp_size = params.get("pp_size") or 1
+    if pp_size != 1:
+        raise InvalidParams(f"pp_size {pp_size}: prefills with pipeline parallelism are not supported")
+    try:
+        return msgspec.convert(
+            {
+                "engine_id": params["remote_engine_id"],
+                "host": params["remote_host"],
+                "port": params["remote_port"],
+                "request_id": params["remote_request_id"],
+                "block_ids": list(groups[0]),
+                "tp_size": params.get("tp_size") or 1,
+                "registration_generation": params.get("remote_registration_generation") or 0,
+                "num_tokens": params.get("remote_num_tokens"),
+            },
+            RemoteRef,
+            strict=True,
+        )
+    except msgspec.ValidationError as e:
+        raise InvalidParams(f"kv_transfer_params: {e}") from None

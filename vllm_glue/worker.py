@@ -1,0 +1,244 @@
+"""The worker half of the shim, without vLLM: export the caches, forward each step's orders, report the loads.
+
+``vllm_glue.connector`` wraps it for vLLM; the decoder stand-in (``sidecar.decoder_standin``) drives it
+directly, so both exercise the same code. torch is imported only when caches are exported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from sidecar import __version__
+from sidecar import protocol as p
+from sidecar.formats import PageFormat
+from vllm_glue.client import Lost, NotReady, Reply, SidecarClient
+from vllm_glue.load_tracker import LoadTracker, TransferResults
+from vllm_glue.orders import StepOrders
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from sidecar.ipc import ExportedCaches
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SOCKET = "ipc:///run/kv-sidecar/gpu0.sock"
+
+
+class WorkerHalf:
+    """One vLLM worker's link to its kv-sidecar. Methods are called from the engine thread and never block on
+    I/O (except :meth:`register`, at startup, up to ``register_timeout_s``).
+    """
+
+    def __init__(
+        self,
+        socket: str = DEFAULT_SOCKET,
+        *,
+        pull_timeout_s: float = 60.0,
+        grace_s: float = 5.0,
+        register_timeout_s: float = 30.0,
+        worker_rank: int = 0,
+        tp_size: int = 1,
+        engine_id: str = "",
+    ) -> None:
+        self.socket = socket
+        self.pull_timeout_s = pull_timeout_s
+        self.register_timeout_s = register_timeout_s
+        self.tracker = LoadTracker(grace_s=grace_s)
+        self._hello = p.Hello(
+            protocol_version=p.PROTOCOL_VERSION,
+            package_version=__version__,
+            worker_rank=worker_rank,
+            tp_size=tp_size,
+            pid=os.getpid(),
+            engine_id=engine_id,
+        )
+        self.client: SidecarClient | None = None
+        self.exported: ExportedCaches | None = None
+
+    # ------------------------------------------------------------------------------------------- startup
+
+    def register(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        page_format: PageFormat,
+        compat_factors: dict[str, Any],
+        *,
+        reap_shm: bool = True,
+    ) -> bool:
+        """Export the caches (CPU: moved into /dev/shm in place) and register them with the daemon.
+
+        Returns True when the daemon acknowledged in time. A daemon that is down is not fatal: the client
+        keeps trying, loads fail cleanly until it is up, and it registers as soon as it appears. ``reap_shm``:
+        unlink the /dev/shm files created here when this process exits, even by SIGKILL
+        (vllm_glue.shm_reaper).
+        """
+        from sidecar.ipc import TORCH_SHM_HEADER_BYTES, export_caches
+
+        self.exported = export_caches(kv_caches)
+        moved = [
+            b.shm.path
+            for b in self.exported.buffers
+            if b.kind == "shm" and b.shm is not None and b.shm.data_offset == TORCH_SHM_HEADER_BYTES
+        ]
+        if reap_shm and moved:
+            from vllm_glue.shm_reaper import unlink_when_gone
+
+            unlink_when_gone(os.getpid(), moved)
+        msg = p.RegisterCaches(
+            buffers=self.exported.buffers,
+            layers=self.exported.layers,
+            page_format=page_format,
+            compat_factors=compat_factors,
+        )
+        return self.connect(msg)
+
+    def connect(self, register: p.RegisterCaches) -> bool:
+        self.client = SidecarClient(self.socket, self._hello, register)
+        ok = self.client.wait_ready(self.register_timeout_s)
+        if ok:
+            log.info(
+                "kv-sidecar at %s registered %d bytes in %d layers",
+                self.socket,
+                self.client.registered.registered_bytes if self.client.registered else 0,
+                len(register.layers),
+            )
+        else:
+            log.warning(
+                "kv-sidecar at %s not ready (%s); remote-prefill loads fail until it is",
+                self.socket,
+                self.client.status_reason,
+            )
+        return ok
+
+    # ------------------------------------------------------------------------------------------- per step
+
+    def start_step(self, orders: StepOrders) -> None:
+        """Send this step's pulls, aborts and heartbeats; failures become failed loads, never exceptions."""
+        now = time.monotonic()
+        for order in orders.pulls:
+            if self.tracker.is_outstanding(order.req_id):
+                log.error("request %s: a load is already in flight; ignoring a second pull", order.req_id)
+                continue
+            self.tracker.started(
+                order.req_id, order.local_block_ids, order.awaiting, now + self.pull_timeout_s
+            )
+            r = order.remote
+            try:
+                msg = p.Pull(
+                    req_id=order.req_id,
+                    remote_engine_id=r.engine_id,
+                    remote_host=r.host,
+                    remote_port=r.port,
+                    remote_request_id=r.request_id,
+                    remote_block_ids=r.block_ids,
+                    local_block_ids=order.local_block_ids,
+                    timeout_s=self.pull_timeout_s,
+                    remote_tp_size=r.tp_size,
+                    remote_registration_generation=r.registration_generation,
+                    remote_num_tokens=r.num_tokens,
+                    lease_started_at_ns=order.lease_started_at_ns,
+                    sent_at_ns=time.monotonic_ns(),
+                )
+                self._send(msg)
+                log.debug(
+                    "pull %s sent: %d local block(s) from %s:%d (%s)",
+                    order.req_id,
+                    len(order.local_block_ids),
+                    r.host,
+                    r.port,
+                    r.request_id,
+                )
+            except (NotReady, ValueError) as e:
+                log.warning("request %s: load not started: %s", order.req_id, e)
+                self.tracker.fail(order.req_id, str(e), now)
+        for req_id in orders.aborts:
+            if self.tracker.abort_requested(req_id):
+                try:
+                    self._send(p.Abort(req_id=req_id))
+                except NotReady as e:
+                    # No registered daemon: nothing of ours can still write into the blocks.
+                    self.tracker.aborted(req_id, True, str(e), now)
+        if orders.heartbeats:
+            try:
+                targets = [
+                    p.HeartbeatTarget(
+                        remote_engine_id=h.engine_id,
+                        remote_host=h.host,
+                        remote_port=h.port,
+                        remote_request_ids=list(h.remote_request_ids),
+                        remote_tp_size=h.tp_size,
+                    )
+                    for h in orders.heartbeats
+                ]
+                self._send(p.Heartbeat(targets=targets))
+                log.debug(
+                    "heartbeat: %d request(s) on %d prefill(s)",
+                    sum(len(t.remote_request_ids) for t in targets),
+                    len(targets),
+                )
+            except (NotReady, ValueError) as e:
+                log.debug("heartbeat not sent: %s", e)
+
+    def collect(self) -> None:
+        """Apply every reply that arrived, and expire loads past their deadline."""
+        if self.client is not None:
+            for ev in self.client.poll_events():
+                at = ev.received_at_ns / 1e9
+                if isinstance(ev, Lost):
+                    lost = self.tracker.fail_all(ev.reason, at)
+                    if lost:
+                        log.warning("kv-sidecar lost (%s): failing %d load(s)", ev.reason, len(lost))
+                    continue
+                self._apply(ev)
+        self.tracker.expire(time.monotonic())
+
+    def transfer_results(self) -> TransferResults:
+        self.collect()
+        return self.tracker.take_results()
+
+    def load_errors(self) -> set[int]:
+        return self.tracker.take_bad_blocks()
+
+    def shutdown(self) -> None:
+        if self.client is not None:
+            if self.client.is_ready():
+                with contextlib.suppress(NotReady):
+                    self.client.send(p.Unregister())
+            self.client.close()
+            self.client = None
+        if self.exported is not None:
+            self.exported.close()
+            self.exported = None
+
+    # ------------------------------------------------------------------------------------------- internals
+
+    def _send(self, msg: p.ToDaemon) -> None:
+        if self.client is None:
+            raise NotReady("caches not registered with kv-sidecar")
+        self.client.send(msg)
+
+    def _apply(self, ev: Reply) -> None:
+        msg, at = ev.message, ev.received_at_ns / 1e9
+        if isinstance(msg, p.Done):
+            if not self.tracker.done(msg.req_id, msg.ok, msg.reason, msg.timings, at):
+                log.debug("Done for unknown request %s ignored", msg.req_id)
+            elif not msg.ok:
+                log.warning("request %s: load failed: %s", msg.req_id, msg.reason)
+            else:
+                log.debug(
+                    "load %s done: %s",
+                    msg.req_id,
+                    ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in msg.timings.items()),
+                )
+        elif isinstance(msg, p.Aborted):
+            self.tracker.aborted(msg.req_id, msg.safe, msg.reason, at)
+        elif isinstance(msg, p.Error):
+            if msg.req_id is not None and msg.in_reply_to in ("Pull", None):
+                self.tracker.fail(msg.req_id, f"kv-sidecar refused the pull: {msg.reason}", at)
+            else:
+                log.error("kv-sidecar error (in reply to %s): %s", msg.in_reply_to, msg.reason)
