@@ -1,0 +1,1 @@
+"""Benchmarks behind ``kv-sidecar bench``: each module has ``add_arguments(parser)`` and ``run(args)``."""

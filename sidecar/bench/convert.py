@@ -1,0 +1,446 @@
+"""``kv-sidecar bench convert``: the converter against a plain device copy of the same bytes, in one run.
+
+Per shape (a model's layers × one request's blocks) it times, on one device: a device-to-device copy of the
+request's pages (``copy_GBps``), the torch reference converting them in place (``torch_ref_GBps``) and, on a
+GPU, the Triton kernel in place and out of place from a staging buffer (``kernel_GBps`` = the faster form).
+Bandwidths count bytes read + bytes written (2 × the request's pages). It also checks that the kernel's bytes
+equal the reference's. Writes a table, a JSON list of rows and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import platform
+import re
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sidecar.convert.checks import Job, check_job
+from sidecar.convert.reference import run_reference
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A request's pages: ``layers`` × ceil(tokens / block_size) blocks of H heads, N tokens, D dims."""
+
+    name: str
+    layers: int
+    num_heads: int
+    block_size: int
+    head_size: int
+    tokens: int
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.tokens // self.block_size)
+
+    @property
+    def pair_bytes(self) -> int:
+        return 2 * self.num_heads * self.block_size * self.head_size * 2
+
+    @property
+    def request_bytes(self) -> int:
+        return self.layers * self.blocks * self.pair_bytes
+
+
+GPU_SHAPES = [
+    Shape("qwen3-8b-4k", 36, 8, 16, 128, 4096),
+    Shape("qwen3-8b-16k", 36, 8, 16, 128, 16384),
+    Shape("qwen3-8b-tp8-4k", 36, 1, 16, 128, 4096),
+    Shape("l64-h8-n32-d128-4k", 64, 8, 32, 128, 4096),
+    Shape("llama3.2-1b-d64-16k", 16, 8, 16, 64, 16384),
+    Shape("l42-h8-n16-d256-4k", 42, 8, 16, 256, 4096),
+    Shape("l42-h8-n32-d256-4k", 42, 8, 32, 256, 4096),
+]
+# A 2-core laptop runs these in well under a minute: the same page geometries, requests of 64 MiB, larger
+# than the caches, so the copy runs at memory speed as it would on a real request.
+CPU_SHAPES = [
+    Shape("qwen3-8b-4L-4k", 4, 8, 16, 128, 4096),
+    Shape("l4-h8-n32-d128-4k", 4, 8, 32, 128, 4096),
+    Shape("l4-h8-n16-d64-8k", 4, 8, 16, 64, 8192),
+    Shape("l2-h8-n32-d256-4k", 2, 8, 32, 256, 4096),
+]
+PRESETS = {s.name: s for s in GPU_SHAPES + CPU_SHAPES}
+_CUSTOM = re.compile(r"^L(\d+)-H(\d+)-N(\d+)-D(\d+)-T(\d+)$")
+
+# Must show (issue 2): thresholds checked by --check.
+IN_PLACE_SHAPE, IN_PLACE_MIN, OUT_OF_PLACE_MIN, FASTER_MIN, OVER_REF_MIN, CPU_REF_MIN = (
+    "qwen3-8b-4k", 0.90, 0.90, 0.85, 6.0, 0.10)
+
+
+def parse_shape(spec: str) -> Shape:
+    if spec in PRESETS:
+        return PRESETS[spec]
+    m = _CUSTOM.match(spec)
+    if not m:
+        raise argparse.ArgumentTypeError(f"unknown shape {spec!r}: a preset ({', '.join(PRESETS)}) or "
+                                         "L<layers>-H<heads>-N<block>-D<head size>-T<tokens>")
+    layers, h, n, d, t = map(int, m.groups())
+    return Shape(spec, layers, h, n, d, t)
+
+
+def parse_variant(spec: str):
+    """``name:field=value,...`` → (name, Tuning); fields are those of sidecar.convert.triton_kernel.Tuning."""
+    from sidecar.convert.tuning import Tuning
+
+    name, _, body = spec.partition(":")
+    fields = {f.name: f.type for f in dataclasses.fields(Tuning)}
+    kw = {}
+    for item in filter(None, body.split(",")):
+        key, _, value = item.partition("=")
+        if key not in fields:
+            raise argparse.ArgumentTypeError(f"unknown tuning field {key!r}; one of {sorted(fields)}")
+        kind = fields[key]
+        if kind in (bool, "bool"):
+            kw[key] = value.lower() in ("1", "true", "yes")
+        elif kind in (str, "str"):
+            kw[key] = value
+        else:
+            kw[key] = int(value)
+    return name or "default", Tuning(**kw)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu, cuda or cuda:N")
+    parser.add_argument("--shapes", type=lambda s: [parse_shape(x) for x in s.split(",") if x],
+                        help="comma-separated presets or L<l>-H<h>-N<n>-D<d>-T<tokens> (default: per device)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--reps", type=int, default=0, help="timed runs per measurement (0: per device)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help="where the JSON and PNG go (default: bench/results if it exists, else .)")
+    parser.add_argument("--tag", default=None, help="file name tag (default: from the device name)")
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--no-verify", action="store_true", help="skip the kernel-vs-reference byte check")
+    parser.add_argument("--variant", action="append", type=parse_variant, default=None,
+                        help="GPU kernel tuning, name:field=value,... (repeatable; default: the shipped one)")
+    parser.add_argument("--check", action="store_true", help="exit 1 unless the must-show ratios hold")
+
+
+# ---- timing ----------------------------------------------------------------------------------------------
+
+def _timer(device: torch.device, warmup: int, reps: int) -> Callable[[Callable[[], None]], float]:
+    """Seconds of ``fn`` after a warm-up: median of CUDA-event times on a GPU, best wall time on the CPU."""
+
+    def cuda_time(fn):
+        # Warm up for at least `warmup` calls and 50 ms, so the clocks have left idle before timing.
+        start = time.perf_counter()
+        done = 0
+        while done < warmup or time.perf_counter() - start < 0.05:
+            fn()
+            torch.cuda.synchronize()
+            done += 1
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    def cpu_time(fn):
+        # Best of reps: on a small shared host other processes only ever add time (preemption).
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return cuda_time if device.type == "cuda" else cpu_time
+
+
+# ---- one shape -------------------------------------------------------------------------------------------
+
+def _random_bits(shape: tuple[int, ...], device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    """Random raw bits (never zeros: they hide unwritten outputs and can time faster)."""
+    return torch.randint(-32768, 32768, shape, dtype=torch.int16, generator=gen, device=device)
+
+
+def _job(shape: Shape, cache: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype,
+         src: torch.Tensor | None) -> Job:
+    return check_job([cache[i, 0].view(dtype) for i in range(shape.layers)],
+                     [cache[i, 1].view(dtype) for i in range(shape.layers)], ids,
+                     num_heads=shape.num_heads, block_size=shape.block_size, head_size=shape.head_size,
+                     srcs=None if src is None else [s.view(dtype) for s in src])
+
+
+def _time_copy(nbytes: int, device: torch.device, gen: torch.Generator, timer) -> float:
+    """A plain device-to-device copy of ``nbytes`` (the same bytes the conversion reads and writes)."""
+    a = _random_bits((nbytes // 2,), device, gen)
+    b = torch.empty_like(a)
+    return timer(lambda: b.copy_(a))
+
+
+def measure(shape: Shape, device: torch.device, dtype: torch.dtype, timer, variants, verify: bool,
+            step: Callable[[str], None], kernel: bool) -> list[dict]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    spare = max(1, shape.blocks // 4)
+    hnd = shape.num_heads * shape.block_size * shape.head_size
+    cache = _random_bits((shape.layers, 2, shape.blocks + spare, hnd), device, gen)  # LHBNC: [L, 2, B, HND]
+    ids = torch.randperm(shape.blocks + spare, generator=torch.Generator().manual_seed(0))[: shape.blocks]
+    moved = 2 * shape.request_bytes  # read + written
+    gbps = lambda seconds: moved / seconds / 1e9
+
+    step("copy")
+    copy_s = _time_copy(shape.request_bytes, device, gen, timer)
+
+    step("torch reference")
+    ref_job = _job(shape, cache, ids, dtype, None)
+    ref_s = timer(lambda: run_reference(ref_job))
+    base = {
+        "shape": shape.name, "layers": shape.layers, "num_heads": shape.num_heads,
+        "block_size": shape.block_size, "head_size": shape.head_size, "tokens": shape.tokens,
+        "blocks": shape.blocks, "dtype": str(dtype)[6:],
+        "pair_KiB": shape.pair_bytes / 1024, "request_GB": shape.request_bytes / 1e9,
+        "copy_ms": copy_s * 1e3, "copy_GBps": gbps(copy_s), "torch_ref_ms": ref_s * 1e3,
+        "torch_ref_GBps": gbps(ref_s), "torch_ref_vs_copy": copy_s / ref_s,
+    }
+    if not kernel:
+        step("done")
+        return [{**base, "variant": None, "kernel_GBps": None, "kernel_form": None,
+                 "in_place_mode": "torch gather",
+                 "kernel_in_place_GBps": None, "kernel_out_of_place_GBps": None, "kernel_vs_copy": None,
+                 "in_place_vs_copy": None, "out_of_place_vs_copy": None, "in_place_vs_torch_ref": None,
+                 "out_of_place_vs_torch_ref": None, "verified": None}]
+
+    from sidecar.convert import triton_kernel
+
+    src = _random_bits((shape.layers, shape.blocks, 2 * hnd), device, gen)  # a staging buffer of pages
+    rows = []
+    for name, tuning in variants:
+        step(f"kernel {name}")
+        in_place = triton_kernel.Launcher(ref_job, tuning)
+        out_of_place = triton_kernel.Launcher(_job(shape, cache, ids, dtype, src), tuning)
+        ip_s, oop_s = timer(in_place), timer(out_of_place)
+        verified = None
+        if verify:
+            verified = _verify(shape, cache, ids, dtype, src, tuning)
+        best = min(ip_s, oop_s)
+        rows.append({
+            **base, "variant": name, "tuning": dataclasses.asdict(tuning),
+            "in_place_mode": {"scratch": "scratch"}.get(in_place.strategy, "on_chip"),
+            "in_place_strategy": in_place.strategy,
+            "kernel_GBps": gbps(best), "kernel_form": "in_place" if ip_s <= oop_s else "out_of_place",
+            "kernel_in_place_ms": ip_s * 1e3, "kernel_in_place_GBps": gbps(ip_s),
+            "kernel_out_of_place_ms": oop_s * 1e3, "kernel_out_of_place_GBps": gbps(oop_s),
+            "kernel_vs_copy": copy_s / best, "in_place_vs_copy": copy_s / ip_s,
+            "out_of_place_vs_copy": copy_s / oop_s,
+            "in_place_vs_torch_ref": ref_s / ip_s, "out_of_place_vs_torch_ref": ref_s / oop_s,
+            "verified": verified,
+        })
+    step("done")
+    return rows
+
+
+def _verify(shape, cache, ids, dtype, src, tuning) -> bool:
+    """Kernel and reference bytes agree on the whole allocation, in place and out of place."""
+    from sidecar.convert import triton_kernel
+
+    ok = True
+    for s in (None, src):
+        mine, ref = cache.clone(), cache.clone()
+        triton_kernel.Launcher(_job(shape, mine, ids, dtype, s), tuning)()
+        run_reference(_job(shape, ref, ids, dtype, s))
+        ok = ok and torch.equal(mine, ref)
+        del mine, ref
+    return ok
+
+
+# ---- report ----------------------------------------------------------------------------------------------
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"CPU {line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
+    except OSError:
+        pass
+    return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def must_show(rows: list[dict], device: torch.device) -> list[str]:
+    """The issue's must-show ratios that do not hold (empty: all hold)."""
+    fails = []
+    for r in rows:
+        tag = f"{r['shape']}" + (f" [{r['variant']}]" if r.get("variant") not in (None, "default") else "")
+        if device.type != "cuda":
+            if r["torch_ref_vs_copy"] < CPU_REF_MIN:
+                fails.append(f"{tag}: CPU reference {r['torch_ref_vs_copy']:.3f} of copy < {CPU_REF_MIN}")
+            continue
+        if r["shape"] == IN_PLACE_SHAPE and r["in_place_vs_copy"] < IN_PLACE_MIN:
+            fails.append(f"{tag}: in place {r['in_place_vs_copy']:.3f} of copy < {IN_PLACE_MIN}")
+        if r["out_of_place_vs_copy"] < OUT_OF_PLACE_MIN:
+            fails.append(f"{tag}: out of place {r['out_of_place_vs_copy']:.3f} of copy < {OUT_OF_PLACE_MIN}")
+        if r["kernel_vs_copy"] < FASTER_MIN:
+            fails.append(f"{tag}: faster form {r['kernel_vs_copy']:.3f} of copy < {FASTER_MIN}")
+        for form in ("in_place", "out_of_place"):
+            if r[f"{form}_vs_torch_ref"] < OVER_REF_MIN:
+                fails.append(f"{tag}: {form} only {r[f'{form}_vs_torch_ref']:.1f}x the torch reference")
+        if r["verified"] is False:
+            fails.append(f"{tag}: kernel bytes differ from the reference")
+    return fails
+
+
+def _table(rows: list[dict], title: str):
+    from rich.table import Table
+
+    t = Table(title=title)
+    cuda = rows and rows[0]["kernel_GBps"] is not None
+    cols = ["shape", "GB", "copy GB/s", "torch ref GB/s"]
+    if cuda:
+        cols += ["variant", "in place GB/s", "mode", "out of place GB/s", "kernel/copy", "x ref", "bit-exact"]
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("shape", "variant", "mode") else "right")
+    for r in rows:
+        cells = [r["shape"], f"{2 * r['request_GB']:.3f}", f"{r['copy_GBps']:.0f}",
+                 f"{r['torch_ref_GBps']:.0f} ({r['torch_ref_vs_copy']:.0%})"]
+        if cuda:
+            cells += [str(r["variant"]), f"{r['kernel_in_place_GBps']:.0f} ({r['in_place_vs_copy']:.0%})",
+                      r["in_place_mode"],
+                      f"{r['kernel_out_of_place_GBps']:.0f} ({r['out_of_place_vs_copy']:.0%})",
+                      f"{r['kernel_vs_copy']:.0%}",
+                      f"{min(r['in_place_vs_torch_ref'], r['out_of_place_vs_torch_ref']):.1f}",
+                      {True: "yes", False: "NO", None: "-"}[r["verified"]]]
+        t.add_row(*cells)
+    return t
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r["shape"] + ("" if r["variant"] in (None, "default") else f"\n[{r['variant']}]") for r in rows]
+    series = [("copy", "copy_GBps"), ("torch reference", "torch_ref_GBps")]
+    if rows[0]["kernel_GBps"] is not None:
+        series += [("kernel in place", "kernel_in_place_GBps"),
+                   ("kernel out of place", "kernel_out_of_place_GBps")]
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.3 * len(rows) + 2), 4.8))
+    for i, (label, key) in enumerate(series):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(rows))]
+        ax.bar(xs, [r[key] for r in rows], width, label=label)
+    ax.set_xticks(range(len(rows)), labels, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("GB/s (bytes read + written)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, ncols=len(series), loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- entry -----------------------------------------------------------------------------------------------
+
+def _pick_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no GPU")
+    return device
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console()
+    device = _pick_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    shapes = args.shapes or (GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)
+    reps = args.reps or (20 if device.type == "cuda" else 5)
+    variants = args.variant
+    if device.type == "cuda" and not variants:
+        from sidecar.convert.tuning import TUNING
+
+        variants = [("default", TUNING)]
+    dtype = getattr(torch, args.dtype)
+    name = device_name(device)
+    now = dt.datetime.now(dt.timezone.utc)
+    timer = _timer(device, args.warmup, reps)
+    rows: list[dict] = []
+    steps_per_shape = 2 + (len(variants) if variants else 0)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, transient=False) as progress:
+        task = progress.add_task("bench convert", total=len(shapes) * steps_per_shape)
+        for shape in shapes:
+            def step(what, shape=shape):
+                progress.update(task, description=f"{shape.name}: {what}")
+                if what != "copy":
+                    progress.advance(task)
+
+            rows += measure(shape, device, dtype, timer, variants or [], not args.no_verify, step,
+                            kernel=device.type == "cuda")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    meta = {"device": name, "date": now.isoformat(timespec="seconds"), "command": _command_line(),
+            "torch": torch.__version__, "triton": _triton_version(device), "reps": reps,
+            "warmup": args.warmup}
+    rows = [{**r, **meta} for r in rows]
+    title = f"kv-sidecar bench convert — {name}, {args.dtype}, {now.date()}"
+    console.print(_table(rows, title))
+    out_dir = args.out_dir or (Path("bench/results") if Path("bench/results").is_dir() else Path("."))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tag = args.tag or (name.split()[-1].lower() if device.type == "cuda" else "cpu")
+    stem = out_dir / f"convert-{re.sub(r'[^a-z0-9]+', '-', tag.lower())}-{now.date()}"
+    stem.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    console.print(f"wrote {stem.with_suffix('.json')}")
+    if not args.no_plot:
+        plot(rows, stem.with_suffix(".png"), title)
+        console.print(f"wrote {stem.with_suffix('.png')}")
+    fails = must_show(rows, device)
+    for f in fails:
+        console.print(f"[red]must-show not met:[/red] {f}")
+    if not fails:
+        console.print("must-show ratios: all met")
+    return 1 if (args.check and fails) else 0
+
+
+def _command_line() -> str:
+    prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    if prog == "kv-sidecar":
+        return shlex.join(["kv-sidecar", *sys.argv[1:]])
+    if prog == "convert.py":
+        return shlex.join(["python", "-m", "sidecar.bench.convert", *sys.argv[1:]])
+    return shlex.join(sys.argv)
+
+
+def _triton_version(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return None
+    import triton
+
+    return triton.__version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kv-sidecar bench convert", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

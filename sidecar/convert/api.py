@@ -1,0 +1,70 @@
+"""Public entry points: check the input, then convert with Triton on a GPU, the torch reference on the CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sidecar.convert.checks import Job, check_job, src_layers
+from sidecar.convert.reference import run_reference
+
+
+def _run(job: Job) -> None:
+    if job.device.type == "cuda":  # CUDA and ROCm (HIP) builds of torch both say "cuda"
+        from sidecar.convert import triton_kernel  # lazy: the CPU torch wheel has no Triton
+
+        if triton_kernel.aligned(job):
+            triton_kernel.run_triton(job)
+            return
+    run_reference(job)
+
+
+def convert_standard_to_shuffled(
+    k_plane: torch.Tensor,
+    v_plane: torch.Tensor,
+    block_ids: torch.Tensor,
+    *,
+    num_heads: int,
+    block_size: int,
+    head_size: int,
+    src: torch.Tensor | None = None,
+) -> None:
+    """Rewrite standard pages as AITER shuffled K/V tiles in one layer's planes (docs/page-formats.md).
+
+    ``k_plane``/``v_plane``: ``[num_blocks, num_heads*block_size*head_size]``, bf16 or fp16, same device.
+    In place (``src=None``): block ``b`` of ``block_ids`` holds a standard page split as (K-plane block ‖
+    V-plane block); afterwards it holds the K tile ``[H, D/x, N, x]`` and the V tile ``[H, N/x, D, x]``.
+    Out of place: ``src[i]`` is the standard page (``[len(block_ids), 2*H*N*D]``) for ``block_ids[i]``.
+    Other blocks are left byte for byte. Invalid input raises ValueError and writes nothing. GPU work is
+    queued on the current stream; ``block_ids`` on the CPU avoids a device sync for the checks.
+    """
+    if src is not None and not isinstance(src, torch.Tensor):
+        raise ValueError(f"src must be a torch.Tensor, got {type(src).__name__}")
+    job = check_job([k_plane], [v_plane], block_ids, num_heads=num_heads, block_size=block_size,
+                    head_size=head_size, srcs=None if src is None else [src])
+    _run(job)
+
+
+def convert_layers_standard_to_shuffled(
+    k_planes: Sequence[torch.Tensor],
+    v_planes: Sequence[torch.Tensor],
+    block_ids: torch.Tensor,
+    *,
+    num_heads: int,
+    block_size: int,
+    head_size: int,
+    src: torch.Tensor | Sequence[torch.Tensor] | None = None,
+) -> None:
+    """Convert the same ``block_ids`` in every layer of a request, in one launch on a GPU.
+
+    ``k_planes[l]``/``v_planes[l]``: layer ``l``'s planes, each as in ``convert_standard_to_shuffled``;
+    they may live anywhere (one allocation or many, any row strides). ``src``: ``None`` (in place), a
+    ``[L, len(block_ids), 2*H*N*D]`` tensor, or a sequence of ``L`` tensors ``[len(block_ids), 2*H*N*D]``.
+    All checks of every layer pass before anything is written.
+    """
+    if not isinstance(k_planes, Sequence) or not isinstance(v_planes, Sequence):
+        raise ValueError("k_planes and v_planes must be sequences of tensors (one per layer)")
+    job = check_job(k_planes, v_planes, block_ids, num_heads=num_heads, block_size=block_size,
+                    head_size=head_size, srcs=src_layers(src, len(k_planes)))
+    _run(job)

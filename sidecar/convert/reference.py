@@ -1,0 +1,57 @@
+"""Reference converter in plain torch (any device): the permute formula of page-formats.md, vectorised.
+
+Only copies, never arithmetic, so no bit pattern (NaNs included) can change: planes are handled as int16,
+and as 16-byte elements (complex128, moved as opaque 16-byte units) where every tensor is 16-byte aligned,
+which makes the row gathers, the row scatters and the K permutation (whole 16-byte x-groups) far cheaper on
+the CPU. On the CPU the blocks go in cache-sized chunks so the temporaries never leave the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sidecar.convert.checks import Job
+
+CPU_CHUNK_BYTES = 2 << 20  # pairs per chunk on the CPU: gather, permute and scatter stay in L2/L3
+WIDE = torch.complex128  # a 16-byte element type; only ever copied, never computed on
+
+
+def _wide_ok(job: Job) -> bool:
+    tensors = [*job.k_planes, *job.v_planes, *(job.srcs or ())]
+    return all(t.data_ptr() % 16 == 0 and (t.shape[0] <= 1 or t.stride(0) % 8 == 0) for t in tensors)
+
+
+def run_reference(job: Job) -> None:
+    """Convert every layer of a checked job with torch ops: gather each pair, permute, scatter the tiles."""
+    h, n, d, x = job.num_heads, job.block_size, job.head_size, job.x
+    m_all = job.ids.numel()
+    if m_all == 0:
+        return
+    half = job.plane_block_elems
+    unit = 8 if _wide_ok(job) else 1  # int16 elements per moved element
+    elem = WIDE if unit == 8 else torch.int16
+    chunk = m_all if job.device.type != "cpu" else max(1, min(m_all, CPU_CHUNK_BYTES // (4 * half)))
+    ids_all = job.ids.to(job.device)
+    pages = torch.empty((chunk, 2 * half), dtype=torch.int16, device=job.device) if job.srcs is None else None
+    k_out = torch.empty((chunk, half), dtype=torch.int16, device=job.device)
+    v_out = torch.empty((chunk, half), dtype=torch.int16, device=job.device)
+    wide = lambda t: t.view(elem)
+    for layer, (kp, vp) in enumerate(zip(job.k_planes, job.v_planes, strict=False)):
+        for c0 in range(0, m_all, chunk):
+            ids = ids_all[c0:c0 + chunk]
+            m = ids.numel()
+            if job.srcs is None:
+                # The whole pair is gathered before anything is written: destination aliases source.
+                src = pages[:m]
+                torch.index_select(wide(kp), 0, ids, out=wide(src)[:, : half // unit])
+                torch.index_select(wide(vp), 0, ids, out=wide(src)[:, half // unit:])
+            else:
+                src = job.srcs[layer][c0:c0 + m]
+            # K tile [H, D/x, N, x]: whole 16-byte x-groups move, so permute in units of `unit` elements.
+            k_src = wide(src).view(m, h, n, 2, d // x, x // unit)[:, :, :, 0].permute(0, 1, 3, 2, 4)
+            wide(k_out[:m]).view(m, h, d // x, n, x // unit).copy_(k_src)
+            # V tile [H, N/x, D, x]: an element-wise transpose of x tokens by D dims.
+            v_src = src.view(m, h, n // x, x, 2, d)[:, :, :, :, 1].permute(0, 1, 2, 4, 3)
+            v_out[:m].view(m, h, n // x, d, x).copy_(v_src)
+            wide(kp).index_put_((ids,), wide(k_out[:m]))
+            wide(vp).index_put_((ids,), wide(v_out[:m]))

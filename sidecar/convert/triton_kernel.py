@@ -1,0 +1,352 @@
+"""Triton kernels for the standard→shuffled conversion (GPU; plain Triton, so it builds for CUDA and ROCm).
+
+Imported only when a GPU tensor is converted: the CPU torch wheel has no Triton.
+
+Every kernel moves int16 elements (a bit-exact permutation) and finds a layer's planes through a small int64
+table ``meta[L, 6]`` = (K offset, K row stride, V offset, V row stride, src offset, src row stride), offsets
+in elements from one anchor tensor, so per-layer planes anywhere in memory convert in one launch.
+
+Forms (``Tuning`` picks among them; the defaults are what measured best on an H200, see
+bench/results/convert-h200-*.json):
+- out of place (``src`` rows → planes): one program per (layer, block, chunk of ~2048 page elements).
+- in place, "split" (default): one program per (layer, block) keeps half the pair in registers and streams
+  the other half head by head (``in_place_split_kernel`` says why that order is safe). On chip up to a
+  128 KiB resident half, i.e. every in-scope shape (H <= 8, N <= 32, D <= 256).
+- in place, "whole": one program per (layer, block) holds the whole (K-plane block ‖ V-plane block) pair,
+  waits at a CTA barrier, then writes (every output position is some other output's source).
+- in place, "pipe": persistent programs holding two whole pairs, the next one loading while the current one
+  is written.
+- in place, "scratch" (pairs too large for the chip): chunks of pairs are copied into a scratch buffer, then
+  converted out of place from it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sidecar.convert.checks import Job
+from sidecar.convert.tuning import TUNING, Tuning
+
+
+@triton.jit
+def _page_offsets(k_base, v_base, s_base, row, o, H, N: tl.constexpr, D: tl.constexpr,
+                  FROM_SRC: tl.constexpr):
+    """Element offsets (from the anchor) of page element ``o`` in page row ``row`` (rows of 2D elements)."""
+    if FROM_SRC:
+        return s_base + o
+    # The page is split by bytes: rows [0, H*N/2) in the K-plane block, the rest in the V-plane block.
+    return tl.where(row < H * (N // 2), k_base + o, v_base + (o - H * (N * D)))
+
+
+@triton.jit
+def _load_sources(anchor, k_base, v_base, s_base, h0, n0, d0, HC: tl.constexpr, NC: tl.constexpr,
+                  DC: tl.constexpr, hmax, valid, H, N: tl.constexpr, D: tl.constexpr, X: tl.constexpr,
+                  FROM_SRC: tl.constexpr, KD: tl.constexpr, EVICT: tl.constexpr):
+    """Load K and V of heads [h0, min(h0+HC, hmax)) x tokens [n0, n0+NC) x dims [d0, d0+DC) of a page.
+
+    V comes as [HC, NC, DC]; K as [HC, NC, DC] too, or, with KD, directly in K-tile order [HC, DC/x, NC, x]
+    (16-byte pieces gathered in place), which spares the K tile a trip through shared memory.
+    """
+    h = h0 + tl.arange(0, HC)[:, None, None]
+    n = n0 + tl.arange(0, NC)[None, :, None]
+    d = d0 + tl.arange(0, DC)[None, None, :]
+    row = h * N + n  # row of the page viewed as [H*N, 2D]
+    off = _page_offsets(k_base, v_base, s_base, row, row * (2 * D) + d, H, N, D, FROM_SRC)
+    mask = (h < hmax) & valid
+    vv = tl.load(anchor + off + D, mask=mask, eviction_policy=EVICT)
+    if KD:
+        h4 = h0 + tl.arange(0, HC)[:, None, None, None]
+        db = d0 // X + tl.arange(0, DC // X)[None, :, None, None]
+        n4 = n0 + tl.arange(0, NC)[None, None, :, None]
+        xi = tl.arange(0, X)[None, None, None, :]
+        row4 = h4 * N + n4
+        off4 = _page_offsets(k_base, v_base, s_base, row4, row4 * (2 * D) + db * X + xi, H, N, D, FROM_SRC)
+        kv = tl.load(anchor + off4, mask=(h4 < hmax) & valid, eviction_policy=EVICT)
+    else:
+        kv = tl.load(anchor + off, mask=mask, eviction_policy=EVICT)
+    return kv, vv
+
+
+@triton.jit
+def _store_tiles(anchor, k_base, v_base, kv, vv, h0, n0, d0, HC: tl.constexpr, NC: tl.constexpr,
+                 DC: tl.constexpr, hmax, N: tl.constexpr, D: tl.constexpr, X: tl.constexpr, KD: tl.constexpr,
+                 EVICT: tl.constexpr):
+    """Store heads [h0, min(h0+HC, hmax)) x tokens [n0, n0+NC) x dims [d0, d0+DC) of the K tile [H, D/x, N, x]
+    and the V tile [H, N/x, D, x]."""
+    h4 = h0 + tl.arange(0, HC)[:, None, None, None]
+    mask = h4 < hmax
+    xi = tl.arange(0, X)[None, None, None, :]
+    db = d0 // X + tl.arange(0, DC // X)[None, :, None, None]
+    nn = n0 + tl.arange(0, NC)[None, None, :, None]
+    if KD:  # noqa: SIM108 (a constexpr branch)
+        kt = kv
+    else:
+        kt = tl.permute(tl.reshape(kv, (HC, NC, DC // X, X)), (0, 2, 1, 3))  # [HC, DC/x, NC, x]
+    k_off = h4 * (D * N) + db * (N * X) + nn * X + xi
+    tl.store(anchor + k_base + k_off, kt, mask=mask, eviction_policy=EVICT)
+    nb = n0 // X + tl.arange(0, NC // X)[None, :, None, None]
+    dd = d0 + tl.arange(0, DC)[None, None, :, None]
+    vt = tl.permute(tl.reshape(vv, (HC, NC // X, X, DC)), (0, 1, 3, 2))  # [HC, NC/x, DC, x]
+    v_off = h4 * (D * N) + nb * (D * X) + dd * X + xi
+    tl.store(anchor + v_base + v_off, vt, mask=mask, eviction_policy=EVICT)
+
+
+@triton.jit
+def _row_bases(meta, ids, pair, M):
+    """Element offsets (from the anchor) of pair ``pair`` = layer*M + i: its K block, V block and src row."""
+    layer = pair // M
+    i = pair - layer * M
+    blk = tl.load(ids + i).to(tl.int64)
+    row = meta + layer * 6
+    k_base = tl.multiple_of(tl.load(row + 0) + blk * tl.load(row + 1), 8)
+    v_base = tl.multiple_of(tl.load(row + 2) + blk * tl.load(row + 3), 8)
+    s_base = tl.multiple_of(tl.load(row + 4) + i * tl.load(row + 5), 8)
+    return k_base, v_base, s_base
+
+
+@triton.jit(do_not_specialize=["M", "H", "pair0"])
+def convert_kernel(anchor, meta, ids, M, H, pair0, HC: tl.constexpr, HCHUNKS: tl.constexpr, NC: tl.constexpr,
+                   DC: tl.constexpr, N: tl.constexpr, D: tl.constexpr, X: tl.constexpr,
+                   FROM_SRC: tl.constexpr, KD: tl.constexpr, EVICT: tl.constexpr):
+    """Program = (pair, head chunk, token chunk, dim chunk); in place (not FROM_SRC) one covers a pair."""
+    pid = tl.program_id(0)
+    per_pair = HCHUNKS * (N // NC) * (D // DC)
+    pair = pair0 + pid // per_pair
+    c = pid % per_pair
+    h0 = (c // ((N // NC) * (D // DC))) * HC
+    n0 = ((c // (D // DC)) % (N // NC)) * NC
+    d0 = (c % (D // DC)) * DC
+    k_base, v_base, s_base = _row_bases(meta, ids, pair, M)
+    kv, vv = _load_sources(anchor, k_base, v_base, s_base, h0, n0, d0, HC, NC, DC, H, True, H, N, D, X,
+                           FROM_SRC, KD, EVICT)
+    if not FROM_SRC:
+        tl.debug_barrier()  # every load of the pair is performed before any thread of the CTA stores into it
+    _store_tiles(anchor, k_base, v_base, kv, vv, h0, n0, d0, HC, NC, DC, H, N, D, X, KD, EVICT)
+
+
+@triton.jit(do_not_specialize=["M", "H"])
+def in_place_split_kernel(anchor, meta, ids, M, H, HR: tl.constexpr, G: tl.constexpr, N: tl.constexpr,
+                          D: tl.constexpr, X: tl.constexpr, PREFETCH: tl.constexpr, KD: tl.constexpr,
+                          EVICT: tl.constexpr):
+    """In place with only half the pair resident: one program per pair.
+
+    View the pair as 2H slots of N*D elements (slot s = rows [s*N/2, (s+1)*N/2) of the page). Head h reads
+    slots 2h, 2h+1 and writes slot h (K tile) and slot H+h (V tile). Heads [H//2, H) (all of the V-plane
+    block, plus half a head for odd H) are loaded first and kept; heads h < H//2 then stream in ascending
+    order (G at a time), each group written right after it is read: slot h's reader h//2 <= h has been read
+    already and slot H+h's reader is resident. The resident heads are written last.
+    """
+    pair = tl.program_id(0)
+    k_base, v_base, _ = _row_bases(meta, ids, pair, M)
+    lo = H // 2
+    kr, vr = _load_sources(anchor, k_base, v_base, 0, lo, 0, 0, HR, N, D, H, True, H, N, D, X, False, KD,
+                           EVICT)
+    if PREFETCH:
+        kh, vh = _load_sources(anchor, k_base, v_base, 0, 0, 0, 0, G, N, D, lo, True, H, N, D, X, False, KD,
+                               EVICT)
+        for h in range(0, lo, G):
+            kn, vn = _load_sources(anchor, k_base, v_base, 0, h + G, 0, 0, G, N, D, lo, True, H, N, D, X,
+                                   False, KD, EVICT)
+            tl.debug_barrier()  # the readers of the slots written next (h//2.., resident) are loaded CTA-wide
+            _store_tiles(anchor, k_base, v_base, kh, vh, h, 0, 0, G, N, D, lo, N, D, X, KD, EVICT)
+            kh, vh = kn, vn
+    else:
+        for h in range(0, lo, G):
+            kh, vh = _load_sources(anchor, k_base, v_base, 0, h, 0, 0, G, N, D, lo, True, H, N, D, X, False,
+                                   KD, EVICT)
+            tl.debug_barrier()  # the readers of the slots written next (h//2.., resident) are loaded CTA-wide
+            _store_tiles(anchor, k_base, v_base, kh, vh, h, 0, 0, G, N, D, lo, N, D, X, KD, EVICT)
+    tl.debug_barrier()
+    _store_tiles(anchor, k_base, v_base, kr, vr, lo, 0, 0, HR, N, D, H, N, D, X, KD, EVICT)
+
+
+@triton.jit(do_not_specialize=["M", "H", "total"])
+def in_place_pipe_kernel(anchor, meta, ids, M, H, total, HP: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
+                         X: tl.constexpr, KD: tl.constexpr, EVICT: tl.constexpr):
+    """In place, persistent: each program walks pairs pid, pid+grid, ... holding two whole pairs on chip.
+
+    The next pair's loads are in flight while the current one is written; a CTA barrier between a pair's
+    loads (issued one iteration earlier) and its stores keeps every read of the pair before any write to it.
+    """
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
+    k_base, v_base, _ = _row_bases(meta, ids, pid, M)
+    kc, vc = _load_sources(anchor, k_base, v_base, 0, 0, 0, 0, HP, N, D, H, True, H, N, D, X, False, KD,
+                           EVICT)
+    for p in range(pid, total, step):
+        q = p + step
+        more = q < total
+        k_next, v_next, _ = _row_bases(meta, ids, tl.where(more, q, p), M)
+        kn, vn = _load_sources(anchor, k_next, v_next, 0, 0, 0, 0, HP, N, D, H, more, H, N, D, X, False, KD,
+                               EVICT)
+        tl.debug_barrier()
+        _store_tiles(anchor, k_base, v_base, kc, vc, 0, 0, 0, HP, N, D, H, N, D, X, KD, EVICT)
+        kc, vc, k_base, v_base = kn, vn, k_next, v_next
+
+
+@triton.jit(do_not_specialize=["M", "pair0", "H"])
+def gather_pairs_kernel(anchor, meta, ids, M, pair0, scratch, H, ND: tl.constexpr, PIECE: tl.constexpr,
+                        EVICT: tl.constexpr):
+    """Copy the (K-plane block ‖ V-plane block) pairs [pair0, pair0 + grid) into consecutive scratch rows."""
+    pid = tl.program_id(0)
+    piece = tl.program_id(1)
+    k_base, v_base, _ = _row_bases(meta, ids, pair0 + pid, M)
+    half = H * ND  # a multiple of ND keeps the 16-byte alignment visible to the compiler
+    o = piece * PIECE + tl.arange(0, PIECE)
+    dst = scratch + pid.to(tl.int64) * (2 * half)
+    tl.store(dst + o, tl.load(anchor + k_base + o, eviction_policy=EVICT))
+    tl.store(dst + half + o, tl.load(anchor + v_base + o, eviction_policy=EVICT))
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << (v - 1).bit_length()
+
+
+def _floor_pow2(v: int) -> int:
+    return 1 << (max(1, v).bit_length() - 1)
+
+
+def _meta_table(job: Job, anchor: torch.Tensor, src_rows: list[tuple[int, int]] | None) -> torch.Tensor:
+    """int64 [L, 6] of element offsets from ``anchor`` and row strides, built on the CPU, copied once."""
+    a = anchor.data_ptr()
+    rows = []
+    for layer, (k, v) in enumerate(zip(job.k_planes, job.v_planes, strict=True)):
+        s_off, s_rs = src_rows[layer] if src_rows is not None else (0, 0)
+        rows.append(((k.data_ptr() - a) // 2, k.stride(0), (v.data_ptr() - a) // 2, v.stride(0), s_off, s_rs))
+    return torch.tensor(rows, dtype=torch.int64).to(job.device, non_blocking=True)
+
+
+def aligned(job: Job) -> bool:
+    """The kernels use 16-byte vectors: every base and row stride must be a multiple of 8 elements."""
+    tensors = list(job.k_planes) + list(job.v_planes) + list(job.srcs or ())
+    return all(t.data_ptr() % 16 == 0 and (t.shape[0] <= 1 or t.stride(0) % 8 == 0) for t in tensors)
+
+
+def in_place_strategy(job: Job, tuning: Tuning = TUNING) -> str:
+    """How a pair of this shape converts in place: "pipe", "whole" or "split" (on chip) or "scratch"."""
+    h, nd = job.num_heads, job.block_size * job.head_size
+    pair_bytes = 4 * _next_pow2(h) * nd  # K and V, 2 bytes each, heads padded to a power of two
+    resident_bytes = 4 * _next_pow2(h - h // 2) * nd
+    if tuning.in_place == "pipe" and pair_bytes <= tuning.pipe_max_pair_bytes:
+        return "pipe"
+    if tuning.in_place == "whole" and pair_bytes <= tuning.whole_max_pair_bytes:
+        return "whole"
+    if tuning.in_place != "scratch" and resident_bytes <= tuning.split_max_resident_bytes:
+        return "split"
+    return "scratch"
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":  # Triton's CPU interpreter (development only)
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _warps(elems: int, per_thread: int) -> int:
+    return max(1, min(16, elems // (32 * per_thread)))
+
+
+class Launcher:
+    """A checked job turned into device-side tables once; ``__call__`` only launches (for the benchmark)."""
+
+    def __init__(self, job: Job, tuning: Tuning = TUNING) -> None:
+        self.job, self.t = job, tuning
+        self.anchor = job.k_planes[0]
+        self.layers = len(job.k_planes)
+        self.m = job.ids.numel()
+        self.ids = job.ids.to(job.device, non_blocking=True)
+        src_rows = None
+        if job.srcs is not None:
+            a = self.anchor.data_ptr()
+            src_rows = [((s.data_ptr() - a) // 2, s.stride(0)) for s in job.srcs]
+        self.meta = _meta_table(job, self.anchor, src_rows)
+        self.geom = dict(N=job.block_size, D=job.head_size, X=job.x)
+        # A register cap lets more in-place programs share an SM (CUDA only: HIP's Triton has no such option).
+        self.extra = {"maxnreg": tuning.maxnreg} if tuning.maxnreg and torch.version.hip is None else {}
+        self.strategy = "out_of_place" if job.srcs is not None else in_place_strategy(job, tuning)
+        if self.strategy == "scratch" and self.m:
+            self._prepare_scratch()
+
+    def __call__(self) -> None:
+        if self.m == 0:
+            return
+        total = self.layers * self.m
+        if self.strategy == "out_of_place":
+            self._out_of_place(self.meta, 0, total)
+        elif self.strategy == "whole":
+            hp = _next_pow2(self.job.num_heads)
+            convert_kernel[(total,)](self.anchor, self.meta, self.ids, self.m, self.job.num_heads, 0, HC=hp,
+                                     HCHUNKS=1, NC=self.job.block_size, DC=self.job.head_size, FROM_SRC=False,
+                                     KD=self.t.k_direct, EVICT=self.t.evict,
+                                     num_warps=_warps(2 * hp * self.job.block_size * self.job.head_size,
+                                                      self.t.in_place_elems_per_thread),
+                                     **self.geom, **self.extra)
+        elif self.strategy == "pipe":
+            hp = _next_pow2(self.job.num_heads)
+            grid = min(total, _sm_count(self.job.device) * self.t.pipe_ctas_per_sm)
+            if self.t.pipe_max_programs:
+                grid = min(grid, self.t.pipe_max_programs)
+            in_place_pipe_kernel[(grid,)](self.anchor, self.meta, self.ids, self.m, self.job.num_heads, total,
+                                          HP=hp, KD=self.t.k_direct, EVICT=self.t.evict, num_stages=1,
+                                          num_warps=_warps(2 * hp * self.job.block_size * self.job.head_size,
+                                                           self.t.in_place_elems_per_thread),
+                                          **self.geom, **self.extra)
+        elif self.strategy == "split":
+            h = self.job.num_heads
+            hr = _next_pow2(h - h // 2)
+            resident = 2 * hr * self.job.block_size * self.job.head_size
+            in_place_split_kernel[(total,)](self.anchor, self.meta, self.ids, self.m, h, HR=hr,
+                                            G=min(self.t.split_group, _next_pow2(max(1, h // 2))),
+                                            PREFETCH=self.t.prefetch, KD=self.t.k_direct, EVICT=self.t.evict,
+                                            num_warps=_warps(resident, self.t.in_place_elems_per_thread),
+                                            **self.geom, **self.extra)
+        else:
+            self._in_place_scratch()
+
+    def _out_of_place(self, meta: torch.Tensor, pair0: int, pairs: int) -> None:
+        """Chunks of about ``oop_elems``: several heads of a small page, or tokens x dims of one head."""
+        job = self.job
+        h, n, d, x = job.num_heads, job.block_size, job.head_size, job.x
+        dc = min(d, self.t.oop_max_dims)
+        if 2 * n * dc <= self.t.oop_elems and dc == d:
+            hc, nc = min(_next_pow2(h), _floor_pow2(self.t.oop_elems // (2 * n * d))), n
+        else:
+            hc, nc = 1, max(x, min(n, _floor_pow2(self.t.oop_elems // (2 * dc))))
+        hchunks = -(-h // hc)
+        grid = pairs * hchunks * (n // nc) * (d // dc)
+        convert_kernel[(grid,)](self.anchor, meta, self.ids, self.m, h, pair0, HC=hc, HCHUNKS=hchunks, NC=nc,
+                                DC=dc, FROM_SRC=True, KD=self.t.k_direct_oop, EVICT=self.t.evict,
+                                num_warps=self.t.oop_warps,
+                                **self.geom)
+
+    def _prepare_scratch(self) -> None:
+        job = self.job
+        half = job.plane_block_elems
+        total = self.layers * self.m
+        self.per_chunk = min(total, max(1, self.t.scratch_bytes // (4 * half)))
+        self.scratch = torch.empty((self.per_chunk, 2 * half), dtype=torch.int16, device=job.device)
+        s_off = (self.scratch.data_ptr() - self.anchor.data_ptr()) // 2
+        # One table per chunk: pair p = layer*M + i reads scratch row p - pair0.
+        self.chunks = []
+        for pair0 in range(0, total, self.per_chunk):
+            rows = [(s_off + (layer * self.m - pair0) * 2 * half, 2 * half) for layer in range(self.layers)]
+            pairs = min(self.per_chunk, total - pair0)
+            self.chunks.append((pair0, pairs, _meta_table(job, self.anchor, rows)))
+        self.piece = min(4096, job.block_size * job.head_size)  # a power of two that divides the half page
+
+    def _in_place_scratch(self) -> None:
+        half = self.job.plane_block_elems
+        for pair0, pairs, table in self.chunks:
+            gather_pairs_kernel[(pairs, half // self.piece)](self.anchor, self.meta, self.ids, self.m, pair0,
+                                                             self.scratch, self.job.num_heads,
+                                                             ND=self.job.block_size * self.job.head_size,
+                                                             PIECE=self.piece, EVICT=self.t.evict,
+                                                             num_warps=4)
+            self._out_of_place(table, pair0, pairs)
+
+
+def run_triton(job: Job) -> None:
+    """Convert a checked job on its GPU (current stream)."""
+    Launcher(job)()
