@@ -17,7 +17,17 @@ from sidecar.formats import PageFormat
 
 ENV_PREFIX = "KV_SIDECAR_"
 # Variables of that prefix that are not config keys.
-ENV_NOT_KEYS = frozenset({"KV_SIDECAR_CONFIG"})
+# KV_SIDECAR_* variables that belong to other tools (tests, benchmarks, the shim), not to the daemon's config.
+ENV_NOT_KEYS = frozenset(
+    {
+        "KV_SIDECAR_CONFIG",
+        "KV_SIDECAR_BENCH_OUT",
+        "KV_SIDECAR_INTEROP_PYTHON",
+        "KV_SIDECAR_INTEROP_START_TIMEOUT",
+        "KV_SIDECAR_TINY_MODEL",
+        "KV_SIDECAR_SHIM_LOG_LEVEL",
+    }
+)
 DEFAULT_SOCKET_DIR = "/run/kv-sidecar"
 # Keys SIGHUP may change; the others need a restart.
 RELOADABLE = frozenset(

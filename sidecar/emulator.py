@@ -1,11 +1,12 @@
 """``kv-sidecar emulate-prefill``: one process that speaks exactly a stock vLLM 0.33 (or 0.32) prefill's side.
 
-It serves vLLM's ROUTER side channel, a real NIXL agent (UCX, progress thread on) over one registered DRAM
-allocation of standard LBHNC pages (one region per layer), counts ``"{id}:{N}"`` notifications to free blocks,
-and runs vLLM's lease: extended by ``HB:`` heartbeats; on expiry the blocks are freed **and reused**
-(rewritten with a new generation) so a late reader gets different bytes. Where a stock prefill would crash
-(malformed notification or handshake frame) the emulator logs and counts instead. Its metadata goes through
-sidecar.vllm_wire, the same code that decodes a real prefill's.
+It serves vLLM's ROUTER side channel, a real NIXL agent (UCX, progress thread on) over one registered
+allocation of standard LBHNC pages (one region per layer; DRAM, or VRAM with ``--device cuda:N`` like a GPU
+prefill), counts ``"{id}:{N}"`` notifications to free blocks, and runs vLLM's lease: extended by ``HB:``
+heartbeats; on expiry the blocks are freed **and reused** (rewritten with a new generation) so a late reader
+gets different bytes. Where a stock prefill would crash (malformed notification or handshake frame) the
+emulator logs and counts instead. Its metadata goes through sidecar.vllm_wire, the same code that decodes a
+real prefill's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import math
 import os
 import random
+import re
 import signal
 import sys
 import tempfile
@@ -54,6 +56,7 @@ VLLM_VERSION_OF = {14: "0.32.0", 15: "0.33.0"}
 POLL_MS = 5
 MAX_MALFORMED_SAMPLES = 20
 MAX_FINISHED_KEPT = 10_000
+_DEVICE = re.compile(r"cpu|cuda:\d+")
 _TAG_BYTES = msgspec.msgpack.Decoder(bytes)
 _TAG_STR = msgspec.msgpack.Decoder(str)
 _LENIENT_REQUEST = msgspec.msgpack.Decoder(tuple[msgspec.Raw, int, int])
@@ -83,6 +86,8 @@ class EmulatorConfig(msgspec.Struct, frozen=True, kw_only=True):
     hma: bool = False
     # vLLM keeps NIXL's progress thread on (it spins: about half a core here); off, the loop drives progress.
     progress_thread: bool = True
+    # Where the KV pages live: "cpu" (DRAM) or "cuda:N" (VRAM, registered as such; needs torch with CUDA).
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.connector_version not in wire.CONNECTOR_VERSIONS:
@@ -96,6 +101,8 @@ class EmulatorConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("lease_s must be positive")
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in 0..65535")
+        if not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be 'cpu' or 'cuda:N', got {self.device!r}")
         self.fmt  # noqa: B018 -- validates dtype and sizes through PageFormat
 
     @property
@@ -109,6 +116,11 @@ class EmulatorConfig(msgspec.Struct, frozen=True, kw_only=True):
             block_size=self.block_size,
             head_size=self.head_size,
         )
+
+    @property
+    def gpu(self) -> int | None:
+        """The CUDA device index of the pages, or None on the CPU."""
+        return None if self.device == "cpu" else int(self.device.split(":")[1])
 
     @property
     def num_kernel_blocks(self) -> int:
@@ -150,20 +162,29 @@ class _Rank:
         page = cfg.fmt.page_bytes
         self.region_bytes = cfg.num_kernel_blocks * page
         size = cfg.layers * self.region_bytes
-        raw = np.zeros(size + 4096, dtype=np.uint8)
-        start = (-raw.ctypes.data) % 4096
-        self._raw = raw
-        self.buf = raw[start : start + size]
+        nkb = cfg.num_kernel_blocks
+        if cfg.gpu is None:
+            raw = np.zeros(size + 4096, dtype=np.uint8)
+            start = (-raw.ctypes.data) % 4096
+            self._raw = raw
+            self.buf = raw[start : start + size]
+            base, mem, device_id = self.buf.ctypes.data, "DRAM", 0
+            self.tensor = None
+        else:
+            import torch
+
+            self.tensor = torch.zeros(size, dtype=torch.uint8, device=cfg.device)
+            self.buf = None
+            base, mem, device_id = self.tensor.data_ptr(), "VRAM", cfg.gpu
+        self.pages = [self._layer_pages(layer, nkb, page) for layer in range(cfg.layers)]
         conf = nixl_agent_config(enable_prog_thread=cfg.progress_thread, backends=["UCX"])
         self.agent = nixl_agent(str(uuid.uuid4()), conf)
-        self.reg = self.agent.register_memory([(self.buf.ctypes.data, size, 0, "")], "DRAM")
-        base = self.buf.ctypes.data
-        nkb = cfg.num_kernel_blocks
+        self.reg = self.agent.register_memory([(base, size, device_id, "")], mem)
         meta = wire.NixlAgentMetadata(
             engine_id=engine_id,
             agent_metadata=self.agent.get_agent_metadata(),
             kv_caches_base_addr=[base + layer * self.region_bytes for layer in range(cfg.layers)],
-            device_id=0,
+            device_id=device_id,
             num_blocks=nkb,
             block_lens=[page] * cfg.layers,
             block_strides=[page] * cfg.layers,
@@ -175,11 +196,17 @@ class _Rank:
             region_num_blocks=[nkb] * cfg.layers,
             region_group_ids=[0] * cfg.layers,
             region_names=[f"model.layers.{layer}.self_attn.attn" for layer in range(cfg.layers)],
-            region_mem_types=["DRAM"] * cfg.layers,
+            region_mem_types=[mem] * cfg.layers,
         )
         self.payload = wire.encode_handshake_payload(compat_hash, wire.encode_agent_metadata(meta))
         # Faithfulness: what we serve must decode with the very code that decodes a real prefill.
         wire.decode_handshake_reply([self.payload, wire.encode_clock_frame()], 0, tp_rank, 0.0, engine_id)
+
+    def _layer_pages(self, layer: int, nkb: int, page: int):  # noqa: ANN202 - ndarray or torch.Tensor
+        """Layer's pages as [kernel blocks, page bytes] uint8 (numpy on the CPU, torch on a GPU)."""
+        lo, hi = layer * self.region_bytes, (layer + 1) * self.region_bytes
+        region = self.buf[lo:hi] if self.tensor is None else self.tensor[lo:hi]
+        return region.reshape(nkb, page)
 
     def close(self) -> None:
         try:
@@ -259,15 +286,36 @@ class PrefillEmulator:
             return
         ids = np.asarray(kblocks, dtype=np.int64)
         gens = self.generation[ids]
+        if self.cfg.gpu is not None:
+            self._rewrite_gpu(ids, gens)
+            return
         for rank in self.ranks:
             for layer in range(self.cfg.layers):
-                region = rank.buf[layer * rank.region_bytes : (layer + 1) * rank.region_bytes]
-                pages = region.reshape(self.cfg.num_kernel_blocks, self.fmt.page_bytes)
+                pages = rank.pages[layer]
                 for lo in range(0, len(ids), 256):
                     chunk = ids[lo : lo + 256]
                     pages[chunk] = expected_pages(
                         self.cfg.seed, layer, chunk, gens[lo : lo + 256], self.fmt, rank.tp_rank
                     )
+
+    def _rewrite_gpu(self, ids: np.ndarray, gens: np.ndarray) -> None:
+        """The same bytes as the CPU path, generated on the pages' GPU (gigabytes in milliseconds)."""
+        import torch
+
+        from sidecar.emulator_pages import expected_pages_torch
+
+        dev = self.cfg.device
+        step = max(1, (256 << 20) // self.fmt.page_bytes)  # ~256 MiB of pages per generation call
+        for rank in self.ranks:
+            for layer in range(self.cfg.layers):
+                pages = rank.pages[layer]
+                for lo in range(0, len(ids), step):
+                    chunk = ids[lo : lo + step]
+                    index = torch.from_numpy(chunk).to(dev)
+                    pages[index] = expected_pages_torch(
+                        self.cfg.seed, layer, chunk, gens[lo : lo + step], self.fmt, rank.tp_rank, device=dev
+                    )
+        torch.cuda.synchronize(dev)  # readers must never see the old bytes
 
     def _reuse(self, kblocks: list[int]) -> None:
         self.generation[np.asarray(kblocks, dtype=np.int64)] += 1
@@ -446,9 +494,12 @@ class PrefillEmulator:
         if nblocks > len(self.free):
             return ErrorReply("num_blocks", f"{nblocks} blocks needed, {len(self.free)} free")
         pool = sorted(self.free)
-        logical = self.rng.sample(pool, nblocks)
-        if req.order == "ascending":
-            logical.sort()
+        if req.order == "contiguous":
+            logical = pool[:nblocks]  # lowest free ids in order, as a fresh vLLM free queue hands them out
+        else:
+            logical = self.rng.sample(pool, nblocks)
+            if req.order == "ascending":
+                logical.sort()
         self.free.difference_update(logical)
         kblocks = kernel_blocks(logical, self.cfg.blocks_per_logical)
         self._reuse(kblocks)  # a new prefill overwrites whatever the blocks held
@@ -584,6 +635,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="drive NIXL progress from the 5 ms loop, not vLLM's spinning progress thread (saves ~0.5 core)",
     )
+    a(
+        "--device",
+        default=d.device,
+        help="where the KV pages live: cpu (DRAM) or cuda:N (VRAM, registered as VRAM, like a GPU prefill)",
+    )
     a("--log-level", default="WARNING")
 
 
@@ -609,6 +665,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         attn_backend=args.attn_backend,
         hma=args.hma,
         progress_thread=args.progress_thread,
+        device=args.device,
     )
 
 

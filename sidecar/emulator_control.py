@@ -29,8 +29,9 @@ class NewRequest(msgspec.Struct, tag="new_request", kw_only=True, forbid_unknown
     num_tokens: int | None = None
     num_blocks: int | None = None
     external_id: str | None = None
-    # "random": blocks drawn from the free pool in random order (scattered, unsorted); "ascending": sorted.
-    order: Literal["random", "ascending"] = "random"
+    # "random": blocks drawn from the free pool in random order (scattered, unsorted); "ascending": sorted;
+    # "contiguous": the lowest free ids in order (a fresh vLLM free queue: adjacent blocks, runs merge).
+    order: Literal["random", "ascending", "contiguous"] = "random"
     # Test knob: this request's lease instead of the emulator's --lease.
     lease_s: float | None = None
 

@@ -3,7 +3,8 @@
 Every byte of every page is a function of (seed, tp_rank, layer, kernel block, generation), so a reader can
 check what it got, and a block that was reused (generation bumped) reads back different bytes.
 Elements are finite numbers in every supported dtype (the second-highest bit of each element is cleared: no
-NaN/Inf exponent).
+NaN/Inf exponent). ``expected_pages_torch`` computes the very same bytes with torch on any device (a GPU
+emulator fills gigabytes of VRAM with it in a blink); torch is imported only there.
 """
 
 from __future__ import annotations
@@ -57,6 +58,58 @@ def expected_pages(
     elem = fmt.elem_bytes
     lanes = out.view(_ELEM_UINT[elem])
     lanes &= _ELEM_UINT[elem](~(1 << (8 * elem - 2)) & ((1 << (8 * elem)) - 1))
+    return out
+
+
+def _signed(value: int) -> int:
+    """A uint64 constant as the int64 with the same bits (torch has no general uint64 arithmetic)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _mix_torch(z):  # noqa: ANN001, ANN202 - torch.Tensor, imported lazily
+    """``_mix`` on int64 tensors: add, xor and multiply wrap like uint64; right shifts made logical."""
+    z = z + _signed(int(_GOLDEN))
+    for shift, mult in ((30, int(_M1)), (27, int(_M2))):
+        z = (z ^ ((z >> shift) & ((1 << (64 - shift)) - 1))) * _signed(mult)
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
+
+
+def expected_pages_torch(
+    seed: int,
+    layer: int,
+    blocks: np.ndarray | list[int],
+    generations: np.ndarray | list[int] | int,
+    fmt: PageFormat,
+    tp_rank: int = 0,
+    *,
+    device: str = "cpu",
+    chunk_words: int = 1 << 24,
+):  # noqa: ANN201 - torch.Tensor
+    """``expected_pages`` computed by torch on ``device``: the same bytes, uint8 [len(blocks), page_bytes]."""
+    import torch
+
+    blocks = np.asarray(blocks, dtype=np.int64).reshape(-1)
+    gens = np.broadcast_to(np.asarray(generations, dtype=np.int64), blocks.shape)
+    if (blocks < 0).any() or (gens < 0).any() or min(seed, layer, tp_rank) < 0:
+        raise ValueError("seed, tp_rank, layer, blocks and generations must be non-negative")
+    page = fmt.page_bytes
+    words = -(-page // 8)
+    out = torch.empty((blocks.size, page), dtype=torch.uint8, device=device)
+    if blocks.size == 0:
+        return out
+    base = torch.from_numpy(_page_seeds(seed, tp_rank, layer, blocks, gens).view(np.int64)).to(device)
+    offsets = torch.arange(words, dtype=torch.int64, device=device)
+    elem = fmt.elem_bytes
+    lane_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[elem]
+    mask = ~(1 << (8 * elem - 2)) & ((1 << (8 * elem)) - 1)
+    if elem > 1 and mask >= 1 << (8 * elem - 1):
+        mask -= 1 << (8 * elem)  # the same bits as a signed lane
+    step = max(1, chunk_words // words)
+    for lo in range(0, blocks.size, step):
+        z = _mix_torch(base[lo : lo + step, None] + offsets[None, :])
+        rows = z.view(torch.uint8)[:, :page]
+        lanes = rows.contiguous().view(lane_dtype) if page % 8 else rows.view(lane_dtype)
+        out[lo : lo + step] = (lanes & mask).view(torch.uint8)
     return out
 
 

@@ -100,27 +100,39 @@ def negotiate(remote: PageFormat, local: PageFormat, *, conversion_enabled: bool
         if r != l_:
             return Refusal(name, f"remote {name} {r!r} differs from local {l_!r}; {_WHY_EQUAL[name]}")
     if remote.kind == local.kind:
-        return Refusal("layout", f"same page kind {remote.kind!r} but layouts differ "
-                       f"(remote {remote.layout}, local {local.layout}); relayout is not supported")
+        return Refusal(
+            "layout",
+            f"same page kind {remote.kind!r} but layouts differ "
+            f"(remote {remote.layout}, local {local.layout}); relayout is not supported",
+        )
     if remote.kind != STANDARD:
         return Refusal("remote.kind", f"only {STANDARD!r} remote pages can be converted, not {remote.kind!r}")
     if local.kind != AITER_SHUFFLED:
-        return Refusal("local.kind", f"standard pages convert only into {AITER_SHUFFLED!r}, not {local.kind!r}")
+        return Refusal(
+            "local.kind", f"standard pages convert only into {AITER_SHUFFLED!r}, not {local.kind!r}"
+        )
     if not conversion_enabled:
         return Refusal("remote.kind", "the pairing needs conversion, which is disabled for this remote")
     if remote.layout != "LBHNC":
-        return Refusal("remote.layout", f"standard pages must be LBHNC to be split into planes, not {remote.layout}")
+        return Refusal(
+            "remote.layout", f"standard pages must be LBHNC to be split into planes, not {remote.layout}"
+        )
     if local.layout != "LHBNC":
         return Refusal("local.layout", f"shuffled pages need dense K/V planes (LHBNC), not {local.layout}")
     if remote.dtype not in CONVERTIBLE_DTYPES:
-        return Refusal("dtype", f"{remote.dtype} is out of scope; conversion is bit-exact only for "
-                       f"{sorted(CONVERTIBLE_DTYPES)}")
+        return Refusal(
+            "dtype",
+            f"{remote.dtype} is out of scope; conversion is bit-exact only for {sorted(CONVERTIBLE_DTYPES)}",
+        )
     if remote.block_size not in SHUFFLE_BLOCK_SIZES:
-        return Refusal("block_size", f"shuffled pages need block_size in {sorted(SHUFFLE_BLOCK_SIZES)}, "
-                       f"not {remote.block_size}")
+        return Refusal(
+            "block_size",
+            f"shuffled pages need block_size in {sorted(SHUFFLE_BLOCK_SIZES)}, not {remote.block_size}",
+        )
     if remote.head_size not in SHUFFLE_HEAD_SIZES:
-        return Refusal("head_size", f"head_size must be one of {sorted(SHUFFLE_HEAD_SIZES)}, "
-                       f"not {remote.head_size}")
+        return Refusal(
+            "head_size", f"head_size must be one of {sorted(SHUFFLE_HEAD_SIZES)}, not {remote.head_size}"
+        )
     return Plan(remote=remote, local=local, convert=True)
 
 

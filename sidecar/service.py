@@ -372,6 +372,11 @@ class Daemon:
             log.info("metrics on %s", self.metrics_server.url)
         self._check_socket()
         self.transfer = await asyncio.to_thread(self._make_transfer)
+        if cfg.gpu is not None:
+            # NIXL is driven from this (the loop's) thread: give it the device's context as well.
+            from sidecar.transfer import init_cuda_context
+
+            init_cuda_context(cfg.gpu)
         self.health.agent_up = True
         if cfg.gpu is not None:
             self._stream = await asyncio.to_thread(self._make_stream)
@@ -409,6 +414,7 @@ class Daemon:
                 backends=tuple(self.config.nixl_backends),
                 progress_thread=self.config.nixl_progress_thread,
                 remote_mem_type="DRAM" if self.config.gpu is None else "VRAM",
+                cuda_device=self.config.gpu,
             )
         )
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import os
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -131,6 +132,8 @@ class TransferSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Memory type of remote regions when the metadata has no region_mem_types.
     remote_mem_type: str = "VRAM"
     conversion_enabled: bool = True
+    # GPU whose memory this agent registers; None on the CPU twin.
+    cuda_device: int | None = None
 
 
 # -- admission (pure) ------------------------------------------------------------------------------
@@ -363,6 +366,19 @@ class Pull:
     nbytes: int = 0
 
 
+def init_cuda_context(device: int) -> None:
+    """Create the CUDA/HIP context before the NIXL agent: UCX probes memory types through the current
+    context, and an agent made without one takes VRAM for host memory and refuses to register it (seen on
+    the H200: "VRAM memory is detected as host by UCX")."""
+    import torch
+
+    # UCX's memory-type cache learns ranges from the allocations it intercepts; memory mapped through
+    # cudaIpcOpenMemHandle is not among them and was taken for host memory on the H200. Ask the driver.
+    os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
+    torch.cuda.set_device(device)
+    torch.zeros(1, device=f"cuda:{device}")
+
+
 class Transfer:
     """A NIXL agent used to pull KV pages from prefills. Single-threaded use (the service's loop)."""
 
@@ -370,6 +386,8 @@ class Transfer:
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.settings = settings or TransferSettings()
+        if self.settings.cuda_device is not None:
+            init_cuda_context(self.settings.cuda_device)
         self.name = f"{self.settings.name_prefix}-{uuid.uuid4().hex}"
         conf = nixl_agent_config(
             enable_prog_thread=self.settings.progress_thread,
@@ -391,6 +409,9 @@ class Transfer:
         """Register local (addr, len, dev) ranges: planes (DRAM on CPU, VRAM on GPU) or a staging pool."""
         if not ranges:
             raise TransferFailed("nothing to register", "ranges")
+        if self.settings.cuda_device is not None:
+            # The context is current per thread, and UCX checks the memory type in the calling thread.
+            init_cuda_context(self.settings.cuda_device)
         arr = np.asarray(ranges, dtype=np.uint64).reshape(-1, 3)
         descs = self.agent.get_reg_descs([(int(a), int(n), int(d), "") for a, n, d in arr], mem_type)
         if descs is None:

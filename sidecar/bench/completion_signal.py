@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
+import platform
 import sys
 import tempfile
 import time
@@ -100,6 +102,12 @@ def _cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_args() -> list[str]:
+    """This benchmark's arguments, whether started as ``kv-sidecar bench signal`` or ``python -m``."""
+    argv = sys.argv[1:]
+    return argv[2:] if argv[:2] == ["bench", "signal"] else argv
 
 
 def run(args: argparse.Namespace) -> int:
@@ -244,6 +252,9 @@ def run(args: argparse.Namespace) -> int:
     sig = _percentiles(signal_ns)
     result: dict[str, Any] = {
         "bench": "signal",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": f"CPU ({os.cpu_count()} threads), {platform.processor() or platform.machine()}",
+        "command": " ".join(["kv-sidecar bench signal", *_own_args()]),
         "client": "vllm_glue.client.SidecarClient (DEALER on its I/O thread; receive stamped there)",
         "pulls": len(signal_ns),
         "warmup": args.warmup,

@@ -303,11 +303,16 @@ class _Target:
         self.meta = wire.decode_agent_metadata(base64.b64decode(json.loads(line)["metadata"]))
 
     def _readline(self, timeout_s: float) -> bytes:
+        """The target's JSON line; UCX may log to the same stdout first, so other lines are skipped."""
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)
         buf, deadline = b"", time.monotonic() + timeout_s
         try:
-            while b"\n" not in buf:
+            while True:
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    if line.startswith(b"{"):
+                        return line
                 left = deadline - time.monotonic()
                 if left <= 0 or not sel.select(left):
                     raise RuntimeError("bench target not ready in time")
@@ -317,7 +322,6 @@ class _Target:
                 buf += chunk
         finally:
             sel.close()
-        return buf.split(b"\n", 1)[0]
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -368,6 +372,7 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
         settings = TransferSettings(
             remote_formats=(RemoteFormatRule(address="*:*", format=std),),
             remote_mem_type="VRAM" if args.device == "cuda" else "DRAM",
+            cuda_device=args.gpu if args.device == "cuda" else None,
         )
         t0 = time.perf_counter()
         tx = Transfer(settings)

@@ -15,11 +15,18 @@ import uuid
 import msgspec
 import numpy as np
 import pytest
+import torch
 import zmq
 
 from sidecar import emulator, vllm_wire
 from sidecar.emulator_control import ControlError, EmulatorProcess, ReadyInfo, spawn_emulator
-from sidecar.emulator_pages import expected_page, expected_pages, kernel_blocks, page_offset
+from sidecar.emulator_pages import (
+    expected_page,
+    expected_pages,
+    expected_pages_torch,
+    kernel_blocks,
+    page_offset,
+)
 from sidecar.formats import PageFormat
 
 LAYERS, HEADS, HEAD, BLOCK, RATIO, SEED = 3, 2, 64, 16, 2, 7
@@ -70,6 +77,19 @@ def test_page_elements_are_finite(dtype: str, exp_mask: int | None) -> None:
     assert len(np.unique(lanes)) > 50
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float8_e4m3fn", "int8"])
+def test_torch_pages_are_the_numpy_pages(dtype: str) -> None:
+    """The GPU emulator's generator (torch, run here on the CPU) writes exactly the reference bytes."""
+    fmt = PageFormat(kind="standard", layout="LBHNC", dtype=dtype, num_heads=3, block_size=16, head_size=64)
+    blocks, gens = [5, 0, 77, 3, 1 << 40], [0, 3, 1, 2, 9]
+    want = expected_pages(SEED, 2, blocks, gens, fmt, tp_rank=1)
+    got = expected_pages_torch(SEED, 2, blocks, gens, fmt, tp_rank=1, chunk_words=1000)  # several chunks
+    assert got.dtype == torch.uint8 and np.array_equal(got.numpy(), want)
+    assert expected_pages_torch(SEED, 2, [], 0, fmt).shape == (0, fmt.page_bytes)
+    with pytest.raises(ValueError):
+        expected_pages_torch(SEED, 2, [-1], 0, fmt)
+
+
 def test_block_mapping_and_offsets() -> None:
     assert kernel_blocks([3, 1], 2) == [6, 7, 2, 3]
     assert kernel_blocks([3, 1], 1) == [3, 1]
@@ -97,7 +117,18 @@ def test_cli_arguments_map_to_config() -> None:
         cfg.progress_thread
         and not emulator.config_from_args(parser.parse_args(["--no-progress-thread"])).progress_thread
     )
-    for bad in (dict(layers=0), dict(num_blocks=1), dict(lease_s=0), dict(connector_version=13), dict(tp=0)):
+    assert emulator.config_from_args(parser.parse_args(["--device", "cuda:1"])).gpu == 1
+    assert cfg.device == "cpu" and cfg.gpu is None
+    bad_configs = (
+        dict(layers=0),
+        dict(num_blocks=1),
+        dict(lease_s=0),
+        dict(connector_version=13),
+        dict(tp=0),
+        dict(device="gpu0"),
+        dict(device="cuda:"),
+    )
+    for bad in bad_configs:
         with pytest.raises(ValueError):
             emulator.EmulatorConfig(**bad)
 
@@ -236,9 +267,13 @@ def test_block_choice_is_scattered_and_unsorted_sometimes(emu: EmulatorProcess, 
     assert asc.kv_transfer_params["remote_block_ids"][0] == sorted(
         asc.kv_transfer_params["remote_block_ids"][0]
     )
-    for r in [*replies, asc]:
+    # a fresh vLLM free queue: the lowest free ids in order, so the next request's come after them all
+    runs = [emu.client.new_request(num_blocks=3, order="contiguous") for _ in range(2)]
+    first, second = (r.kv_transfer_params["remote_block_ids"][0] for r in runs)
+    assert first == sorted(first) and second == sorted(second) and max(first) < min(second)
+    for r in [*replies, asc, *runs]:
         reader.notify(meta, vllm_wire.encode_notification(r.kv_transfer_params["remote_request_id"], 1))
-    for r in [*replies, asc]:
+    for r in [*replies, asc, *runs]:
         emu.client.wait_state(r.kv_transfer_params["remote_request_id"], "freed_by_notif", DEADLINE_S)
 
 

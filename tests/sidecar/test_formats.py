@@ -12,7 +12,9 @@ def std(**kw) -> PageFormat:
 
 
 def shuf(**kw) -> PageFormat:
-    base = dict(kind=AITER_SHUFFLED, layout="LHBNC", dtype="bfloat16", num_heads=8, block_size=16, head_size=128)
+    base = dict(
+        kind=AITER_SHUFFLED, layout="LHBNC", dtype="bfloat16", num_heads=8, block_size=16, head_size=128
+    )
     return PageFormat(**{**base, **kw})
 
 
@@ -20,8 +22,11 @@ ACCEPT = [
     # (id, remote, local, convert)
     ("std-to-shuffled-bf16", std(), shuf(), True),
     ("std-to-shuffled-fp16", std(dtype="float16"), shuf(dtype="float16"), True),
-    *[(f"N{n}-D{d}", std(block_size=n, head_size=d), shuf(block_size=n, head_size=d), True)
-      for n in (16, 32) for d in (64, 128, 256)],
+    *[
+        (f"N{n}-D{d}", std(block_size=n, head_size=d), shuf(block_size=n, head_size=d), True)
+        for n in (16, 32)
+        for d in (64, 128, 256)
+    ],
     *[(f"H{h}", std(num_heads=h), shuf(num_heads=h), True) for h in (1, 2, 3, 5, 7)],
     ("same-standard", std(), std(), False),
     ("same-shuffled", shuf(), shuf(), False),
@@ -84,13 +89,16 @@ def test_qwen3_8b_page_is_64_kib():
     assert std().page_bytes == 64 * 1024
 
 
-@pytest.mark.parametrize("bad,word", [
-    (dict(dtype="bf16"), "dtype"),
-    (dict(num_heads=0), "num_heads"),
-    (dict(block_size=-16), "block_size"),
-    (dict(kind=""), "kind"),
-    (dict(kind="a b"), "kind"),
-])
+@pytest.mark.parametrize(
+    "bad,word",
+    [
+        (dict(dtype="bf16"), "dtype"),
+        (dict(num_heads=0), "num_heads"),
+        (dict(block_size=-16), "block_size"),
+        (dict(kind=""), "kind"),
+        (dict(kind="a b"), "kind"),
+    ],
+)
 def test_invalid_formats_rejected_on_decode(bad, word):
     raw = msgspec.json.encode({**msgspec.structs.asdict(std()), **bad})
     with pytest.raises(msgspec.ValidationError, match=word):

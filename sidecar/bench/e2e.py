@@ -1,0 +1,1286 @@
+"""``kv-sidecar bench e2e``: torch's copy, a bare NIXL read and kv-sidecar's pull + convert of the same bytes.
+
+Real processes: the prefill emulator (``--prefill-device``: its standard pages in DRAM or in VRAM), one
+``kv-sidecar serve`` per pull mode (``--decoder-device``: the CPU twin or ``--gpu N``), and this process as
+the decoder: it owns the K/V planes (/dev/shm or VRAM, exported by CUDA IPC) and drives the vLLM shim's
+worker half.
+For each cell (context tokens × requests at a time × pull mode × prefill block order) it measures, on the
+same requests and block ids:
+
+- ``peer copy``: torch copying the same number of bytes from the prefill device to the decoder device in one
+  piece (the link's limit; on one GPU a device-to-device copy, on the CPU a memcpy);
+- ``bare``: this process's own NIXL agent reading the very descriptors the daemon reads (direct: half pages
+  into the K/V planes; staged: whole pages, adjacent runs merged, into a staging pool), all requests posted
+  at once, no conversion;
+- ``kv-sidecar``: the Pulls sent in one step through the shim, until the last Done arrived (read, convert on
+  the daemon's stream, completion notification to the prefill, Done), with the daemon's per-stage timings.
+
+Must show: bare NIXL ≥ 0.8 × the peer copy's bandwidth, and kv-sidecar ≤ 1.05 × bare + 0.2 ms per request.
+UCX writes its own log per process (``UCX_LOG_LEVEL=info``, ``UCX_PROTO_INFO=y``): the report says which
+transports carried each role's reads (cuda_ipc, cuda_copy, tcp, cma, ...). On CUDA both sides run with
+``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` unless it is set. One JSON file; the logs stay under ``--logs`` if given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import glob
+import itertools
+import json
+import math
+import os
+import platform
+import random
+import re
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from sidecar.decoder_standin import DecoderStandin, StandinShape
+from sidecar.formats import AITER_SHUFFLED, STANDARD, PageFormat
+
+PEER_FLOOR = 0.8  # must show: bare NIXL bandwidth >= 0.8 x the peer copy's
+SIDECAR_FACTOR = 1.05  # must show: kv-sidecar <= 1.05 x bare + 0.2 ms per request
+SIDECAR_PER_REQUEST_S = 0.2e-3
+_DEVICE = re.compile(r"cpu|cuda:(\d+)")
+
+
+class BenchError(RuntimeError):
+    """A part of the bench could not run as asked (a failed pull, a process that did not start, ...)."""
+
+
+# ------------------------------------------------------------------------------------------------ options
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--prefill-device", default="auto", help="cpu or cuda:N: where the prefill's pages live (auto: cuda:0)")
+    a(
+        "--decoder-device",
+        default="auto",
+        help="cpu or cuda:N: the decoder's planes and the daemon (auto: cuda:1 with 2 GPUs, else cuda:0)",
+    )
+    a("--layers", type=int, default=36)
+    a("--heads", type=int, default=8, help="KV heads per rank")
+    a("--head-size", type=int, default=128)
+    a("--block-size", type=int, default=16)
+    a("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    a("--contexts", default="4096,16384", help="prompt tokens per request, comma-separated")
+    a("--concurrency", default="1,8,32", help="requests pulled at a time, comma-separated")
+    a("--modes", default="direct,staged", help="daemon pull modes, comma-separated")
+    a(
+        "--orders",
+        default="random,contiguous",
+        help="prefill block orders: random (scattered, after churn) and/or contiguous (a fresh free queue)",
+    )
+    a(
+        "--pairs",
+        default="",
+        help="mode/order pairs instead of --modes x --orders, e.g. direct/random,staged/contiguous",
+    )
+    a(
+        "--max-batch-tokens",
+        type=int,
+        default=0,
+        help="skip cells whose requests x context exceed this (0: no limit); sizes the KV pools",
+    )
+    a("--reps", type=int, default=3, help="timed batches per cell")
+    a("--warmup", type=int, default=1, help="untimed batches per cell first (handshake, JIT, prep)")
+    a("--layer-groups", type=int, default=1, help="READs per request (daemon's layer_groups, same for bare)")
+    a(
+        "--staging-gb",
+        type=float,
+        default=16.0,
+        help="staging pool of the staged daemon and of the bare staged reads (GiB, capped at the largest "
+        "batch); a batch that needs more is read in waves",
+    )
+    a("--peer-copy-max-gb", type=float, default=8.0, help="largest single peer copy timed (GiB)")
+    a("--peer-copy-reps", type=int, default=5)
+    a("--poll-sleep-us", type=float, default=50.0, help="sleep between the bare read's completion polls")
+    a("--verify-requests", type=int, default=1, help="requests per cell checked bit for bit")
+    a("--verify-layers", type=int, default=3, help="layers checked per verified request (spread out)")
+    a("--timeout", type=float, default=300.0, help="deadline of each Pull and of each bare batch (s)")
+    a("--budget-s", type=float, default=0.0, help="start no new cell after this many seconds (0: none)")
+    a("--seed", type=int, default=0, help="page contents seed of the prefill emulator")
+    a(
+        "--daemon-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra daemon config (TOML value), e.g. poll_interval_s=0.0002; repeatable",
+    )
+    a("--ucx-log-level", default="info", help="UCX_LOG_LEVEL for every process (info shows the lanes)")
+    a("--logs", type=Path, default=None, help="keep the UCX and daemon logs here (default: discarded)")
+    a("--out", type=Path, default=None, help="JSON path (default: bench/results/e2e-<devices>-<date>.json)")
+    a("--check", action="store_true", help="exit 1 unless the must-show numbers hold in every cell")
+
+
+def parse_device(text: str) -> int | None:
+    """``"cpu"`` -> None, ``"cuda:N"`` -> N; anything else is refused."""
+    m = _DEVICE.fullmatch(text)
+    if m is None:
+        raise BenchError(f"device {text!r}: use cpu or cuda:N")
+    return None if m.group(1) is None else int(m.group(1))
+
+
+def resolve_devices(prefill: str, decoder: str) -> tuple[str, str]:
+    """Fill in ``auto``: two GPUs -> cuda:0 / cuda:1, one -> cuda:0 / cuda:0, none -> cpu / cpu."""
+    if "auto" in (prefill, decoder):
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        auto = ("cuda:0", "cuda:1") if n >= 2 else ("cuda:0", "cuda:0") if n == 1 else ("cpu", "cpu")
+        prefill = auto[0] if prefill == "auto" else prefill
+        decoder = auto[1] if decoder == "auto" else decoder
+    p, d = parse_device(prefill), parse_device(decoder)
+    if (p is None) != (d is None):
+        raise BenchError(f"{prefill} -> {decoder}: both sides on the CPU or both on GPUs")
+    return prefill, decoder
+
+
+def int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise BenchError(f"--{name}: {text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise BenchError(f"--{name}: need positive integers, got {text!r}")
+    return values
+
+
+def choice_list(text: str, name: str, allowed: Sequence[str]) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in values if v not in allowed]
+    if not values or bad:
+        raise BenchError(f"--{name}: {bad or text!r} not among {list(allowed)}")
+    return values
+
+
+def daemon_settings(items: Sequence[str]) -> dict[str, str]:
+    """``KEY=VALUE`` pairs (TOML values) for the daemons' config files."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise BenchError(f"--daemon-set {item!r}: use KEY=VALUE with a TOML value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def mode_order_pairs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """``--pairs mode/order,...`` if given, else every --modes x --orders combination."""
+    if args.pairs:
+        out = []
+        for item in args.pairs.split(","):
+            mode, _, order = item.strip().partition("/")
+            if mode not in ("direct", "staged") or order not in ("random", "contiguous"):
+                raise BenchError(f"--pairs: {item!r} is not mode/order (direct|staged / random|contiguous)")
+            out.append((mode, order))
+        return out
+    modes = choice_list(args.modes, "modes", ("direct", "staged"))
+    orders = choice_list(args.orders, "orders", ("random", "contiguous"))
+    return [(m, o) for o in orders for m in modes]
+
+
+def formats(args: argparse.Namespace) -> tuple[PageFormat, PageFormat]:
+    kw = dict(dtype=args.dtype, num_heads=args.heads, block_size=args.block_size, head_size=args.head_size)
+    return PageFormat(kind=STANDARD, layout="LBHNC", **kw), PageFormat(
+        kind=AITER_SHUFFLED, layout="LHBNC", **kw
+    )
+
+
+# ------------------------------------------------------------------------------------------------ cells
+
+
+@dataclass
+class Cell:
+    """One measured combination; ``skipped`` says why it was not run."""
+
+    context: int
+    concurrency: int
+    mode: str
+    order: str
+    blocks: int  # kernel blocks per request
+    nbytes: int  # bytes of the whole batch
+    skipped: str | None = None
+    bare_s: list[float] = field(default_factory=list)
+    sidecar_s: list[float] = field(default_factory=list)
+    bare_descriptors: int = 0  # per request
+    end_to_end_s: list[float] = field(default_factory=list)  # per request, from the daemon's Done
+    stages_s: dict[str, list[float]] = field(default_factory=dict)
+    round_trip_s: list[float] = field(default_factory=list)  # shim: Pull sent -> Done received
+    verified: dict[str, Any] = field(default_factory=dict)
+    notified: bool = True
+
+
+def plan_cells(
+    contexts: list[int],
+    concurrency: list[int],
+    pairs: list[tuple[str, str]],
+    block_size: int,
+    page_bytes: int,
+    layers: int,
+    max_batch_tokens: int,
+) -> list[Cell]:
+    """Every cell, smallest batches first (a time budget cuts the largest); over-size ones marked skipped."""
+    cells = []
+    for ctx in sorted(contexts):
+        for c in sorted(concurrency):
+            blocks = -(-ctx // block_size)
+            for mode, order in pairs:
+                cell = Cell(ctx, c, mode, order, blocks, c * blocks * layers * page_bytes)
+                if max_batch_tokens and c * ctx > max_batch_tokens:
+                    cell.skipped = f"{c} x {ctx} tokens > --max-batch-tokens {max_batch_tokens}"
+                cells.append(cell)
+    cells.sort(key=lambda x: (x.concurrency * x.blocks, x.context))
+    return cells
+
+
+def must_show(cell: Cell, peer_gbps: float) -> dict[str, Any]:
+    """The two must-show comparisons for one measured cell (medians)."""
+    bare = statistics.median(cell.bare_s)
+    side = statistics.median(cell.sidecar_s)
+    bare_gbps = cell.nbytes / bare / 1e9
+    limit = SIDECAR_FACTOR * bare + SIDECAR_PER_REQUEST_S * cell.concurrency
+    return {
+        "nixl_over_peer": bare_gbps / peer_gbps if peer_gbps else None,
+        "nixl_at_least_0.8_peer": bool(peer_gbps) and bare_gbps >= PEER_FLOOR * peer_gbps,
+        "sidecar_over_bare": side / bare,
+        "sidecar_limit_s": limit,
+        "sidecar_within_limit": side <= limit,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ UCX logs
+
+
+class ProtoRow(msgspec.Struct, frozen=True):
+    range: str
+    description: str
+    config: str
+
+
+class ProtoTable(msgspec.Struct, frozen=True):
+    """One ``UCX_PROTO_INFO=y`` table: which protocol and transport UCX chose for an operation."""
+
+    pid: int
+    agent: str
+    scope: str  # self, intra-node, inter-node
+    operation: str  # e.g. "remote memory read by ucp_get*(multi) into cuda memory from cuda"
+    rows: list[ProtoRow]
+
+
+_PREFIX = re.compile(
+    r"^\[(?P<ts>[\d.]+)\]\s+\[(?P<host>[^:\]]+):(?P<pid>\d+)\s*:(?P<tid>\d+)\]\s?(?P<rest>.*)$"
+)
+_TABLE_HEAD = re.compile(r"^(?P<agent>\S+)\s+(?P<scope>[\w-]+)\s+cfg#\d+$")
+_TRANSPORT = re.compile(r"\b([a-z][a-z0-9_]*)/[\w.:-]+")
+_NOTE = re.compile(r"nvlink|cuda[-_]ipc|zcopy|cuda_copy|gdr_copy", re.IGNORECASE)
+
+
+def parse_proto_tables(text: str) -> list[ProtoTable]:
+    """Every protocol-selection table in a UCX log. A table starts at its ``<agent> <scope> cfg#N`` line,
+    then names the operation, then lists ``Range | Description | Config`` rows; lines are followed per
+    (pid, thread), so tables printed by two threads at once do not mix."""
+    open_tables: dict[tuple[str, str], dict[str, Any]] = {}
+    done: list[dict[str, Any]] = []
+    for line in text.splitlines():
+        m = _PREFIX.match(line)
+        if m is None:
+            continue
+        rest = m["rest"].strip()
+        if not rest.startswith("|"):
+            continue
+        key = (m["pid"], m["tid"])
+        cells = [c.strip() for c in rest.strip("|").split("|")]
+        head = _TABLE_HEAD.match(cells[0]) if len(cells) == 1 else None
+        current = open_tables.get(key)
+        if head is not None:
+            current = {
+                "pid": int(m["pid"]),
+                "agent": head["agent"],
+                "scope": head["scope"],
+                "op": None,
+                "rows": [],
+            }
+            open_tables[key] = current
+            done.append(current)
+        elif current is None:
+            continue
+        elif len(cells) == 1 and current["op"] is None:
+            current["op"] = cells[0]
+        elif len(cells) == 3 and cells[0] != "Range":
+            current["rows"].append(ProtoRow(*cells))
+    return [
+        ProtoTable(t["pid"], t["agent"], t["scope"], t["op"], t["rows"]) for t in done if t["op"] is not None
+    ]
+
+
+def transports_of(config: str) -> list[str]:
+    """Transport names in a table's Config cell: ``"cuda_ipc/cuda"`` -> ["cuda_ipc"]."""
+    return sorted(set(_TRANSPORT.findall(config)))
+
+
+def summarize_ucx_logs(paths: Sequence[str], agent_prefix: str = "") -> dict[str, Any]:
+    """What UCX says it used: endpoint lanes, the protocols chosen for remote reads, and notes on cuda_ipc."""
+    from sidecar.doctor import parse_ucx_lanes
+
+    lanes, reads, notes = [], [], []
+    for path in paths:
+        try:
+            text = Path(path).read_text(errors="replace")
+        except OSError:
+            continue
+        for ln in parse_ucx_lanes(text):
+            lanes.append({"scope": ln.scope, "lanes": ln.lanes})
+        for t in parse_proto_tables(text):
+            if t.scope == "self" or not t.operation.startswith("remote memory read"):
+                continue
+            if agent_prefix and not t.agent.startswith(agent_prefix):
+                continue
+            reads.append(
+                {
+                    "agent": t.agent,
+                    "scope": t.scope,
+                    "operation": t.operation,
+                    "rows": [msgspec.to_builtins(r) for r in t.rows],
+                    "transports": sorted({x for r in t.rows for x in transports_of(r.config)}),
+                }
+            )
+        for line in text.splitlines():
+            m = _PREFIX.match(line)
+            rest = m["rest"].strip() if m else line
+            table_or_lanes = rest.startswith(("|", "+")) or " cfg#" in rest
+            if _NOTE.search(rest) and not table_or_lanes and len(notes) < 20:
+                notes.append(rest[:300])
+    used = sorted({x for r in reads for x in r["transports"]})
+    unique_lanes = [dict(t) for t in {json.dumps(x, sort_keys=True): x for x in lanes}.values()]
+    return {"read_transports": used, "reads": reads, "endpoint_lanes": unique_lanes, "notes": notes}
+
+
+# ------------------------------------------------------------------------------------------------ decoder
+
+
+class _DeviceBuffer:
+    """A plain torch allocation standing where the stand-in keeps its shm buffer."""
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+
+    def close(self) -> bool:
+        self.tensor = None
+        return True
+
+
+class DeviceStandin(DecoderStandin):
+    """The decoder stand-in with its planes where ``device`` says: /dev/shm on ``cpu`` (exactly the parent's),
+    VRAM on ``cuda:N`` (one torch allocation, exported by CUDA IPC at registration)."""
+
+    def __init__(
+        self,
+        socket: str,
+        shape: StandinShape,
+        *,
+        device: str,
+        compat_factors: dict[str, Any],
+        pull_timeout_s: float = 30.0,
+        register_timeout_s: float = 30.0,
+        seed: int = 0,
+    ) -> None:
+        if parse_device(device) is None:
+            super().__init__(
+                socket,
+                shape,
+                compat_factors=compat_factors,
+                pull_timeout_s=pull_timeout_s,
+                register_timeout_s=register_timeout_s,
+                seed=seed,
+            )
+            self.device = "cpu"
+            return
+        import torch
+
+        from sidecar.ipc import torch_dtype
+        from vllm_glue.worker import WorkerHalf
+
+        self.device = device
+        self.shape = shape
+        self.compat_factors = compat_factors
+        self.buffer = _DeviceBuffer(
+            torch.zeros(shape.layers * shape.layer_bytes, dtype=torch.uint8, device=device)
+        )
+        flat = self.buffer.tensor.view(torch_dtype(shape.dtype))
+        b, n, hd = shape.num_blocks, shape.block_size, shape.heads * shape.head_size
+        per_layer = 2 * b * n * hd
+        # vLLM's shuffled LHBNC view, as the parent builds it: slot 0 the K plane of all blocks, slot 1 the V.
+        self.kv_caches = {
+            f"model.layers.{layer}.self_attn.attn": flat.as_strided(
+                (b, 2, n, hd), (n * hd, b * n * hd, hd, 1), layer * per_layer
+            )
+            for layer in range(shape.layers)
+        }
+        self.worker = WorkerHalf(socket, pull_timeout_s=pull_timeout_s, register_timeout_s=register_timeout_s)
+        self._rng = random.Random(seed)
+        self._free = list(range(1, shape.num_blocks))
+        self._rng.shuffle(self._free)
+        self._sent_ns = {}
+        self.reports = []
+
+    def plane_bases(self) -> tuple[list[int], list[int]]:
+        """Byte addresses of each layer's K plane and V plane (block 0 of each)."""
+        base, s = self.buffer.tensor.data_ptr(), self.shape
+        plane = s.num_blocks * s.fmt.plane_block_bytes
+        return [base + 2 * i * plane for i in range(s.layers)], [
+            base + (2 * i + 1) * plane for i in range(s.layers)
+        ]
+
+
+def spread(n: int, k: int) -> list[int]:
+    """``k`` indices spread over ``range(n)``, first and last included."""
+    if k >= n:
+        return list(range(n))
+    if k <= 1:
+        return [0]
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+
+
+def mismatched_planes(
+    standin: DecoderStandin,
+    kernel_block_ids: list[int],
+    generations: list[int],
+    local_ids: list[int],
+    seed: int,
+    remote_fmt: PageFormat,
+    layers: Sequence[int],
+) -> list[str]:
+    """Every (layer, block, plane) of the decoder that differs from the torch reference conversion of the
+    emulator's pages, computed on the planes' own device ([] when bit-exact)."""
+    import torch
+
+    from sidecar.convert.checks import check_job
+    from sidecar.convert.reference import run_reference
+    from sidecar.emulator_pages import expected_pages_torch
+    from sidecar.ipc import torch_dtype
+
+    dev = standin.buffer.tensor.device
+    count = len(local_ids)
+    kb, gens = kernel_block_ids[len(kernel_block_ids) - count :], generations[len(generations) - count :]
+    dtype = torch_dtype(remote_fmt.dtype)
+    half = remote_fmt.plane_block_bytes // remote_fmt.elem_bytes
+    ids = torch.tensor(local_ids, dtype=torch.long)
+    bad: list[str] = []
+    for layer in layers:
+        pages = expected_pages_torch(seed, layer, kb, gens, remote_fmt, device=str(dev)).view(dtype)
+        want_k = torch.zeros((count, half), dtype=dtype, device=dev)
+        want_v = torch.zeros((count, half), dtype=dtype, device=dev)
+        job = check_job(
+            [want_k],
+            [want_v],
+            torch.arange(count),
+            num_heads=remote_fmt.num_heads,
+            block_size=remote_fmt.block_size,
+            head_size=remote_fmt.head_size,
+            srcs=[pages],
+        )
+        run_reference(job)
+        for name, plane, want in (
+            ("K", standin.k_plane(layer), want_k),
+            ("V", standin.v_plane(layer), want_v),
+        ):
+            got = plane.index_select(0, ids.to(dev)).view(torch.int16)
+            rows = (got != want.view(torch.int16)).any(dim=1).nonzero().flatten().tolist()
+            bad += [f"layer {layer} block {local_ids[r]} {name} plane" for r in rows]
+    return bad
+
+
+# ------------------------------------------------------------------------------------------------ processes
+
+
+def toml_format(f: PageFormat) -> str:
+    return (
+        f'{{kind = "{f.kind}", layout = "{f.layout}", dtype = "{f.dtype}", num_heads = {f.num_heads}, '
+        f"block_size = {f.block_size}, head_size = {f.head_size}}}"
+    )
+
+
+def ucx_env(logs: Path, role: str, level: str, cuda: bool) -> dict[str, str]:
+    """UCX/NIXL settings of one process: its own UCX log file, protocol tables on, cuda_ipc reads allowed."""
+    env = {
+        "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
+        "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
+        "UCX_LOG_LEVEL": level,
+        "UCX_PROTO_INFO": "y",
+        "UCX_LOG_FILE": str(logs / f"ucx-{role}-%p.log"),
+    }
+    if cuda:
+        env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+    return env
+
+
+def start_daemon(
+    work: Path,
+    name: str,
+    *,
+    remote_fmt: PageFormat,
+    gpu: int | None,
+    mode: str,
+    staging_bytes: int,
+    env: dict[str, str],
+    log_path: Path,
+    settings: dict[str, str] | None = None,
+    timeout_s: float = 120.0,
+) -> Any:
+    """``kv-sidecar serve`` for one pull mode, configured by a TOML file (``settings``: more keys, raw TOML
+    values, overriding these); returns the ServeProcess."""
+    from sidecar.cli import spawn_serve
+    from sidecar.config import ENV_NOT_KEYS, Config
+
+    keys = {
+        "socket": f'"ipc://{work}/{name}.sock"',
+        "metrics_port": "-1",
+        "log_level": '"INFO"',
+        "pull_mode": f'"{mode}"',
+        "staging_bytes": str(staging_bytes if mode == "staged" else 0),
+        "lease_s": "600.0",
+    }
+    if gpu is not None:
+        keys["gpu"] = str(gpu)
+    keys.update(settings or {})
+    lines = [f"{k} = {v}" for k, v in keys.items()]
+    lines += ["", "[[remotes]]", 'match = "127.0.0.1:*"', f"page_format = {toml_format(remote_fmt)}"]
+    path = work / f"{name}.toml"
+    path.write_text("\n".join(lines) + "\n")
+    # The daemon reads every KV_SIDECAR_* variable as a config key and refuses unknown ones (such as
+    # KV_SIDECAR_BENCH_OUT, which the GPU slice test reads): keep those out of its environment.
+    config_vars = {f"KV_SIDECAR_{f.name.upper()}" for f in msgspec.structs.fields(Config)} | ENV_NOT_KEYS
+    foreign = [k for k in os.environ if k.startswith("KV_SIDECAR_") and k not in config_vars]
+    hidden = {k: os.environ.pop(k) for k in foreign}
+    try:
+        with open(log_path, "ab") as log:
+            return spawn_serve(["--config", str(path)], timeout_s=timeout_s, env=env, stderr=log)
+    finally:
+        os.environ.update(hidden)
+
+
+class BareReader:
+    """This process's own NIXL agent reading the daemon's descriptors into the same planes: no daemon, no
+    conversion, no notification. The prefill's blocks are only read, so the daemon reads them next."""
+
+    def __init__(
+        self,
+        standin: DeviceStandin,
+        ready: Any,
+        remote_fmt: PageFormat,
+        local_fmt: PageFormat,
+        *,
+        staging_bytes: int,
+        layer_groups: int,
+        sleep_s: float,
+    ) -> None:
+        from sidecar import vllm_wire
+        from sidecar.geometry import LocalRegions, StagingPool
+        from sidecar.transfer import RemoteFormatRule, Transfer, TransferSettings, admit_remote
+
+        gpu = parse_device(standin.device)
+        self.mem, dev = ("DRAM", 0) if gpu is None else ("VRAM", gpu)
+        self.layers = standin.shape.layers
+        self.layer_groups = layer_groups
+        self.sleep_s = sleep_s
+        self.descriptors = 0  # per request, of the last batch
+        settings = TransferSettings(
+            name_prefix="bench-bare",
+            remote_formats=(RemoteFormatRule(address="*:*", format=remote_fmt),),
+            remote_mem_type=self.mem,
+            cuda_device=gpu,
+        )
+        t0 = time.perf_counter()
+        self.tx = Transfer(settings)
+        self.agent_s = time.perf_counter() - t0
+        host, port = ready.side_channel_host, ready.side_channel_port
+        reply = vllm_wire.fetch_handshake(
+            host, port, [(0, 0)], timeout_s=30.0, expected_engine_id=ready.engine_id
+        )
+        meta = reply[(0, 0)].metadata
+        plan, regions = admit_remote(
+            meta,
+            address=f"{host}:{port}",
+            local_format=local_fmt,
+            layers=self.layers,
+            settings=settings,
+            check_identity=False,
+        )
+        self.peer = self.tx.add_peer(
+            engine_id=meta.engine_id,
+            tp_rank=0,
+            generation=1,
+            address=f"{host}:{port}",
+            agent_metadata=meta.agent_metadata,
+            plan=plan,
+            regions=regions,
+        )
+        planes = standin.buffer.tensor
+        ranges = [(planes.data_ptr(), planes.numel(), dev)]
+        self.pool_tensor = None
+        if staging_bytes:
+            import torch
+
+            self.pool_tensor = torch.empty(staging_bytes, dtype=torch.uint8, device=standin.device)
+            ranges.append((self.pool_tensor.data_ptr(), staging_bytes, dev))
+        reg = self.tx.register(ranges, self.mem)
+        k, v = standin.plane_bases()
+        shape = standin.shape
+        regions_local = LocalRegions.planes(
+            k, v, shape.fmt.plane_block_bytes, shape.num_blocks, device_id=dev, mem_type=self.mem
+        )
+        self.dest = self.tx.destination(reg, regions_local)
+        self.pool = None
+        if staging_bytes:
+            slots = staging_bytes // remote_fmt.page_bytes
+            self.pool = self.tx.staging(
+                reg,
+                StagingPool(
+                    self.pool_tensor.data_ptr(),
+                    remote_fmt.page_bytes,
+                    slots,
+                    device_id=dev,
+                    mem_type=self.mem,
+                ),
+            )
+        t0 = time.perf_counter()
+        self.tx.prepare(self.peer, self.dest, "direct")
+        self.prep_s = time.perf_counter() - t0
+
+    def _bounds(self) -> list[tuple[int, int]]:
+        b = np.linspace(0, self.layers, max(1, min(self.layer_groups, self.layers)) + 1).astype(int)
+        return list(zip(b[:-1].tolist(), b[1:].tolist(), strict=True))
+
+    def _wait(self, handles: list[Any], deadline: float) -> None:
+        agent = self.tx.agent
+        pending = list(handles)
+        while pending:
+            states = [agent.check_xfer_state(h) for h in pending]
+            if "ERR" in states:
+                raise BenchError("bare NIXL read: a transfer ended in ERR")
+            pending = [h for h, s in zip(pending, states, strict=True) if s != "DONE"]
+            if pending:
+                if time.monotonic() > deadline:
+                    raise BenchError(f"bare NIXL read: {len(pending)} transfer(s) not done in time")
+                time.sleep(self.sleep_s)
+
+    def _post(self, make: Any, handles: list[Any]) -> None:
+        h = make()
+        handles.append(h)
+        if self.tx.agent.transfer(h) == "ERR":
+            raise BenchError("bare NIXL read: transfer() returned ERR")
+
+    def batch(self, mode: str, requests: list[tuple[list[int], list[int], int]], timeout_s: float) -> float:
+        """Read every request at once (staged: in waves that fit the pool); seconds from the first post to the
+        last completion. ``requests``: (local kernel ids, remote kernel ids, remote_num_tokens)."""
+        from sidecar.geometry import contiguous_slots
+
+        agent, peer, deadline = self.tx.agent, self.peer, time.monotonic() + timeout_s
+        bounds = self._bounds()
+        handles: list[Any] = []
+        try:
+            if mode == "direct":
+                geo = self.tx.geometry(peer, self.dest, "direct")
+                lh, rh = self.tx.prepare(peer, self.dest, "direct")
+                parts = []
+                for loc, rem, tokens in requests:
+                    idx = geo.indices(loc, rem, tokens)
+                    parts += [idx.layer_slice(a, b) for a, b in bounds]
+                self.descriptors = sum(p[0].size for p in parts) // len(requests)
+                t0 = time.perf_counter()
+                for li, ri in parts:
+                    self._post(lambda li=li, ri=ri: agent.make_prepped_xfer("READ", lh, li, rh, ri), handles)
+                self._wait(handles, deadline)
+                return time.perf_counter() - t0
+            if self.pool is None:
+                raise BenchError("staged bare reads need --staging-gb > 0")
+            geo = self.tx.geometry(peer, self.dest, "staged", self.pool)
+            waves: list[list[Any]] = [[]]
+            used = 0
+            for loc, rem, tokens in requests:
+                need = self.layers * len(loc)
+                if need > self.pool.num_slots:
+                    raise BenchError(
+                        f"one request needs {need} staging slots, the pool has {self.pool.num_slots}"
+                    )
+                if used + need > self.pool.num_slots:
+                    waves.append([])
+                    used = 0
+                d = geo.staged_descs(
+                    rem,
+                    contiguous_slots(used, self.layers, len(loc)),
+                    local_block_ids=loc,
+                    remote_num_tokens=tokens,
+                )
+                used += need
+                waves[-1] += [d.layer_slice(a, b) for a, b in bounds]
+            self.descriptors = sum(p[0].shape[0] for w in waves for p in w) // len(requests)
+            t0 = time.perf_counter()
+            for wave in waves:
+                wave_handles: list[Any] = []
+                for loc_d, rem_d in wave:
+
+                    def make(loc_d=loc_d, rem_d=rem_d) -> Any:
+                        ld = agent.get_xfer_descs(loc_d, self.mem)
+                        rd = agent.get_xfer_descs(rem_d, peer.regions.mem_type)
+                        return agent.initialize_xfer("READ", ld, rd, peer.agent_name)
+
+                    self._post(make, wave_handles)
+                handles += wave_handles
+                self._wait(wave_handles, deadline)
+            return time.perf_counter() - t0
+        finally:
+            for h in handles:
+                with contextlib.suppress(Exception):
+                    agent.release_xfer_handle(h)
+
+    def close(self) -> None:
+        self.tx.close()
+        self.pool_tensor = None
+
+
+# ------------------------------------------------------------------------------------------------ measures
+
+
+def peer_copy(nbytes: int, src: str, dst: str, reps: int) -> dict[str, Any]:
+    """Median time of torch copying ``nbytes`` from ``src`` to ``dst`` in one piece (bytes counted once)."""
+    import torch
+
+    a = torch.empty(nbytes, dtype=torch.uint8, device=src).fill_(1)
+    b = torch.empty(nbytes, dtype=torch.uint8, device=dst).fill_(0)
+
+    def sync() -> None:
+        for d in {src, dst}:
+            if d != "cpu":
+                torch.cuda.synchronize(d)
+
+    sync()
+    b.copy_(a)  # warm-up: peer mappings, pages touched
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        sync()
+        times.append(time.perf_counter() - t0)
+    if not bool((b[:: max(1, nbytes // 4096)] == 1).all()):
+        raise BenchError("peer copy: the destination does not hold the source's bytes")
+    del a, b
+    if "cuda" in src or "cuda" in dst:
+        torch.cuda.empty_cache()
+    med = statistics.median(times)
+    return {"bytes": nbytes, "median_s": med, "min_s": min(times), "GBps": nbytes / med / 1e9, "reps": reps}
+
+
+def sidecar_batch(
+    standin: DecoderStandin, orders: list[Any], timeout_s: float
+) -> tuple[float, dict[str, Any]]:
+    """Send the Pulls in one step; seconds from the send to the last Done's arrival, and the outcomes."""
+    ids = {o.req_id for o in orders}
+    t0 = time.monotonic()
+    standin.pull(orders)
+    got = standin.wait(ids, timeout_s)
+    missing = sorted(ids - got.keys())
+    failed = [f"{o.req_id}: {o.reason}" for o in got.values() if not o.ok]
+    if missing or failed:
+        raise BenchError(f"kv-sidecar pulls failed: {failed[:3]} missing {missing[:3]}")
+    return max(o.received_at for o in got.values()) - t0, got
+
+
+def quantiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
+    if not values:
+        return {}
+    s = sorted(values)
+    return {
+        "p50": statistics.median(s) * scale,
+        "p99": s[min(len(s) - 1, max(0, math.ceil(0.99 * len(s)) - 1))] * scale,
+        "max": s[-1] * scale,
+        "n": len(s),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+def _device_names(devices: set[str]) -> dict[str, str]:
+    out = {}
+    for d in sorted(devices):
+        if d == "cpu":
+            model = ""
+            with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as f:
+                model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+            out[d] = f"CPU {model or platform.processor()} x{os.cpu_count()}"
+        else:
+            import torch
+
+            out[d] = torch.cuda.get_device_name(parse_device(d))
+    return out
+
+
+def _command_line() -> str:
+    prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    if prog == "kv-sidecar":
+        return shlex.join(["kv-sidecar", *sys.argv[1:]])
+    if prog in ("e2e.py", "__main__.py"):
+        return shlex.join(["python", "-m", "sidecar.bench.e2e", *sys.argv[1:]])
+    return shlex.join(sys.argv)
+
+
+def sizing(cells: list[Cell], layers: int, page: int, staging_gb: float) -> tuple[int, int]:
+    """(kernel blocks of the largest live batch, staging pool bytes) for the cells still to run."""
+    live = [c for c in cells if c.skipped is None]
+    max_blocks = max((c.concurrency * c.blocks for c in live), default=0)
+    staged = [c for c in live if c.mode == "staged"]
+    if not staged:
+        return max_blocks, 0
+    largest_request = max(c.blocks for c in staged) * layers * page
+    staging = max(min(int(staging_gb * 2**30), max_blocks * layers * page), largest_request)
+    return max_blocks, staging - staging % page
+
+
+def memory_check(
+    cells: list[Cell], prefill: str, decoder: str, layers: int, page: int, staging_gb: float
+) -> None:
+    """On GPUs, skip the largest batches until what they need fits the free memory (10 % slack): the
+    emulator's pool on the prefill device; the planes and two staging pools (daemon, bare) on the decoder."""
+    if prefill == "cpu":
+        return
+    import torch
+
+    while True:
+        max_blocks, staging = sizing(cells, layers, page, staging_gb)
+        if not max_blocks:
+            return
+        pool = (max_blocks + 1) * layers * page
+        need = {prefill: 0, decoder: 0}
+        need[prefill] += pool
+        need[decoder] += pool + 2 * staging
+        short = [d for d, n in need.items() if n * 1.1 > torch.cuda.mem_get_info(parse_device(d))[0]]
+        if not short:
+            return
+        for c in cells:
+            if c.skipped is None and c.concurrency * c.blocks == max_blocks:
+                c.skipped = f"needs ~{need[short[0]] / 2**30:.0f} GiB on {short[0]}, more than is free"
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole measurement; returns the result dict (written by ``run``)."""
+    started = time.monotonic()
+    prefill, decoder = resolve_devices(args.prefill_device, args.decoder_device)
+    cuda = prefill != "cpu"
+    remote_fmt, local_fmt = formats(args)
+    page = remote_fmt.page_bytes
+    contexts = int_list(args.contexts, "contexts")
+    concurrency = int_list(args.concurrency, "concurrency")
+    pairs = mode_order_pairs(args)
+    modes = sorted({m for m, _ in pairs}, key=("direct", "staged").index)
+    cells = plan_cells(
+        contexts, concurrency, pairs, args.block_size, page, args.layers, args.max_batch_tokens
+    )
+    if args.reps < 1 or args.warmup < 0:
+        raise BenchError("--reps must be >= 1 and --warmup >= 0")
+    memory_check(cells, prefill, decoder, args.layers, page, args.staging_gb)
+    max_blocks, staging = sizing(cells, args.layers, page, args.staging_gb)
+    if not max_blocks:
+        raise BenchError(f"every cell is skipped: {sorted({str(c.skipped) for c in cells})}")
+    live = [c for c in cells if c.skipped is None]
+    modes = [m for m in modes if any(c.mode == m for c in live)]
+    # the emulator's and the decoder's pools: the largest batch, plus vLLM's null block 0
+    pool_blocks = max_blocks + 1
+
+    work = Path(tempfile.mkdtemp(prefix="kv-sidecar-e2e-"))
+    logs = args.logs or work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    for key, value in ucx_env(logs, "bench", args.ucx_log_level, cuda).items():
+        os.environ[key] = value  # before this process loads UCX (the bare reader's agent)
+
+    result: dict[str, Any] = {
+        "bench": "e2e",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": _command_line(),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "devices": {"prefill": prefill, "decoder": decoder, "names": _device_names({prefill, decoder})},
+        "shape": {
+            "layers": args.layers,
+            "heads": args.heads,
+            "head_size": args.head_size,
+            "block_size": args.block_size,
+            "dtype": args.dtype,
+            "page_bytes": page,
+            "pool_blocks": pool_blocks,
+        },
+        "settings": {
+            "reps": args.reps,
+            "warmup": args.warmup,
+            "layer_groups": args.layer_groups,
+            "staging_bytes": staging,
+            "poll_sleep_us": args.poll_sleep_us,
+            "daemon_set": list(args.daemon_set),
+            "budget_s": args.budget_s,
+        },
+    }
+    import torch
+
+    result["torch"] = torch.__version__
+
+    # 1. the link's limit, before the pools take the memory
+    peer: dict[int, dict[str, Any]] = {}
+    cap = max(page, int(args.peer_copy_max_gb * 2**30))
+    try:
+        for nbytes in sorted({min(c.nbytes, cap) for c in live}):
+            peer[nbytes] = peer_copy(nbytes, prefill, decoder, args.peer_copy_reps)
+    except Exception as exc:  # noqa: BLE001 - the NIXL and kv-sidecar numbers are still worth having
+        result["peer_copy_error"] = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+    result["peer_copy"] = list(peer.values())
+    print(
+        "peer copy "
+        + ", ".join(f"{p['bytes'] / 2**20:.2f} MiB {p['GBps']:.2f} GB/s" for p in peer.values())
+        + f" ({prefill} -> {decoder})",
+        flush=True,
+    )
+
+    from sidecar.emulator_control import spawn_emulator
+
+    emu = standin = bare = None
+    daemons: dict[str, Any] = {}
+    workers: dict[str, Any] = {}
+    failed = ""
+    try:
+        emu = spawn_emulator(
+            [
+                *("--device", prefill, "--layers", str(args.layers), "--heads", str(args.heads)),
+                *("--head-size", str(args.head_size), "--block-size", str(args.block_size)),
+                *("--dtype", args.dtype, "--num-blocks", str(pool_blocks), "--lease", "600"),
+                *("--seed", str(args.seed), "--control", f"ipc://{work}/emu.sock"),
+            ],
+            180.0,
+            ucx_env(logs, "prefill", args.ucx_log_level, cuda),
+        )
+        shape = StandinShape(
+            layers=args.layers,
+            heads=args.heads,
+            head_size=args.head_size,
+            block_size=args.block_size,
+            num_blocks=pool_blocks,
+            dtype=args.dtype,
+        )
+        factors = dict(emu.ready.compat_factors)
+        settings = {
+            "max_inflight": str(max(64, max(concurrency))),
+            "layer_groups": str(args.layer_groups),
+            **daemon_settings(args.daemon_set),
+        }
+        for mode in modes:
+            daemons[mode] = start_daemon(
+                work,
+                f"daemon-{mode}",
+                remote_fmt=remote_fmt,
+                gpu=parse_device(decoder),
+                mode=mode,
+                staging_bytes=staging,
+                env=ucx_env(logs, f"daemon-{mode}", args.ucx_log_level, cuda),
+                log_path=logs / f"daemon-{mode}.log",
+                settings=settings,
+            )
+        standin = DeviceStandin(
+            daemons[modes[0]].socket,
+            shape,
+            device=decoder,
+            compat_factors=factors,
+            pull_timeout_s=args.timeout,
+            register_timeout_s=120.0,
+        )
+        from vllm_glue.worker import WorkerHalf
+
+        for mode in modes:
+            w = (
+                standin.worker
+                if mode == modes[0]
+                else WorkerHalf(daemons[mode].socket, pull_timeout_s=args.timeout, register_timeout_s=120.0)
+            )
+            if not w.register(standin.kv_caches, shape.fmt, factors):
+                raise BenchError(f"the {mode} daemon did not register the planes: {w.client.status_reason}")
+            workers[mode] = w
+        bare = BareReader(
+            standin,
+            emu.ready,
+            remote_fmt,
+            local_fmt,
+            staging_bytes=staging,
+            layer_groups=args.layer_groups,
+            sleep_s=args.poll_sleep_us * 1e-6,
+        )
+        result["bare_setup"] = {"agent_create_s": bare.agent_s, "prep_direct_s": bare.prep_s}
+        for cell in cells:
+            if cell.skipped is not None:
+                continue
+            if failed:
+                cell.skipped = f"not run after an error in an earlier cell ({failed})"
+                continue
+            if args.budget_s and time.monotonic() - started > args.budget_s:
+                cell.skipped = f"time budget of {args.budget_s:g} s spent"
+                continue
+            try:
+                run_cell(cell, emu.client, standin, workers[cell.mode], bare, args, remote_fmt)
+            except Exception as exc:  # noqa: BLE001 - recorded; the state is unknown, so no further cells
+                cell.skipped = failed = f"error: {type(exc).__name__}: {exc}"
+                print(f"{cell.mode}/{cell.order} {cell.context} x{cell.concurrency}: {failed}", flush=True)
+                continue
+            _print_cell(cell, peer.get(min(cell.nbytes, cap), {}).get("GBps", 0.0))
+        if failed:
+            result["error"] = failed
+    except Exception as exc:  # noqa: BLE001 - a setup failure still writes what was measured
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+    finally:
+        closers = [bare.close] if bare is not None else []
+        closers += [w.shutdown for w in workers.values() if standin is None or w is not standin.worker]
+        closers += [standin.close] if standin is not None else []
+        closers += [d.stop for d in daemons.values()] + ([emu.stop] if emu is not None else [])
+        for close in closers:
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - tear down the rest regardless
+                traceback.print_exc()
+
+    result["cells"] = [_cell_json(c, peer.get(min(c.nbytes, cap))) for c in cells]
+    result["transports"] = _transports(logs, modes)
+    result["must_show_failures"] = [
+        f"{c['mode']}/{c['order']} {c['context']} tokens x {c['concurrency']}: {why}"
+        for c in result["cells"]
+        if c.get("must_show")
+        for why in _failures(c)
+    ]
+    result["elapsed_s"] = time.monotonic() - started
+    if args.logs is None:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        shutil.rmtree(work / "logs", ignore_errors=True)
+        for p in work.glob("*.toml"):
+            shutil.copy(p, logs / p.name)
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+_REQUEST_IDS = itertools.count(1)
+
+
+def run_cell(
+    cell: Cell,
+    emulator: Any,
+    standin: DeviceStandin,
+    worker: Any,
+    bare: BareReader,
+    args: argparse.Namespace,
+    remote_fmt: PageFormat,
+) -> None:
+    """Warm-up then timed batches of one cell: fresh prefill requests, the bare read of their blocks, then
+    kv-sidecar's pulls of the same blocks; the first timed batch is checked bit for bit."""
+    from vllm_glue.orders import PullOrder, parse_remote
+
+    standin.worker = worker
+    for rep in range(args.warmup + args.reps):
+        replies = [
+            emulator.new_request(num_tokens=cell.context, order=cell.order) for _ in range(cell.concurrency)
+        ]
+        local = [standin.allocate(len(r.kernel_block_ids)) for r in replies]
+        try:
+            reqs = [(lo, r.kernel_block_ids, r.num_tokens) for lo, r in zip(local, replies, strict=True)]
+            bare_s = bare.batch(cell.mode, reqs, args.timeout)
+            pulls = [
+                PullOrder(
+                    f"e2e-{next(_REQUEST_IDS)}",
+                    parse_remote(r.kv_transfer_params),
+                    lo,
+                    True,
+                    time.monotonic_ns(),
+                )
+                for lo, r in zip(local, replies, strict=True)
+            ]
+            side_s, outcomes = sidecar_batch(standin, pulls, args.timeout)
+            if rep == args.warmup:
+                _verify(cell, standin, replies, local, args, remote_fmt)
+            for r in replies:
+                try:
+                    emulator.wait_state(r.kv_transfer_params["remote_request_id"], "freed_by_notif", 30.0)
+                except Exception:  # noqa: BLE001 - recorded; its blocks stay taken
+                    cell.notified = False
+        finally:
+            for lo in local:
+                standin.release(lo)
+        if rep < args.warmup:
+            continue
+        cell.bare_s.append(bare_s)
+        cell.bare_descriptors = bare.descriptors
+        cell.sidecar_s.append(side_s)
+        for o in outcomes.values():
+            if "end_to_end" in o.timings:
+                cell.end_to_end_s.append(o.timings["end_to_end"])
+            for k, v in o.timings.items():
+                cell.stages_s.setdefault(k, []).append(v)
+            rt = standin.round_trip_s(o)
+            if rt is not None:
+                cell.round_trip_s.append(rt)
+
+
+def _verify(
+    cell: Cell, standin: DecoderStandin, replies: list[Any], local: list[list[int]], args: Any, fmt: Any
+) -> None:
+    """Check the first requests of a batch bit for bit; a check that cannot run is recorded, not raised."""
+    layers = spread(args.layers, args.verify_layers)
+    bad: list[str] = []
+    checked = min(args.verify_requests, len(replies))
+    try:
+        for r, lo in list(zip(replies, local, strict=True))[:checked]:
+            bad += mismatched_planes(
+                standin, r.kernel_block_ids, r.block_generations, lo, args.seed, fmt, layers
+            )
+    except Exception as exc:  # noqa: BLE001 - the timings are still valid; say the bytes were not checked
+        cell.verified = {"requests": 0, "layers": layers, "error": f"{type(exc).__name__}: {exc}"}
+        return
+    cell.verified = {"requests": checked, "layers": layers, "mismatches": len(bad), "first": bad[:5]}
+
+
+def _failures(c: dict[str, Any]) -> list[str]:
+    ms, out = c["must_show"], []
+    if ms["nixl_over_peer"] is None:
+        out.append("no peer copy measured to compare the bare NIXL read with")
+    elif not ms["nixl_at_least_0.8_peer"]:
+        out.append(f"bare NIXL at {ms['nixl_over_peer']:.3f} of the peer copy (< {PEER_FLOOR})")
+    if not ms["sidecar_within_limit"]:
+        out.append(
+            f"kv-sidecar {c['sidecar']['median_s'] * 1e3:.3f} ms > 1.05 x bare + 0.2 ms x "
+            f"{c['concurrency']} = {ms['sidecar_limit_s'] * 1e3:.3f} ms"
+        )
+    if c["verified"].get("mismatches"):
+        out.append(f"{c['verified']['mismatches']} converted plane-blocks differ from the reference")
+    if not c["verified"].get("requests"):
+        out.append(f"the converted bytes were not checked ({c['verified'].get('error', 'no check ran')})")
+    if not c["notified"]:
+        out.append("the prefill did not free every request by notification")
+    return out
+
+
+def _cell_json(c: Cell, peer: dict[str, Any] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "context": c.context,
+        "concurrency": c.concurrency,
+        "mode": c.mode,
+        "order": c.order,
+        "blocks_per_request": c.blocks,
+        "bytes": c.nbytes,
+    }
+    if c.skipped is not None or not c.sidecar_s:
+        out["skipped"] = c.skipped or "not run"
+        return out
+    peer_gbps = peer["GBps"] if peer else 0.0
+    bare, side = statistics.median(c.bare_s), statistics.median(c.sidecar_s)
+    out.update(
+        {
+            "peer_copy": {
+                "GBps": peer_gbps,
+                "s_for_these_bytes": c.nbytes / peer_gbps / 1e9 if peer_gbps else None,
+            },
+            "bare": {
+                "median_s": bare,
+                "all_s": c.bare_s,
+                "GBps": c.nbytes / bare / 1e9,
+                "descriptors_per_request": c.bare_descriptors,
+            },
+            "sidecar": {
+                "median_s": side,
+                "all_s": c.sidecar_s,
+                "GBps": c.nbytes / side / 1e9,
+                "per_request_end_to_end_ms": quantiles(c.end_to_end_s),
+                "shim_round_trip_ms": quantiles(c.round_trip_s),
+                "stages_ms": {k: quantiles(v) for k, v in sorted(c.stages_s.items())},
+            },
+            "verified": c.verified,
+            "notified": c.notified,
+            "must_show": must_show(c, peer_gbps),
+        }
+    )
+    return out
+
+
+def _transports(logs: Path, modes: list[str]) -> dict[str, Any]:
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)  # UCX's log file in this process is a buffered C stream
+    out = {}
+    for mode in modes:
+        out[f"daemon-{mode}"] = summarize_ucx_logs(sorted(glob.glob(str(logs / f"ucx-daemon-{mode}-*.log"))))
+    out["bare"] = summarize_ucx_logs(sorted(glob.glob(str(logs / "ucx-bench-*.log"))), "bench-bare")
+    out["prefill"] = summarize_ucx_logs(sorted(glob.glob(str(logs / "ucx-prefill-*.log"))))
+    return out
+
+
+def _print_cell(c: Cell, peer_gbps: float) -> None:
+    bare, side = statistics.median(c.bare_s), statistics.median(c.sidecar_s)
+    ms = must_show(c, peer_gbps)
+    ok = "ok" if ms["nixl_at_least_0.8_peer"] and ms["sidecar_within_limit"] else "MISS"
+    v = c.verified.get("mismatches")
+    check = " bit-exact" if v == 0 else f" MISMATCH {v}" if v else " UNVERIFIED"
+    print(
+        f"{c.mode:>6} {c.order:>10} {c.context:>6} tok x{c.concurrency:<3} {c.nbytes / 2**20:9.1f} MiB | "
+        f"peer {peer_gbps:8.1f} GB/s | bare {c.nbytes / bare / 1e9:7.2f} GB/s {bare * 1e3:9.2f} ms "
+        f"({c.bare_descriptors} descs/req) | kv-sidecar {c.nbytes / side / 1e9:7.2f} GB/s "
+        f"{side * 1e3:9.2f} ms "
+        f"(x{side / bare:.3f}) | {ok}{check}",
+        flush=True,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        result = run_bench(args)
+    except BenchError as exc:
+        print(f"kv-sidecar bench e2e: {exc}", file=sys.stderr)
+        return 2
+    out = args.out
+    if out is None:
+        out_dir = Path("bench/results") if Path("bench/results").is_dir() else Path(".")
+        tag = "-".join(
+            d.replace(":", "") for d in (result["devices"]["prefill"], result["devices"]["decoder"])
+        )
+        out = out_dir / f"e2e-{tag}-{result['date'][:10]}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    for role, t in result["transports"].items():
+        print(f"UCX reads of {role}: {', '.join(t['read_transports']) or 'none logged'}")
+    print(f"wrote {out}")
+    for f in result["must_show_failures"]:
+        print(f"must-show not met: {f}")
+    if result.get("error"):
+        print(f"kv-sidecar bench e2e: {result['error']}", file=sys.stderr)
+        return 2
+    return 1 if (args.check and result["must_show_failures"]) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kv-sidecar bench e2e", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""``kv-sidecar bench e2e``: its pure parts (cells, must-show, UCX log tables), then a small CPU run."""
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sidecar.bench import e2e
+
+# Two protocol tables of one UCX log as UCX 1.23 prints them (UCX_PROTO_INFO=y), with a line of another
+# thread of the same process in between; the first read by cma (CPU), the second by cuda_ipc (GPU).
+UCX_LOG = """\
+[1795956614.58] [vm:8744 :1]      ucp_worker.c:1997 UCX  INFO    kv-sidecar-bcd intra-node cfg#1 \
+rma_am(tcp/lo)  amo_am(tcp/lo)  am(tcp/lo cma/memory)  ka(tcp/lo)
+[1795956614.58] [vm:8744 :1]   +--------+-------------+-------------------------------------------+
+[1795956614.58] [vm:8744 :1]   | kv-sidecar-bcd intra-node cfg#1                                  |
+[1795956614.58] [vm:8744 :1]   | remote memory read by ucp_get*(multi) into host memory from host |
+[1795956614.58] [vm:8744 :1]   +--------+-------------+-------------------------------------------+
+[1795956614.58] [vm:8744 :0]   | kv-sidecar-bcd self cfg#0                                        |
+[1795956614.58] [vm:8744 :1]   | Range  | Description |                  Config                   |
+[1795956614.58] [vm:8744 :1]   +--------+-------------+-------------------------------------------+
+[1795956614.58] [vm:8744 :1]   | 0..inf | zero-copy   | cma/memory                                |
+[1795956614.58] [vm:8744 :1]   +--------+-------------+-------------------------------------------+
+[1795956614.59] [vm:8744 :0]   | active message by ucp_am_send* from host memory                  |
+[1795956614.59] [vm:8744 :0]   | 0..inf | zero-copy   | tcp/lo                                    |
+[1795956615.01] [vm:8744 :1]   | kv-sidecar-bcd intra-node cfg#2                                  |
+[1795956615.01] [vm:8744 :1]   | remote memory read by ucp_get*(multi) into cuda/GPU0 from cuda/GPU0 |
+[1795956615.01] [vm:8744 :1]   |   0..8k | short      | rma_am tcp/lo                               |
+[1795956615.01] [vm:8744 :1]   | 8k..inf | zero-copy  | cuda_ipc/cuda                               |
+[1795956615.02] [vm:8744 :1]     cuda_ipc_iface.c:99 UCX  INFO cuda-ipc get zcopy disabled as no nvlinks \
+detected
+"""
+
+
+def test_proto_tables_are_read_per_thread_and_name_their_transports(tmp_path) -> None:
+    tables = e2e.parse_proto_tables(UCX_LOG)
+    assert [(t.scope, t.operation.split(" into ")[0]) for t in tables] == [
+        ("intra-node", "remote memory read by ucp_get*(multi)"),
+        ("self", "active message by ucp_am_send* from host memory"),
+        ("intra-node", "remote memory read by ucp_get*(multi)"),
+    ]
+    assert tables[0].rows == [e2e.ProtoRow("0..inf", "zero-copy", "cma/memory")] and tables[0].pid == 8744
+    assert [e2e.transports_of(r.config) for r in tables[2].rows] == [["tcp"], ["cuda_ipc"]]
+    log = tmp_path / "ucx-daemon-direct-8744.log"
+    log.write_text(UCX_LOG)
+    s = e2e.summarize_ucx_logs([str(log), str(tmp_path / "missing.log")], "kv-sidecar")
+    assert s["read_transports"] == ["cma", "cuda_ipc", "tcp"]  # self-scope and non-read tables left out
+    assert [r["transports"] for r in s["reads"]] == [["cma"], ["cuda_ipc", "tcp"]]
+    assert s["endpoint_lanes"] == [
+        {
+            "scope": "intra-node",
+            "lanes": {"rma_am": ["tcp"], "amo_am": ["tcp"], "am": ["tcp", "cma"], "ka": ["tcp"]},
+        }
+    ]
+    assert any("no nvlinks" in n for n in s["notes"])
+    assert e2e.summarize_ucx_logs([str(log)], "bench-bare")["read_transports"] == []
+
+
+def test_cells_smallest_first_and_over_size_skipped() -> None:
+    pairs = [("direct", "random"), ("staged", "random")]
+    cells = e2e.plan_cells([4096, 16384], [1, 8, 32], pairs, 16, 65536, 36, 131072)
+    sizes = [c.concurrency * c.blocks for c in cells]
+    assert sizes == sorted(sizes) and len(cells) == 12
+    skipped = {(c.context, c.concurrency) for c in cells if c.skipped}
+    assert skipped == {(16384, 32)}
+    c = next(c for c in cells if (c.context, c.concurrency) == (4096, 8))
+    assert c.blocks == 256 and c.nbytes == 8 * 256 * 36 * 65536
+    assert e2e.plan_cells([40], [3], [("staged", "contiguous")], 16, 4096, 2, 0)[0].blocks == 3
+
+
+def test_sizing_caps_the_staging_pool_but_fits_one_request() -> None:
+    cells = e2e.plan_cells([4096], [1, 8], [("direct", "random"), ("staged", "random")], 16, 65536, 36, 0)
+    request = 256 * 36 * 65536  # one 4k request: 0.6 GB
+    assert e2e.sizing(cells, 36, 65536, staging_gb=1.0) == (8 * 256, 2**30)  # the cap
+    assert e2e.sizing(cells, 36, 65536, staging_gb=100.0) == (8 * 256, 8 * request)  # the largest batch
+    assert e2e.sizing(cells, 36, 65536, staging_gb=0.1) == (8 * 256, request)  # raised to one request
+    direct = e2e.plan_cells([4096], [8], [("direct", "random")], 16, 65536, 36, 0)
+    assert e2e.sizing(direct, 36, 65536, 16.0) == (2048, 0)
+
+
+def test_must_show_arithmetic() -> None:
+    cell = e2e.Cell(4096, 8, "direct", "random", 256, nbytes=10**9)
+    cell.bare_s, cell.sidecar_s = [0.010, 0.011, 0.012], [0.0120, 0.0126, 0.02]
+    ms = e2e.must_show(cell, peer_gbps=120.0)
+    assert ms["nixl_over_peer"] == pytest.approx((1e9 / 0.011 / 1e9) / 120.0)
+    assert ms["nixl_at_least_0.8_peer"] is False  # 90.9 GB/s < 96
+    assert ms["sidecar_limit_s"] == pytest.approx(1.05 * 0.011 + 8 * 0.2e-3)
+    assert ms["sidecar_within_limit"] is True  # 12.6 ms <= 13.15 ms
+    assert e2e.must_show(cell, peer_gbps=100.0)["nixl_at_least_0.8_peer"] is True
+
+
+def test_options_are_checked() -> None:
+    assert e2e.parse_device("cpu") is None and e2e.parse_device("cuda:3") == 3
+    assert e2e.resolve_devices("cpu", "cpu") == ("cpu", "cpu")
+    for bad in ("gpu", "cuda", "cuda:x"):
+        with pytest.raises(e2e.BenchError):
+            e2e.parse_device(bad)
+    with pytest.raises(e2e.BenchError, match="both sides"):
+        e2e.resolve_devices("cpu", "cuda:0")
+    with pytest.raises(e2e.BenchError, match="--contexts"):
+        e2e.int_list("4k", "contexts")
+    with pytest.raises(e2e.BenchError, match="--modes"):
+        e2e.choice_list("direct,plain", "modes", ("direct", "staged"))
+    assert e2e.daemon_settings(["poll_interval_s=0.0002", 'log_level = "DEBUG"']) == {
+        "poll_interval_s": "0.0002",
+        "log_level": '"DEBUG"',
+    }
+    with pytest.raises(e2e.BenchError, match="KEY=VALUE"):
+        e2e.daemon_settings(["poll_interval_s"])
+    ns = argparse.Namespace(pairs="", modes="direct,staged", orders="random,contiguous")
+    assert e2e.mode_order_pairs(ns) == [
+        ("direct", "random"),
+        ("staged", "random"),
+        ("direct", "contiguous"),
+        ("staged", "contiguous"),
+    ]
+    ns.pairs = "direct/random, staged/contiguous"
+    assert e2e.mode_order_pairs(ns) == [("direct", "random"), ("staged", "contiguous")]
+    ns.pairs = "plain/random"
+    with pytest.raises(e2e.BenchError, match="--pairs"):
+        e2e.mode_order_pairs(ns)
+    assert e2e.spread(36, 3) == [0, 18, 35] and e2e.spread(2, 3) == [0, 1] and e2e.spread(5, 1) == [0]
+
+
+@pytest.mark.e2e
+def test_cpu_run_end_to_end(tmp_path) -> None:
+    """The CPU twin: emulator, two daemons (direct, staged) and the decoder; every cell measured, bit-exact,
+    the prefill freed by notification, and UCX's own logs name the transport that carried the reads."""
+    out, logs = tmp_path / "e2e.json", tmp_path / "logs"
+    args = [
+        *("--prefill-device", "cpu", "--decoder-device", "cpu", "--layers", "2", "--heads", "2"),
+        *("--head-size", "64", "--block-size", "16", "--contexts", "40,200", "--concurrency", "3"),
+        *("--reps", "1", "--warmup", "0", "--verify-requests", "3", "--verify-layers", "2"),
+        *("--out", str(out), "--logs", str(logs), "--check"),
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "sidecar.bench.e2e", *args], capture_output=True, text=True, timeout=240
+    )
+    # the CPU twin cannot meet the GPU must-show (ZMQ + a CPU conversion against a sub-ms memcpy): --check
+    # turns that into exit 1, everything else ran
+    assert proc.returncode == 1 and "must-show not met" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["devices"]["prefill"] == r["devices"]["decoder"] == "cpu"
+    cells = r["cells"]
+    assert len(cells) == 8 and not [c for c in cells if "skipped" in c]
+    for c in cells:
+        assert c["verified"]["mismatches"] == 0 and c["verified"]["requests"] == 3, c
+        assert c["verified"]["layers"] == [0, 1] and c["notified"]
+        assert c["bare"]["GBps"] > 0 and c["sidecar"]["GBps"] > 0 and c["peer_copy"]["GBps"] > 0
+        assert c["sidecar"]["per_request_end_to_end_ms"]["n"] == 3
+        assert {"queue", "handshake", "transfer", "convert", "end_to_end"} <= set(c["sidecar"]["stages_ms"])
+        assert c["must_show"]["sidecar_over_bare"] > 0
+    by = {(c["mode"], c["order"], c["context"]): c for c in cells}
+    # direct: two half-page descriptors per block and layer; staged: whole pages, merged when adjacent
+    assert by[("direct", "random", 200)]["bare"]["descriptors_per_request"] == 2 * 2 * 13
+    assert by[("staged", "contiguous", 200)]["bare"]["descriptors_per_request"] == 2  # one run per layer
+    assert by[("staged", "random", 200)]["bare"]["descriptors_per_request"] > 2
+    t = r["transports"]
+    for role in ("daemon-direct", "daemon-staged", "bare"):
+        assert t[role]["read_transports"] and set(t[role]["read_transports"]) <= {
+            "cma",
+            "tcp",
+            "sysv",
+            "posix",
+        }
+        assert all(r["scope"] == "intra-node" for r in t[role]["reads"])
+    assert sorted(p.name for p in logs.glob("daemon-*.toml")) == ["daemon-direct.toml", "daemon-staged.toml"]
+    assert r["must_show_failures"]
