@@ -45,16 +45,26 @@ class StandinShape(msgspec.Struct, frozen=True, kw_only=True):
     num_blocks: int = 256
     dtype: str = "bfloat16"
 
-    @property
-    def fmt(self) -> PageFormat:
+    def page_format(self, kind: str, layout: str) -> PageFormat:
+        """This shape's pages as ``kind`` in ``layout``."""
         return PageFormat(
-            kind=AITER_SHUFFLED,
-            layout="LHBNC",
+            kind=kind,
+            layout=layout,
             dtype=self.dtype,
             num_heads=self.heads,
             block_size=self.block_size,
             head_size=self.head_size,
         )
+
+    @property
+    def fmt(self) -> PageFormat:
+        """The decoder's own pages: AITER-shuffled LHBNC."""
+        return self.page_format(AITER_SHUFFLED, "LHBNC")
+
+    @property
+    def remote_fmt(self) -> PageFormat:
+        """The prefill's pages of the same model: vLLM's standard LBHNC."""
+        return self.page_format(STANDARD, "LBHNC")
 
     @property
     def plane_elems(self) -> int:
@@ -66,8 +76,22 @@ class StandinShape(msgspec.Struct, frozen=True, kw_only=True):
         return 2 * self.num_blocks * self.plane_elems * self.fmt.elem_bytes
 
 
+class _DeviceBuffer:
+    """A plain torch allocation standing where the stand-in keeps its shm buffer."""
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+
+    def close(self) -> bool:
+        self.tensor = None
+        return True
+
+
 class DecoderStandin:
-    """Owns the shm planes and one :class:`WorkerHalf`; a tiny block allocator stands in for vLLM's."""
+    """Owns the K/V planes and one :class:`WorkerHalf`; a tiny block allocator stands in for vLLM's.
+
+    The planes live in /dev/shm on ``device="cpu"``, else in one torch allocation on ``device`` (VRAM on
+    ``cuda:N``, exported by CUDA IPC at registration)."""
 
     def __init__(
         self,
@@ -78,13 +102,21 @@ class DecoderStandin:
         pull_timeout_s: float = 30.0,
         register_timeout_s: float = 30.0,
         seed: int = 0,
+        device: str = "cpu",
     ) -> None:
 
         from sidecar.ipc import create_shm_buffer, torch_dtype
 
+        self.device = device
         self.shape = shape
         self.compat_factors = compat_factors
-        self.buffer = create_shm_buffer(shape.layers * shape.layer_bytes)
+        nbytes = shape.layers * shape.layer_bytes
+        if device == "cpu":
+            self.buffer: Any = create_shm_buffer(nbytes)
+        else:
+            import torch
+
+            self.buffer = _DeviceBuffer(torch.zeros(nbytes, dtype=torch.uint8, device=device))
         dtype = torch_dtype(shape.dtype)
         flat = self.buffer.tensor.view(dtype)
         b, n, hd = shape.num_blocks, shape.block_size, shape.heads * shape.head_size
@@ -376,14 +408,7 @@ def run(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks,
         dtype=args.dtype,
     )
-    remote_fmt = PageFormat(
-        kind=STANDARD,
-        layout="LBHNC",
-        dtype=shape.dtype,
-        num_heads=shape.heads,
-        block_size=shape.block_size,
-        head_size=shape.head_size,
-    )
+    remote_fmt = shape.remote_fmt
     emulator = EmulatorClient(ready.control)
     try:
         # The decoder serves the same model as the prefill: its factors (the daemon swaps in each backend

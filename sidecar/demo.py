@@ -18,9 +18,12 @@ import sys
 import tempfile
 import time
 import urllib.request
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sidecar.formats import STANDARD, PageFormat
+from sidecar.formats import PageFormat
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sidecar.decoder_standin import StandinShape
 
 STAGES = ("queue", "handshake", "transfer", "convert", "end_to_end", "shim_round_trip")
 
@@ -89,15 +92,23 @@ def main(argv: list[str] | None = None) -> int:
 # ------------------------------------------------------------------------------------------- processes
 
 
-def remote_format(args: argparse.Namespace) -> PageFormat:
-    return PageFormat(
-        kind=STANDARD,
-        layout="LBHNC",
-        dtype=args.dtype,
-        num_heads=args.heads,
-        block_size=args.block_size,
+def standin_shape(args: argparse.Namespace, num_blocks: int = 256) -> StandinShape:
+    """The decoder's cache of the demo's model, ``num_blocks`` blocks."""
+    from sidecar.decoder_standin import StandinShape
+
+    return StandinShape(
+        layers=args.layers,
+        heads=args.heads,
         head_size=args.head_size,
+        block_size=args.block_size,
+        num_blocks=num_blocks,
+        dtype=args.dtype,
     )
+
+
+def remote_format(args: argparse.Namespace) -> PageFormat:
+    """The prefill's pages: vLLM's standard LBHNC of the demo's model."""
+    return standin_shape(args).remote_fmt
 
 
 def daemon_config(args: argparse.Namespace, socket: str, staging_bytes: int) -> str:
@@ -198,18 +209,11 @@ def _stop(emulator: Any, daemon: Any) -> list[str]:
 
 
 def _drive(args: argparse.Namespace, emulator: Any, daemon: Any) -> dict[str, Any]:
-    from sidecar.decoder_standin import DecoderStandin, StandinShape, run_session, summarize
+    from sidecar.decoder_standin import DecoderStandin, run_session, summarize
 
     blocks_per_request = -(-args.max_tokens // args.block_size)
     wave = args.concurrency or args.requests
-    shape = StandinShape(
-        layers=args.layers,
-        heads=args.heads,
-        head_size=args.head_size,
-        block_size=args.block_size,
-        num_blocks=1 + max(64, wave * blocks_per_request),
-        dtype=args.dtype,
-    )
+    shape = standin_shape(args, num_blocks=1 + max(64, wave * blocks_per_request))
     with DecoderStandin(
         daemon.socket,
         shape,

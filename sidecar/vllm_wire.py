@@ -276,8 +276,14 @@ def _configure_req(sock: zmq.Socket, address: str, timeout_s: float) -> None:
     sock.connect(address)
 
 
-def _refuse(exc: WireError, address: str) -> HandshakeRefused:
-    return HandshakeRefused(exc.field, exc.reason, address)
+def _accept_reply(
+    frames: list[bytes], pp: int, tp: int, rtt_s: float, expected_engine_id: str | None, address: str
+) -> HandshakeReply:
+    """decode_handshake_reply, its WireError raised as the client's HandshakeRefused."""
+    try:
+        return decode_handshake_reply(frames, pp, tp, rtt_s, expected_engine_id)
+    except WireError as exc:
+        raise HandshakeRefused(exc.field, exc.reason, address) from None
 
 
 def fetch_handshake(
@@ -305,10 +311,7 @@ def fetch_handshake(
             except zmq.Again:
                 raise HandshakeTimeout(address, pp, tp, timeout_s) from None
             rtt = time.perf_counter() - start
-            try:
-                out[(pp, tp)] = decode_handshake_reply(frames, pp, tp, rtt, expected_engine_id)
-            except WireError as exc:
-                raise _refuse(exc, address) from None
+            out[(pp, tp)] = _accept_reply(frames, pp, tp, rtt, expected_engine_id, address)
     finally:
         sock.close(linger=0)
     return out
@@ -341,10 +344,7 @@ async def fetch_handshake_async(
             except (asyncio.TimeoutError, zmq.Again):
                 raise HandshakeTimeout(address, pp, tp, timeout_s) from None
             rtt = time.perf_counter() - start
-            try:
-                out[(pp, tp)] = decode_handshake_reply(frames, pp, tp, rtt, expected_engine_id)
-            except WireError as exc:
-                raise _refuse(exc, address) from None
+            out[(pp, tp)] = _accept_reply(frames, pp, tp, rtt, expected_engine_id, address)
     finally:
         sock.close(linger=0)
     return out

@@ -32,7 +32,6 @@ import json
 import math
 import os
 import platform
-import random
 import re
 import shlex
 import shutil
@@ -374,70 +373,13 @@ def summarize_ucx_logs(paths: Sequence[str], agent_prefix: str = "") -> dict[str
 # ------------------------------------------------------------------------------------------------ decoder
 
 
-class _DeviceBuffer:
-    """A plain torch allocation standing where the stand-in keeps its shm buffer."""
-
-    def __init__(self, tensor: Any) -> None:
-        self.tensor = tensor
-
-    def close(self) -> bool:
-        self.tensor = None
-        return True
-
-
 class DeviceStandin(DecoderStandin):
     """The decoder stand-in with its planes where ``device`` says: /dev/shm on ``cpu`` (exactly the parent's),
     VRAM on ``cuda:N`` (one torch allocation, exported by CUDA IPC at registration)."""
 
-    def __init__(
-        self,
-        socket: str,
-        shape: StandinShape,
-        *,
-        device: str,
-        compat_factors: dict[str, Any],
-        pull_timeout_s: float = 30.0,
-        register_timeout_s: float = 30.0,
-        seed: int = 0,
-    ) -> None:
-        if parse_device(device) is None:
-            super().__init__(
-                socket,
-                shape,
-                compat_factors=compat_factors,
-                pull_timeout_s=pull_timeout_s,
-                register_timeout_s=register_timeout_s,
-                seed=seed,
-            )
-            self.device = "cpu"
-            return
-        import torch
-
-        from sidecar.ipc import torch_dtype
-        from vllm_glue.worker import WorkerHalf
-
-        self.device = device
-        self.shape = shape
-        self.compat_factors = compat_factors
-        self.buffer = _DeviceBuffer(
-            torch.zeros(shape.layers * shape.layer_bytes, dtype=torch.uint8, device=device)
-        )
-        flat = self.buffer.tensor.view(torch_dtype(shape.dtype))
-        b, n, hd = shape.num_blocks, shape.block_size, shape.heads * shape.head_size
-        per_layer = 2 * b * n * hd
-        # vLLM's shuffled LHBNC view, as the parent builds it: slot 0 the K plane of all blocks, slot 1 the V.
-        self.kv_caches = {
-            f"model.layers.{layer}.self_attn.attn": flat.as_strided(
-                (b, 2, n, hd), (n * hd, b * n * hd, hd, 1), layer * per_layer
-            )
-            for layer in range(shape.layers)
-        }
-        self.worker = WorkerHalf(socket, pull_timeout_s=pull_timeout_s, register_timeout_s=register_timeout_s)
-        self._rng = random.Random(seed)
-        self._free = list(range(1, shape.num_blocks))
-        self._rng.shuffle(self._free)
-        self._sent_ns = {}
-        self.reports = []
+    def __init__(self, socket: str, shape: StandinShape, *, device: str, **kw: Any) -> None:
+        parse_device(device)  # refuse anything but cpu / cuda:N
+        super().__init__(socket, shape, device=device, **kw)
 
     def plane_bases(self) -> tuple[list[int], list[int]]:
         """Byte addresses of each layer's K plane and V plane (block 0 of each)."""

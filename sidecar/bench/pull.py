@@ -433,6 +433,37 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
             counter[0] += 1
             return f"bench-{counter[0]}"
 
+        def verify(mode, remote_ids) -> None:
+            """One byte check per mode on the CPU: the pages read are the target's (pattern i*7 % 251)."""
+            tx.wait(
+                tx.pull(
+                    peer,
+                    dest,
+                    mode,
+                    local_ids,
+                    remote_ids,
+                    "bench-verify",
+                    pool=pool if mode == "staged" else None,
+                    slots=slots if mode == "staged" else None,
+                )
+            )
+            half = page // 2
+            for layer in (0, layers - 1):
+                for i in (0, n - 1):
+                    off = (layer * remote_blocks + remote_ids[i]) * page
+                    want = _pattern(off, page)
+                    if mode == "staged":
+                        got = pool_obj[1][slots[layer, i] * page : (slots[layer, i] + 1) * page]
+                    else:
+                        planes = planes_obj[1]
+                        k = planes[(2 * layer * n + i) * half : (2 * layer * n + i + 1) * half]
+                        v = planes[((2 * layer + 1) * n + i) * half : ((2 * layer + 1) * n + i + 1) * half]
+                        got = np.concatenate([k, v])
+                    if not np.array_equal(got, want):
+                        raise RuntimeError(
+                            f"{mode}: layer {layer} block {i} does not hold the target's bytes"
+                        )
+
         for mode in modes:
             geo = tx.geometry(peer, dest, mode, pool if mode == "staged" else None)
 
@@ -504,23 +535,7 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
                         times[name].append(seconds)
                         descs[name] = count
                 if rep == 0 and args.device == "cpu":
-                    _verify(
-                        mode,
-                        planes_obj,
-                        pool_obj,
-                        target,
-                        remote_ids,
-                        layers,
-                        n,
-                        page,
-                        remote_blocks,
-                        slots,
-                        tx,
-                        peer,
-                        dest,
-                        pool,
-                        local_ids,
-                    )
+                    verify(mode, remote_ids)
             gbps = {k: total / statistics.median(v) / 1e9 for k, v in times.items()}
             results[mode] = {
                 "bytes": total,
@@ -550,52 +565,6 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
         if tx is not None:
             tx.close()
         target.close()
-
-
-def _verify(
-    mode,
-    planes_obj,
-    pool_obj,
-    target,
-    remote_ids,
-    layers,
-    n,
-    page,
-    remote_blocks,
-    slots,
-    tx,
-    peer,
-    dest,
-    pool,
-    local_ids,
-) -> None:
-    """One byte check per mode on the CPU: the pages the bench read are the target's (pattern i*7 % 251)."""
-    tx.wait(
-        tx.pull(
-            peer,
-            dest,
-            mode,
-            local_ids,
-            remote_ids,
-            "bench-verify",
-            pool=pool if mode == "staged" else None,
-            slots=slots if mode == "staged" else None,
-        )
-    )
-    half = page // 2
-    for layer in (0, layers - 1):
-        for i in (0, n - 1):
-            off = (layer * remote_blocks + remote_ids[i]) * page
-            want = _pattern(off, page)
-            if mode == "staged":
-                got = pool_obj[1][slots[layer, i] * page : (slots[layer, i] + 1) * page]
-            else:
-                planes = planes_obj[1]
-                k = planes[(2 * layer * n + i) * half : (2 * layer * n + i + 1) * half]
-                v = planes[((2 * layer + 1) * n + i) * half : ((2 * layer + 1) * n + i + 1) * half]
-                got = np.concatenate([k, v])
-            if not np.array_equal(got, want):
-                raise RuntimeError(f"{mode}: layer {layer} block {i} does not hold the target's bytes")
 
 
 # -- report ----------------------------------------------------------------------------------------
