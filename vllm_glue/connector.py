@@ -4,9 +4,10 @@ Enable it with one flag on the decoder::
 
     --kv-transfer-config '{"kv_connector":"SidecarConnector","kv_connector_module_path":"vllm_glue.connector",
                            "kv_role":"kv_consumer",
-                           "kv_connector_extra_config":{"sidecar_socket":"ipc:///run/kv-sidecar/gpu0.sock"}}'
+                           "kv_connector_extra_config":{"sidecar_socket":"ipc:///run/kv-sidecar/gpu{rank}.sock"}}'
 
-``kv_connector_extra_config`` keys: ``sidecar_socket`` (``{rank}`` is replaced by the worker's TP rank),
+``kv_connector_extra_config`` keys: ``sidecar_socket`` (default ``ipc:///run/kv-sidecar/gpu{rank}.sock``;
+``{rank}`` is replaced by the worker's TP rank),
 ``sidecar_pull_timeout_s`` (60), ``sidecar_register_timeout_s`` (30), ``sidecar_grace_s`` (5), and vLLM's own
 ``kv_lease_duration`` (30; heartbeats every lease // 6 s, as stock vLLM).
 

@@ -26,7 +26,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SOCKET = "ipc:///run/kv-sidecar/gpu0.sock"
+# {rank} becomes the worker's TP rank: worker N talks to the daemon of GPU N (kv-sidecar@N).
+DEFAULT_SOCKET = "ipc:///run/kv-sidecar/gpu{rank}.sock"
 
 
 class WorkerHalf:
@@ -45,7 +46,7 @@ class WorkerHalf:
         tp_size: int = 1,
         engine_id: str = "",
     ) -> None:
-        self.socket = socket
+        self.socket = socket.replace("{rank}", str(worker_rank))
         self.pull_timeout_s = pull_timeout_s
         self.register_timeout_s = register_timeout_s
         self.tracker = LoadTracker(grace_s=grace_s)
