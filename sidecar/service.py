@@ -1330,14 +1330,12 @@ class Daemon:
             slot = self._pool["slot_bytes"]  # type: ignore[index]
             src = (
                 pool_t[first * slot : (first + n) * slot]
-                .view(_torch_dtype(fmt.dtype))
+                .view(ipc_mod.torch_dtype(fmt.dtype))
                 .view(len(caches.layers), per, -1)
             )
         loop = asyncio.get_running_loop()
         if self._stream is None:
-            job.conversion = loop.run_in_executor(
-                self._convert_pool, _convert_cpu, caches, job.blocks, fmt, src
-            )
+            job.conversion = loop.run_in_executor(self._convert_pool, _convert, caches, job.blocks, fmt, src)
         else:
             event = _launch_gpu(self._stream, caches, job.blocks, fmt, src)
             job.conversion = loop.run_in_executor(self._convert_pool, event.synchronize)
@@ -1437,13 +1435,8 @@ class Daemon:
 # ------------------------------------------------------------------------------------- conversion bodies
 
 
-def _torch_dtype(name: str) -> Any:
-    import torch
-
-    return getattr(torch, name)
-
-
-def _convert_cpu(caches: Caches, block_ids: np.ndarray, fmt: PageFormat, src: Any) -> None:
+def _convert(caches: Caches, block_ids: np.ndarray, fmt: PageFormat, src: Any) -> None:
+    """Convert a request's blocks in every layer (on the current stream, or the CPU)."""
     import torch
 
     from sidecar.convert import convert_layers_standard_to_shuffled
@@ -1463,18 +1456,8 @@ def _launch_gpu(stream: Any, caches: Caches, block_ids: np.ndarray, fmt: PageFor
     """Queue the conversion on the daemon's own stream (never the decoder's) and return its event."""
     import torch
 
-    from sidecar.convert import convert_layers_standard_to_shuffled
-
     with torch.cuda.stream(stream):
-        convert_layers_standard_to_shuffled(
-            caches.k_planes,
-            caches.v_planes,
-            torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64)),
-            num_heads=fmt.num_heads,
-            block_size=fmt.block_size,
-            head_size=fmt.head_size,
-            src=src,
-        )
+        _convert(caches, block_ids, fmt, src)
         event = torch.cuda.Event()
         event.record(stream)
     return event
