@@ -586,17 +586,12 @@ class Transfer:
             raise TransferFailed("the pull is sealed; no more transfers", "pull")
         try:
             handle = _nixl_call(what, make)
-            pull.handles.append(handle)
-            pull.done_flags.append(False)
-            state = _nixl_call("transfer", self.agent.transfer, handle)
         except TransferError as exc:
             self._fail(pull, exc)
             raise
-        if state == "ERR":
-            exc = TransferFailed("transfer() returned ERR")
-            self._fail(pull, exc)
-            raise exc
-        pull.done_flags[-1] = state == "DONE"
+        pull.handles.append(handle)
+        pull.done_flags.append(False)
+        pull.done_flags[-1] = self._state(pull, "transfer", self.agent.transfer, handle)
         pull.descriptors += count
         pull.nbytes += nbytes
 
@@ -695,6 +690,19 @@ class Transfer:
         """No more transfers for this pull: once all are done, its notification may go."""
         pull.sealed = True
 
+    def _state(self, pull: Pull, what: str, call: Any, handle: Any) -> bool:
+        """Post or check one transfer; True when it is DONE. A NIXL error fails the whole pull."""
+        try:
+            state = _nixl_call(what, call, handle)
+        except TransferError as exc:
+            self._fail(pull, exc)
+            raise
+        if state == "ERR":
+            exc = TransferFailed(f"{what} returned ERR")
+            self._fail(pull, exc)
+            raise exc
+        return state == "DONE"
+
     def poll(self, pull: Pull, now: float | None = None) -> bool:
         """Non-blocking: True once every transfer is DONE and the one notification has been sent.
 
@@ -708,16 +716,7 @@ class Transfer:
         for i, handle in enumerate(pull.handles):
             if pull.done_flags[i]:
                 continue
-            try:
-                state = _nixl_call("check_xfer_state", self.agent.check_xfer_state, handle)
-            except TransferError as exc:
-                self._fail(pull, exc)
-                raise
-            if state == "ERR":
-                exc = TransferFailed("check_xfer_state returned ERR")
-                self._fail(pull, exc)
-                raise exc
-            pull.done_flags[i] = state == "DONE"
+            pull.done_flags[i] = self._state(pull, "check_xfer_state", self.agent.check_xfer_state, handle)
         if pull.sealed and all(pull.done_flags):
             pull.done_at = now
             self._release(pull)
