@@ -310,18 +310,26 @@ def test_expired_lease_reuses_blocks_and_flags_late_reader(
 
 
 def test_heartbeats_keep_the_lease(emu: EmulatorProcess, reader: Reader, meta) -> None:
-    lease = 2.4  # each heartbeat extends to now + 1.6 s; without them it expires at 2.4 s
+    lease = 3.0  # each heartbeat extends to now + 2 s; without them it expires at 3 s
     reply = emu.client.new_request(num_blocks=2, lease_s=lease)
     rid = reply.kv_transfer_params["remote_request_id"]
     t_end = time.monotonic() + 1.5 * lease
     sent = 0
-    while time.monotonic() < t_end:  # pacing the heartbeats, as a decoder would; the check is the state below
+    while time.monotonic() < t_end:
         reader.notify(meta, vllm_wire.encode_heartbeat([rid]))
         sent += 1
+        # Wait until the emulator has counted it: on a loaded 2-core CI box delivery can lag by a second, and
+        # the claim under test is "a heartbeat that arrives extends the lease", not UCX's latency.
+        st = emu.client.status(rid)
+        while st.heartbeats < sent and st.state == "pending":
+            assert time.monotonic() < t_end + DEADLINE_S, f"heartbeat {sent} never arrived: {st}"
+            time.sleep(0.01)
+            st = emu.client.status(rid)
+        assert st.state == "pending", st
         time.sleep(0.2)
     st = emu.client.status(rid)
     assert st.state == "pending", st
-    assert st.heartbeats >= sent - 2
+    assert st.heartbeats == sent and st.lease_deadlines_s[0] > 0
     got = reader.read(meta, reply.kernel_block_ids, vllm_wire.encode_notification(rid, 1))
     assert np.array_equal(got, _expected(reply))
     emu.client.wait_state(rid, "freed_by_notif", DEADLINE_S)
