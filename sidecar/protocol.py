@@ -10,6 +10,12 @@ when its deadline passes. ``Abort`` → ``Aborted`` (``safe`` True once nothing 
 request's blocks; no ``Done`` follows an Aborted). ``Heartbeat`` gets no reply. ``Ping`` → ``Pong``. A
 message the daemon cannot decode or serve gets ``Error``.
 
+Completion socket: when ``Welcome.completion_socket`` names one, the shim may connect to it (an AF_UNIX
+SOCK_SEQPACKET socket beside the ZMQ one, same permissions) and send ``BindCompletions`` with its routing id;
+the daemon answers ``CompletionsBound`` there, and from then on sends every reply to that shim over it, in
+order. A ZMQ message crosses four threads on its way, one SEQPACKET packet none: this is the completion
+signal's fast path (``bench/results/ipc-floor-*.json``). ZMQ stays the request channel and the fallback.
+
 Deadlines: a ``Pull`` carries ``timeout_s``, a duration the daemon counts from the moment it receives the
 message (on its own monotonic clock). A duration keeps the message meaningful whatever clock each side
 reads; the socket is local, so the time in flight is microseconds. ``sent_at_ns`` fields are
@@ -26,7 +32,7 @@ import msgspec
 from sidecar.formats import PageFormat
 from sidecar.ipc import IpcBuffer, LayerView
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Welcome.completion_socket, BindCompletions / CompletionsBound
 
 
 class DecodeError(ValueError):
@@ -195,6 +201,17 @@ class Ping(_Msg):
     sent_at_ns: int = 0
 
 
+class BindCompletions(_Msg):
+    """The only message on the completion socket, shim → daemon: "send my replies here". ``routing_id`` is the
+    shim's ZMQ DEALER routing id, which must have said Hello on the main socket."""
+
+    routing_id: bytes
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.routing_id) <= 255 or self.routing_id[0] == 0:
+            raise ValueError("routing_id must be 1..255 bytes, not starting with a zero byte (ZMQ's)")
+
+
 # ------------------------------------------------------------------------------------------ daemon → shim
 
 
@@ -206,6 +223,7 @@ class Welcome(_Msg):
     device: str
     gpu: int | None = None
     pid: int = 0
+    completion_socket: str = ""  # a SOCK_SEQPACKET path the shim may bind for its replies; "": none
 
 
 class Registered(_Msg):
@@ -236,6 +254,13 @@ class Aborted(_Msg):
     reason: str | None = None
 
 
+class CompletionsBound(_Msg):
+    """Answer to BindCompletions, on the completion socket: from here on every reply travels there."""
+
+    ok: bool
+    reason: str | None = None
+
+
 class Pong(_Msg):
     nonce: int = 0
     sent_at_ns: int = 0
@@ -250,7 +275,7 @@ class Error(_Msg):
 
 
 ToDaemon = Union[Hello, RegisterCaches, Unregister, Heartbeat, Pull, Abort, Ping]  # noqa: UP007
-ToShim = Union[Welcome, Registered, Unregistered, Done, Aborted, Pong, Error]  # noqa: UP007
+ToShim = Union[Welcome, Registered, Unregistered, Done, Aborted, Pong, Error, CompletionsBound]  # noqa: UP007
 Message = Union[ToDaemon, ToShim]  # noqa: UP007
 
 _DAEMON_TYPES = frozenset(t.__name__ for t in ToDaemon.__args__)
@@ -303,6 +328,14 @@ def decode_to_daemon(data: bytes) -> ToDaemon:
 def decode_to_shim(data: bytes) -> ToShim:
     """Decode a frame the shim received; anything else raises DecodeError."""
     return _decode(_to_shim, data, "daemon→shim")
+
+
+_bind = msgspec.msgpack.Decoder(BindCompletions)
+
+
+def decode_bind(data: bytes) -> BindCompletions:
+    """Decode the shim's packet on the completion socket."""
+    return _decode(_bind, data, "completion-socket")
 
 
 def decode_any(data: bytes) -> Message:

@@ -1,6 +1,7 @@
 """The daemon: a request's life from Pull to Done (queue → handshake → read → convert → Done).
 
-One asyncio (uvloop) loop owns everything: the ZMQ ROUTER the shim talks to, the NIXL agent (polled, never
+One asyncio (uvloop) loop owns everything: the ZMQ ROUTER the shim talks to (and its completion socket,
+``completions.py``), the NIXL agent (polled, never
 blocking), the lease bookkeeping and every request. Conversion runs off the loop: on the daemon's own CUDA/HIP
 stream (the loop waits for its event in a thread), or on the CPU in one worker thread (the CPU twin's
 "stream"). Every accepted Pull is answered exactly once (Done, or Aborted after an Abort) and at the latest
@@ -33,6 +34,7 @@ import zmq.asyncio
 from sidecar import __version__, sdnotify, vllm_wire
 from sidecar import ipc as ipc_mod
 from sidecar import protocol as p
+from sidecar.completions import CompletionSocket, completion_path
 from sidecar.config import Config, reload_changes
 from sidecar.formats import PageFormat
 from sidecar.geometry import GeometryError, LocalRegions, StagingPool, regions_per_layer
@@ -43,6 +45,7 @@ log = logging.getLogger("kv_sidecar.service")
 # Reasons that start a Done(ok=False); the shim may match on the leading word.
 OVERLOADED = "overloaded"
 SHUTTING_DOWN = "shutting down"
+MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 
 
 class Refused(Exception):
@@ -325,6 +328,7 @@ class Daemon:
         self.transfer: Any = None
         self.ctx: zmq.asyncio.Context | None = None
         self.sock: zmq.asyncio.Socket | None = None
+        self.completions: CompletionSocket | None = None
         self.caches: Caches | None = None
         self._cache_gen = 0
         self._config_gen = 0
@@ -460,6 +464,23 @@ class Daemon:
             os.chown(path, -1, gid)
         self.sock = sock
         self.socket_path = path
+        if cfg.fast_completions:
+            self._bind_completions(completion_path(path), gid)
+
+    def _bind_completions(self, path: str, gid: int | None) -> None:
+        if len(path.encode()) > MAX_UNIX_PATH:
+            log.warning("completion socket disabled: %s is longer than a unix socket path may be", path)
+            return
+        assert self._loop is not None
+        self.completions = CompletionSocket(
+            path, self._loop, self._may_bind_completions, self._send_over_zmq, group_gid=gid
+        )
+
+    def _may_bind_completions(self, routing_id: bytes) -> str | None:
+        session = self._sessions.get(routing_id)
+        if session is None or session.hello is None:
+            return "routing_id: no shim with this routing id has said Hello on the main socket"
+        return None
 
     @staticmethod
     def _refuse_if_served(endpoint: str, path: str) -> None:
@@ -514,6 +535,9 @@ class Daemon:
                 self._pool = None
             self.transfer.close()
             self.health.agent_up = False
+        if self.completions is not None:
+            self.completions.close()
+            self.completions = None
         if self.sock is not None:
             self.sock.close(0)
             self.sock = None
@@ -611,10 +635,21 @@ class Daemon:
             return
         if isinstance(msg, p.Done):
             msg = msgspec.structs.replace(msg, sent_at_ns=time.monotonic_ns())
+        data = p.encode(msg)
+        if len(envelope) == 1 and self.completions is not None and self.completions.send(envelope[0], data):
+            return
+        self._send_frames([*envelope, data])
+
+    def _send_over_zmq(self, routing_id: bytes, data: bytes) -> None:
+        self._send_frames([routing_id, data])
+
+    def _send_frames(self, frames: list[bytes]) -> None:
+        if self.sock is None:
+            return
         try:
-            fut = self.sock.send_multipart([*envelope, p.encode(msg)], flags=zmq.NOBLOCK)
+            fut = self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            log.warning("could not send %s: %s", type(msg).__name__, exc)
+            log.warning("could not send a reply: %s", exc)
             return
         if isinstance(fut, asyncio.Future):
             fut.add_done_callback(_log_send_failure)
@@ -664,6 +699,7 @@ class Daemon:
                 device=self.config.device,
                 gpu=self.config.gpu,
                 pid=os.getpid(),
+                completion_socket=self.completions.path if self.completions is not None else "",
             ),
         )
 

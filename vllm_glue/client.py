@@ -3,7 +3,9 @@
 The caller (vLLM's engine thread, or the decoder stand-in) never blocks on the daemon: ``send`` hands a
 message to the I/O thread and returns; replies (Done, Aborted, Error) are collected with the monotonic time
 they arrived and taken with ``poll_events``. The thread says Hello and registers the caches whenever it
-(re)connects, and reports a lost daemon as an event, so outstanding loads fail instead of hanging. Importable
+(re)connects, and reports a lost daemon as an event, so outstanding loads fail instead of hanging. When the
+daemon's Welcome offers a completion socket, the thread binds it before registering and takes every reply
+from there (one unix packet instead of ZMQ's four thread hops; see ``sidecar/completions.py``). Importable
 without vLLM and without torch.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import threading
 import time
 from collections import deque
@@ -100,6 +103,11 @@ class SidecarClient:
     def is_ready(self) -> bool:
         return self._state == "ready"
 
+    @property
+    def uses_completion_socket(self) -> bool:
+        """Whether replies now come over the daemon's completion socket (else over ZMQ)."""
+        return getattr(self, "_fast", None) is not None
+
     def wait_ready(self, timeout_s: float) -> bool:
         """Block until registered (True), or until the timeout or a refusal (False). For startup only."""
         deadline = time.monotonic() + timeout_s
@@ -170,6 +178,9 @@ class SidecarClient:
         inbox.bind(self._inbox)
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        # Our own routing id, so the daemon can tie the completion socket to this connection.
+        self._routing_id = b"shim-" + os.urandom(12).hex().encode()
+        dealer.setsockopt(zmq.ROUTING_ID, self._routing_id)
         # Never queue messages for a daemon that is not there: a send then fails at once instead of later.
         dealer.setsockopt(zmq.IMMEDIATE, 1)
         # Hello only once the ZMTP handshake is through: before that IMMEDIATE refuses to send.
@@ -179,6 +190,8 @@ class SidecarClient:
         poller = zmq.Poller()
         for s in (inbox, dealer, monitor):
             poller.register(s, zmq.POLLIN)
+        self._poller = poller
+        self._fast: socket.socket | None = None
         self._phase, self._deadline = "idle", float("inf")
         connected = False
         try:
@@ -196,8 +209,11 @@ class SidecarClient:
                         self._say_hello(dealer)
                     elif ev["event"] == zmq.EVENT_DISCONNECTED and connected:
                         connected = False
+                        self._close_fast()
                         self._phase, self._deadline = "idle", float("inf")
                         self._lose(f"kv-sidecar at {self.address} disconnected")
+                if self._fast is not None and self._fast.fileno() in ready:
+                    self._on_fast(dealer)
                 if dealer in ready:
                     while dealer.poll(0):
                         self._on_frame(dealer)
@@ -207,11 +223,14 @@ class SidecarClient:
                         if data == _STOP:
                             return
                         self._forward(dealer, data)
+                if self._phase == "bind" and time.monotonic() >= self._deadline:
+                    self._fast_failed(dealer, f"no CompletionsBound within {self.reply_timeout_s:g} s")
                 if self._phase in ("hello", "register") and time.monotonic() >= self._deadline:
                     what = "Welcome" if self._phase == "hello" else "Registered"
                     self._set_state("failed", f"no {what} from kv-sidecar within {self.reply_timeout_s:g} s")
                     self._phase, self._deadline = "idle", float("inf")
         finally:
+            self._close_fast()
             dealer.disable_monitor()
             for s in (monitor, dealer, inbox):
                 s.close(linger=0)
@@ -241,8 +260,11 @@ class SidecarClient:
 
     def _on_frame(self, dealer: zmq.Socket) -> None:
         frames = dealer.recv_multipart()
-        at = time.monotonic_ns()
-        payload = frames[-1]  # a ROUTER may send an empty delimiter first
+        # a ROUTER may send an empty delimiter first
+        self._on_payload(dealer, frames[-1], time.monotonic_ns())
+
+    def _on_payload(self, dealer: zmq.Socket, payload: bytes, at: int) -> None:
+        """One message from the daemon, from either socket."""
         try:
             msg = p.decode_to_shim(payload)
         except p.DecodeError as e:
@@ -254,11 +276,16 @@ class SidecarClient:
                 self._refused(
                     f"protocol_version: daemon speaks {msg.protocol_version}, shim {p.PROTOCOL_VERSION}", at
                 )
-            elif self._register is None:
-                self._set_state("connecting", "connected; caches not registered yet")
-                self._phase, self._deadline = "ready", float("inf")
+            elif msg.completion_socket:
+                self._bind_fast(dealer, msg.completion_socket)
             else:
-                self._send_register(dealer)
+                self._after_welcome(dealer)
+            return
+        if isinstance(msg, p.CompletionsBound) and self._phase == "bind":
+            if msg.ok:
+                self._after_welcome(dealer)
+            else:
+                self._fast_failed(dealer, msg.reason or "refused")
             return
         if isinstance(msg, p.Registered) and self._phase == "register":
             self.registered = msg
@@ -269,6 +296,66 @@ class SidecarClient:
             self._refused(f"kv-sidecar refused {msg.in_reply_to or 'a message'}: {msg.reason}", at)
             return
         self._events.append(Reply(msg, at))
+
+    def _after_welcome(self, dealer: zmq.Socket) -> None:
+        if self._register is None:
+            self._set_state("connecting", "connected; caches not registered yet")
+            self._phase, self._deadline = "ready", float("inf")
+        else:
+            self._send_register(dealer)
+
+    # Completion socket: bound between Welcome and RegisterCaches, so that every reply a Pull can get comes
+    # in one ordered stream. Any trouble falls back to ZMQ (the daemon does the same on its side).
+
+    def _bind_fast(self, dealer: zmq.Socket, path: str) -> None:
+        self._close_fast()
+        fast = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        fast.settimeout(1.0)  # a full listen backlog must not stall this thread
+        try:
+            fast.connect(path)
+            fast.send(p.encode(p.BindCompletions(routing_id=self._routing_id)))
+        except OSError as e:
+            fast.close()
+            self._fast_failed(dealer, f"cannot connect to {path}: {e}")
+            return
+        fast.setblocking(False)
+        self._fast = fast
+        self._poller.register(fast.fileno(), zmq.POLLIN)
+        self._set_state("connecting", "binding the completion socket")
+        self._phase, self._deadline = "bind", time.monotonic() + self.reply_timeout_s
+
+    def _fast_failed(self, dealer: zmq.Socket, reason: str) -> None:
+        log.warning("kv-sidecar completion socket not used (%s); replies come over ZMQ", reason)
+        self._close_fast()
+        self._after_welcome(dealer)
+
+    def _on_fast(self, dealer: zmq.Socket) -> None:
+        assert self._fast is not None
+        while self._fast is not None:
+            try:
+                data = self._fast.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                data, why = b"", str(e)
+            else:
+                why = "closed by the daemon"
+            if not data:
+                if self._phase == "bind":
+                    self._fast_failed(dealer, why)
+                else:
+                    log.info("kv-sidecar completion socket %s; replies come over ZMQ", why)
+                    self._close_fast()
+                return
+            self._on_payload(dealer, data, time.monotonic_ns())
+
+    def _close_fast(self) -> None:
+        if self._fast is None:
+            return
+        with contextlib.suppress(KeyError):
+            self._poller.unregister(self._fast.fileno())
+        self._fast.close()
+        self._fast = None
 
     def _refused(self, reason: str, at: int) -> None:
         self._phase, self._deadline = "idle", float("inf")

@@ -5,7 +5,9 @@ the shim's own client (``vllm_glue.client.SidecarClient``: a DEALER on a backgro
 ``time.monotonic_ns()`` when a reply arrives) over K/V planes in /dev/shm. ``--concurrency`` Pulls are kept in
 flight (each a real read + conversion), so the signal is measured under load. The daemon stamps
 ``Done.sent_at_ns`` (monotonic, same host, same clock) just before the socket send; signal latency is
-``received_at_ns - sent_at_ns``. Prints (and with ``--json`` writes) one JSON object.
+``received_at_ns - sent_at_ns``. Each channel in ``--channels`` gets its own daemon and prefill, one after the
+other in this run: the completion socket (the default) and ZMQ alone (``fast_completions = false``), so their
+ratio is measured side by side. Prints (and with ``--json`` writes) one JSON object.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from sidecar.formats import PageFormat
 
 GOAL_P50_US = 100.0
 GOAL_P99_US = 1000.0
+CHANNELS = ("completion_socket", "zmq")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +59,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="nice value for the prefill emulator's threads: in production the prefill runs on "
         "another host, here it shares the cores (its NIXL progress thread spins) (default 10)",
+    )
+    parser.add_argument(
+        "--channels",
+        default=",".join(CHANNELS),
+        help="reply channels to measure, in this order: completion_socket (the daemon's default) and/or zmq "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs per channel; percentiles are medians over the runs"
     )
     parser.add_argument("--json", metavar="FILE", help="also write the result here")
 
@@ -111,12 +123,70 @@ def _own_args() -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    channels = [c.strip() for c in args.channels.split(",") if c.strip()]
+    unknown = sorted(set(channels) - set(CHANNELS))
+    if unknown or not channels:
+        raise SystemExit(f"--channels: unknown {unknown or 'empty'}; choose from {', '.join(CHANNELS)}")
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in channels}
+    for _ in range(args.repeat):  # interleaved, so a drifting host load touches every channel alike
+        for c in channels:
+            runs[c].append(_measure(args, c))
+    measured = {c: _summary(r) for c, r in runs.items()}
+    sig = measured[channels[0]]["signal_us"]
+    result: dict[str, Any] = {
+        "bench": "signal",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": f"CPU ({os.cpu_count()} threads), {platform.processor() or platform.machine()}",
+        "command": " ".join(["kv-sidecar bench signal", *_own_args()]),
+        "client": "vllm_glue.client.SidecarClient (its I/O thread stamps each reply on arrival)",
+        "warmup": args.warmup,
+        "concurrency": args.concurrency,
+        "blocks_per_pull": args.blocks,
+        "layers": args.layers,
+        "repeat": args.repeat,
+        "channel": channels[0],
+        "signal_us": sig,
+        "channels": measured,
+        "goal": {
+            "p50_us": GOAL_P50_US,
+            "p99_us": GOAL_P99_US,
+            "met": bool(sig) and sig["p50"] <= GOAL_P50_US and sig["p99"] <= GOAL_P99_US,
+        },
+        "gil_switch_interval_s": sys.getswitchinterval(),
+        "prefill_nice": args.prefill_nice,
+        "host_cpus": os.cpu_count(),
+        "load_average_1m_after": round(os.getloadavg()[0], 2),
+    }
+    if set(CHANNELS) <= measured.keys():
+        fast, zmq_only = (measured[c]["signal_us"] for c in CHANNELS)
+        result["zmq_over_completion_socket"] = {
+            k: round(zmq_only[k] / fast[k], 2) for k in ("p50", "p99") if fast.get(k)
+        }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    return 0 if not any(m["failed"] for m in measured.values()) else 1
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each latency percentile as the median over the runs (and every run as measured)."""
+    out: dict[str, Any] = {"failed": sum(r["failed"] for r in runs)}
+    for key in ("signal_us", "pull_round_trip_us", "daemon_end_to_end_us"):
+        out[key] = {q: round(float(np.median([r[key][q] for r in runs])), 1) for q in runs[0][key]}
+    out["runs"] = runs
+    return out
+
+
+def _measure(args: argparse.Namespace, channel: str) -> dict[str, Any]:
+    """One daemon and prefill, ``args.pulls`` Pulls with replies over ``channel``; its latencies."""
     from sidecar.cli import spawn_serve
     from sidecar.emulator_control import spawn_emulator
     from vllm_glue.client import Reply, SidecarClient
 
-    if args.switch_interval is not None:
-        sys.setswitchinterval(args.switch_interval)
     n, h, d, layers = args.block_size, args.heads, args.head_size, args.layers
     remote = PageFormat(
         kind="standard", layout="LBHNC", dtype="bfloat16", num_heads=h, block_size=n, head_size=d
@@ -159,6 +229,8 @@ def run(args: argparse.Namespace) -> int:
             str(args.concurrency),
             "--log-level",
             "WARNING",
+            "--fast-completions",
+            "true" if channel == "completion_socket" else "false",
         ]
     )
     shm = ipc.create_shm_buffer(layers * 2 * decoder_blocks * plane * 2)
@@ -188,6 +260,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if not client.wait_ready(60):
             raise RuntimeError(f"client not ready: {client.status_reason}")
+        if client.uses_completion_socket != (channel == "completion_socket"):
+            raise RuntimeError(f"the daemon did not set up the {channel} channel")
         free = list(range(1, decoder_blocks))  # block 0 stays unused
         cpu0 = {
             "daemon": _cpu_s(daemon.proc.pid),
@@ -249,42 +323,17 @@ def run(args: argparse.Namespace) -> int:
         daemon.stop()
         emu.stop()
         shm.close()
-    sig = _percentiles(signal_ns)
-    result: dict[str, Any] = {
-        "bench": "signal",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": f"CPU ({os.cpu_count()} threads), {platform.processor() or platform.machine()}",
-        "command": " ".join(["kv-sidecar bench signal", *_own_args()]),
-        "client": "vllm_glue.client.SidecarClient (DEALER on its I/O thread; receive stamped there)",
+    return {
         "pulls": len(signal_ns),
-        "warmup": args.warmup,
-        "concurrency": args.concurrency,
-        "blocks_per_pull": args.blocks,
-        "layers": layers,
         "page_bytes": remote.page_bytes,
         "failed": len(failures),
         "failures_sample": failures[:5],
-        "signal_us": sig,
+        "signal_us": _percentiles(signal_ns),
         "pull_round_trip_us": _percentiles(round_trip_ns),
         "daemon_end_to_end_us": _percentiles([int(s * 1e9) for s in daemon_e2e_s]),
         "pulls_per_s": round(total / wall, 1),
         "cpu_cores_busy": {k: round(v / wall, 2) for k, v in cpu.items()},
-        "goal": {
-            "p50_us": GOAL_P50_US,
-            "p99_us": GOAL_P99_US,
-            "met": bool(sig) and sig["p50"] <= GOAL_P50_US and sig["p99"] <= GOAL_P99_US,
-        },
-        "gil_switch_interval_s": sys.getswitchinterval(),
-        "prefill_nice": args.prefill_nice,
-        "host_cpus": os.cpu_count(),
-        "load_average_1m_after": round(os.getloadavg()[0], 2),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    return 0 if not failures else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -213,10 +213,14 @@ def _node(tmp_path: Path):
         )
     )
     sock = f"ipc://{tmp_path}/cpu.sock"
-    daemon = spawn_serve(
-        ["--config", str(cfg), "--socket", sock, "--metrics-port", "0"],
-        env={"KV_SIDECAR_LOG_LEVEL": "WARNING"},
-    )
+    try:
+        daemon = spawn_serve(
+            ["--config", str(cfg), "--socket", sock, "--metrics-port", "0"],
+            env={"KV_SIDECAR_LOG_LEVEL": "WARNING"},
+        )
+    except BaseException:
+        emu.stop()  # a daemon that failed to start must not leave the emulator running
+        raise
     # The decoder's hash factors: the prefill's, with the decoder's own backend name.
     decoder = Decoder(sock, {**emu.ready.compat_factors, "attn_backend_name": "ROCM_AITER_FA"})
     info = {

@@ -4,6 +4,7 @@ sidecar.protocol.
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -194,6 +195,97 @@ def test_invalid_frame_is_dropped_and_client_keeps_running(address: str) -> None
         peer.send(p.Done(req_id="r9", ok=False, reason="x"))
         (ev,) = wait_events(client, 1)
         assert ev.message.req_id == "r9"
+    finally:
+        client.close()
+        peer.close()
+
+
+class FastPeer(Peer):
+    """The scripted peer with a completion socket, as the daemon offers one (``sidecar/completions.py``)."""
+
+    def __init__(self, address: str, path: str) -> None:
+        super().__init__(address)
+        self.path = path
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(path)
+        self.listener.listen(4)
+        self.listener.settimeout(5)
+        self.fast: socket.socket | None = None
+
+    def welcome(self) -> None:
+        assert isinstance(self.recv(), p.Hello)
+        self.send(p.Welcome(protocol_version=p.PROTOCOL_VERSION, package_version="t", device="cpu",
+                            completion_socket=self.path))
+
+    def accept_bind(self) -> p.BindCompletions:
+        self.fast, _ = self.listener.accept()
+        self.fast.settimeout(5)
+        return p.decode_bind(self.fast.recv(65536))
+
+    def send_fast(self, msg: p.ToShim) -> None:
+        assert self.fast is not None
+        self.fast.send(p.encode(msg))
+
+    def close(self) -> None:
+        if self.fast is not None:
+            self.fast.close()
+        self.listener.close()
+        super().close()
+
+
+def test_completion_socket_is_bound_before_registering_and_carries_replies(address: str, tmp_path) -> None:
+    peer = FastPeer(address, f"{tmp_path}/d.sock.done")
+    client = SidecarClient(address, hello(), register_msg())
+    try:
+        peer.welcome()
+        bind = peer.accept_bind()
+        assert bind.routing_id == peer.identity  # ties the two sockets to one shim
+        assert not peer.sock.poll(200), "RegisterCaches sent before the completion socket was bound"
+        peer.send_fast(p.CompletionsBound(ok=True))
+        assert isinstance(peer.recv(), p.RegisterCaches)
+        peer.send_fast(p.Registered(generation=1, registered_bytes=4096, num_layers=1))
+        assert client.wait_ready(5)
+        client.send(pull("r1"))
+        assert isinstance(peer.recv(), p.Pull)
+        peer.send_fast(p.Done(req_id="r1", ok=True))
+        peer.send(p.Done(req_id="r0", ok=False, reason="over zmq"))  # ZMQ still delivers (daemon's fallback)
+        got = {ev.message.req_id: ev.message.ok for ev in wait_events(client, 2)}
+        assert got == {"r1": True, "r0": False}
+        # The daemon drops the fast connection: replies keep coming over ZMQ, the client stays ready.
+        peer.fast.close()
+        peer.fast = None
+        time.sleep(0.1)
+        assert client.is_ready()
+        peer.send(p.Done(req_id="r2", ok=True))
+        (ev,) = wait_events(client, 1)
+        assert ev.message.req_id == "r2" and client.is_ready()
+    finally:
+        client.close()
+        peer.close()
+
+
+@pytest.mark.parametrize("how", ["refused", "no such socket", "silent"])
+def test_unusable_completion_socket_falls_back_to_zmq(address: str, tmp_path, how: str) -> None:
+    peer = FastPeer(address, f"{tmp_path}/d.sock.done")
+    client = SidecarClient(address, hello(), register_msg(), reply_timeout_s=1.0)
+    try:
+        assert isinstance(peer.recv(), p.Hello)
+        path = peer.path if how != "no such socket" else f"{tmp_path}/missing.done"
+        peer.send(p.Welcome(protocol_version=p.PROTOCOL_VERSION, package_version="t", device="cpu",
+                            completion_socket=path))
+        if how == "refused":
+            peer.accept_bind()
+            peer.send_fast(p.CompletionsBound(ok=False, reason="routing_id: unknown"))
+        elif how == "silent":
+            peer.accept_bind()  # and never answer: the reply timeout falls back
+        assert isinstance(peer.recv(), p.RegisterCaches)
+        peer.send(p.Registered(generation=1, registered_bytes=4096, num_layers=1))
+        assert client.wait_ready(5)
+        client.send(pull("r1"))
+        assert isinstance(peer.recv(), p.Pull)
+        peer.send(p.Done(req_id="r1", ok=True))
+        (ev,) = wait_events(client, 1)
+        assert ev.message.req_id == "r1"
     finally:
         client.close()
         peer.close()
