@@ -164,6 +164,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvloop
 
     from sidecar import service
+    from sidecar.errors import Refused
 
     def reload() -> Any:
         return config_mod.load(args.config, overrides=overrides)
@@ -175,7 +176,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         return uvloop.run(service.run(cfg, reload=reload, on_started=announce))
-    except service.Refused as exc:
+    except Refused as exc:
         raise CliError(str(exc)) from None
     except RuntimeError as exc:
         if "already serves" in str(exc):

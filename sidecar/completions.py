@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable
 
 from sidecar import protocol as p
+from sidecar.socket_files import bind_socket_file
 
 log = logging.getLogger("kv_sidecar.completions")
 
@@ -61,13 +62,7 @@ class CompletionSocket:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # the caller has checked that no live daemon serves this socket
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        old = os.umask(0o117 if group_gid is not None else 0o177)  # born with its final mode
-        try:
-            self._listener.bind(path)
-        finally:
-            os.umask(old)
-        if group_gid is not None:
-            os.chown(path, -1, group_gid)
+        bind_socket_file(lambda: self._listener.bind(path), path, group_gid)
         self._listener.listen(64)
         self._listener.setblocking(False)
         loop.add_reader(self._listener.fileno(), self._accept)

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fnmatch
 import functools
 import gc
-import grp
 import logging
 import os
-import re
 import signal
-import stat
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -34,194 +32,27 @@ import zmq.asyncio
 from sidecar import __version__, sdnotify, vllm_wire
 from sidecar import ipc as ipc_mod
 from sidecar import protocol as p
+from sidecar.caches import Caches, close_caches, map_caches, register_caches
 from sidecar.completions import CompletionSocket, completion_path
 from sidecar.config import Config, reload_changes
-from sidecar.formats import PageFormat
-from sidecar.geometry import GeometryError, LocalRegions, StagingPool, regions_per_layer
+from sidecar.conversion_launch import convert_blocks, launch_gpu
+from sidecar.errors import Failed, Refused
+from sidecar.geometry import GeometryError, StagingPool
 from sidecar.metrics import Health, Metrics, MetricsServer, start_http_server
+from sidecar.slots import SlotAllocator
+from sidecar.socket_files import (
+    MAX_UNIX_PATH,
+    bind_socket_file,
+    refuse_if_served,
+    resolve_group,
+    secure_socket_dir,
+)
 
 log = logging.getLogger("kv_sidecar.service")
 
 # Reasons that start a Done(ok=False); the shim may match on the leading word.
 OVERLOADED = "overloaded"
 SHUTTING_DOWN = "shutting down"
-MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
-
-
-class Refused(Exception):
-    """A Pull or registration that cannot be served as asked; ``field`` names why (counted per field)."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
-
-
-class Failed(Exception):
-    """A Pull that went wrong on the way (transfer, lease, conversion)."""
-
-
-# ------------------------------------------------------------------------------------------- pure helpers
-
-
-def natural_key(name: str) -> list[Any]:
-    """'layers.10' after 'layers.9': vLLM registers regions in this numeric-aware name order."""
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
-
-
-def _dense_tail(view: ipc_mod.LayerView, first: int) -> bool:
-    """Whether axes ``first..`` of the view are C-contiguous (one block's bytes are one run)."""
-    expect = 1
-    for size, stride in zip(reversed(view.shape[first:]), reversed(view.strides[first:]), strict=True):
-        if size != 1 and stride != expect:
-            return False
-        expect *= size
-    return True
-
-
-def ordered_layers(layers: list[ipc_mod.LayerView]) -> list[ipc_mod.LayerView]:
-    return sorted(layers, key=lambda v: natural_key(v.name))
-
-
-def local_regions(
-    layers: list[ipc_mod.LayerView], buffer_ptrs: list[int], fmt: PageFormat, *, device_id: int, mem_type: str
-) -> LocalRegions:
-    """The NIXL destination regions of the decoder's layers (in natural name order), checked against ``fmt``.
-
-    Plane formats (2 regions per layer: AITER shuffled under LHBNC) need vLLM's view ``[B, 2, ...]``: axis 0
-    the block, axis 1 the K/V slot, the rest one dense plane-block. Whole-page formats need ``[B, ...]`` with
-    one dense page per block.
-    """
-    per_layer = regions_per_layer(fmt)
-    bases: list[int] = []
-    block_len = fmt.plane_block_bytes if per_layer == 2 else fmt.page_bytes
-    stride_bytes: int | None = None
-    blocks: int | None = None
-    for view in ordered_layers(layers):
-        where = f"layers[{view.name}]"
-        if view.dtype != fmt.dtype and not (
-            view.elem_bytes == fmt.elem_bytes and view.dtype in ("uint8", "int8")
-        ):
-            raise Refused(
-                "page_format.dtype", f"{where} has dtype {view.dtype}, the page format says {fmt.dtype}"
-            )
-        e = view.elem_bytes
-        if per_layer == 2:
-            if len(view.shape) < 3 or view.shape[1] != 2:
-                raise Refused("layers.shape", f"{where} shape {view.shape}: K/V planes need [blocks, 2, ...]")
-            tail = view.shape[2:]
-            first_dense = 2
-        elif per_layer == 1:
-            if len(view.shape) < 2:
-                raise Refused("layers.shape", f"{where} shape {view.shape}: need [blocks, ...]")
-            tail = view.shape[1:]
-            first_dense = 1
-        else:
-            raise Refused(
-                "page_format.layout",
-                f"{fmt.kind} pages under {fmt.layout} ({per_layer} regions per "
-                "layer) cannot be a pull destination",
-            )
-        if int(np.prod(tail)) * e != block_len or not _dense_tail(view, first_dense):
-            raise Refused(
-                "layers.shape",
-                f"{where} shape {view.shape} strides {view.strides}: one block is not "
-                f"a dense {block_len}-byte run as {fmt} implies",
-            )
-        this_stride = view.strides[0] * e
-        if this_stride < block_len:
-            raise Refused("layers.strides", f"{where}: block stride {this_stride} bytes < block {block_len}")
-        if stride_bytes is None:
-            stride_bytes, blocks = this_stride, view.shape[0]
-        elif (this_stride, view.shape[0]) != (stride_bytes, blocks):
-            raise Refused(
-                "layers.shape",
-                f"{where}: {view.shape[0]} blocks with stride {this_stride}, other "
-                f"layers have {blocks} with stride {stride_bytes}",
-            )
-        base = buffer_ptrs[view.buffer_index] + view.offset_bytes
-        bases.append(base)
-        if per_layer == 2:
-            bases.append(base + view.strides[1] * e)
-            if _planes_overlap(view.strides[0] * e, view.strides[1] * e, block_len, view.shape[0]):
-                raise Refused("layers.strides", f"{where}: the K and V planes overlap")
-    try:
-        return LocalRegions.blocks(
-            bases,
-            block_len,
-            int(blocks or 0),
-            block_stride=stride_bytes,
-            device_id=device_id,
-            mem_type=mem_type,
-        )
-    except GeometryError as exc:
-        raise Refused(exc.field, exc.reason) from exc
-
-
-def _planes_overlap(block_stride: int, slot_stride: int, block_len: int, blocks: int) -> bool:
-    """Whether some K block ``b*block_stride`` and V block ``slot_stride + b2*block_stride`` share bytes."""
-    if block_stride == 0:
-        return abs(slot_stride) < block_len
-    k0 = slot_stride // block_stride
-    return any(abs(slot_stride - k * block_stride) < block_len for k in (k0, k0 + 1) if abs(k) < blocks)
-
-
-class SlotAllocator:
-    """First-fit runs of adjacent slots in the staging pool (adjacent slots let NIXL merge descriptors)."""
-
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self._free: list[tuple[int, int]] = [(0, num_slots)] if num_slots else []  # (start, length), sorted
-
-    @property
-    def free(self) -> int:
-        return sum(n for _, n in self._free)
-
-    def take(self, n: int) -> int | None:
-        for i, (start, length) in enumerate(self._free):
-            if length >= n:
-                if length == n:
-                    del self._free[i]
-                else:
-                    self._free[i] = (start + n, length - n)
-                return start
-        return None
-
-    def give(self, start: int, n: int) -> None:
-        if n <= 0:
-            return
-        runs = sorted([*self._free, (start, n)])
-        merged: list[tuple[int, int]] = []
-        for s, length in runs:
-            if merged and merged[-1][0] + merged[-1][1] == s:
-                merged[-1] = (merged[-1][0], merged[-1][1] + length)
-            elif merged and merged[-1][0] + merged[-1][1] > s:
-                raise ValueError(f"slots {s}..{s + length} given back twice")
-            else:
-                merged.append((s, length))
-        self._free = merged
-
-
-def secure_socket_dir(path: str, group_gid: int | None) -> None:
-    """Create the socket's directory owner-only (0700), or 0750 with the configured group."""
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    st = os.stat(directory)
-    if st.st_uid == os.getuid():
-        os.chmod(directory, 0o750 if group_gid is not None else 0o700)
-        if group_gid is not None:
-            os.chown(directory, -1, group_gid)
-    elif stat.S_IMODE(st.st_mode) & 0o007:
-        log.warning("socket directory %s is not ours and is world-accessible", directory)
-
-
-def resolve_group(name: str) -> int:
-    if name.isdigit():
-        return int(name)
-    try:
-        return grp.getgrnam(name).gr_gid
-    except KeyError:
-        raise Refused("socket_group", f"no group named {name!r}") from None
 
 
 # ------------------------------------------------------------------------------------------- state
@@ -244,31 +75,18 @@ class Session:
 
 
 @dataclass(eq=False)
-class Caches:
-    """The decoder's imported caches, registered with NIXL."""
-
-    generation: int
-    owner: bytes
-    page_format: PageFormat
-    compat_factors: dict[str, Any]
-    imported: list[ipc_mod.ImportedBuffer]
-    layers: list[ipc_mod.LayerView]  # natural order
-    regions: LocalRegions
-    registration: Any
-    destination: Any
-    nbytes: int
-    k_planes: list[Any] = field(default_factory=list)  # 2-D [blocks, plane elems] per layer, for conversion
-    v_planes: list[Any] = field(default_factory=list)
-    users: int = 0
-
-
-@dataclass(eq=False)
 class PeerEntry:
     """A handshake (shared by every request to that prefill rank) and the peer it produced."""
 
     task: asyncio.Task
     config_gen: int
     users: int = 0
+
+    @property
+    def peer(self) -> Any:
+        """The handshake's peer once it has succeeded, else None (running, failed or cancelled)."""
+        t = self.task
+        return t.result() if t.done() and not t.cancelled() and t.exception() is None else None
 
 
 @dataclass(eq=False)
@@ -345,7 +163,8 @@ class Daemon:
         self._lease: Any = None
         self._convert_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-sidecar-convert")
         self._stream: Any = None
-        self._pool: Any = None  # staging: (tensor, registration, destination, StagingPool, SlotAllocator)
+        # staging: tensor, registration, device_id, mem_type; per page size: slot_bytes, staging, allocator
+        self._pool: dict[str, Any] | None = None
         self._pool_changed: asyncio.Condition | None = None
         self._stop = asyncio.Event()
         self._stopping = False
@@ -442,26 +261,19 @@ class Daemon:
         cfg = self.config
         gid = resolve_group(cfg.socket_group) if cfg.socket_group else None
         secure_socket_dir(cfg.socket_path, gid)
-        self._refuse_if_served(cfg.socket_endpoint, cfg.socket_path)
+        refuse_if_served(cfg.socket_endpoint, cfg.socket_path)
 
     def _bind(self) -> None:
         cfg = self.config
         path = cfg.socket_path
         gid = resolve_group(cfg.socket_group) if cfg.socket_group else None
-        self._refuse_if_served(cfg.socket_endpoint, path)  # again: one may have started meanwhile
+        refuse_if_served(cfg.socket_endpoint, path)  # again: one may have started meanwhile
         self.ctx = zmq.asyncio.Context()
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
-        old = os.umask(0o117 if gid is not None else 0o177)  # the socket file is born with its final mode
-        try:
-            sock.bind(cfg.socket_endpoint)
-        finally:
-            os.umask(old)
-        os.chmod(path, 0o660 if gid is not None else 0o600)
-        if gid is not None:
-            os.chown(path, -1, gid)
+        bind_socket_file(lambda: sock.bind(cfg.socket_endpoint), path, gid)
         self.sock = sock
         self.socket_path = path
         if cfg.fast_completions:
@@ -481,25 +293,6 @@ class Daemon:
         if session is None or session.hello is None:
             return "routing_id: no shim with this routing id has said Hello on the main socket"
         return None
-
-    @staticmethod
-    def _refuse_if_served(endpoint: str, path: str) -> None:
-        """Binding an ipc path steals it from a live daemon; ask first (a stale file is simply replaced)."""
-        if not os.path.exists(path):
-            return
-        ctx = zmq.Context()
-        s = ctx.socket(zmq.DEALER)
-        try:
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(endpoint)
-            s.send(p.encode(p.Ping(nonce=1)))
-            if s.poll(300):
-                raise RuntimeError(f"another kv-sidecar already serves {endpoint}")
-        finally:
-            s.close(0)
-            ctx.term()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -715,7 +508,14 @@ class Daemon:
             self._send(envelope, p.Error(reason=SHUTTING_DOWN, in_reply_to="RegisterCaches"))
             return
         try:
-            caches = await asyncio.to_thread(self._map, session.identity, msg)
+            caches = await asyncio.to_thread(
+                map_caches,
+                session.identity,
+                msg,
+                device=self.config.device,
+                gpu=self.config.gpu,
+                next_generation=self._next_cache_gen,
+            )
         except (Refused, ipc_mod.IpcError, ValueError) as exc:
             self._refuse_registration(envelope, exc)
             return
@@ -724,9 +524,9 @@ class Daemon:
             await self._fail_all("failed", "caches re-registered by the shim")
             await self._release_caches()
         try:
-            self._register(caches)  # NIXL stays on the loop thread
+            register_caches(self.transfer, caches)  # NIXL stays on the loop thread
         except Exception as exc:  # noqa: BLE001 - NIXL refused the memory: report, keep serving
-            _close_caches(caches)
+            close_caches(caches)
             self._refuse_registration(envelope, exc)
             return
         self.caches = caches
@@ -754,53 +554,9 @@ class Daemon:
         log.warning("RegisterCaches refused: %s", exc)
         self._send(envelope, p.Error(reason=str(exc), in_reply_to="RegisterCaches"))
 
-    def _map(self, owner: bytes, msg: p.RegisterCaches) -> Caches:
-        """Map the buffers and check every view against the page format (no NIXL); release on failure."""
-        cfg = self.config
-        ipc_mod.check_layers(msg.layers, msg.buffers)
-        imported, views = ipc_mod.import_caches(msg.buffers, msg.layers, expect_device=cfg.device)
-        try:
-            mem = "DRAM" if cfg.gpu is None else "VRAM"
-            dev = 0 if cfg.gpu is None else cfg.gpu
-            layers = ordered_layers(msg.layers)
-            regions = local_regions(
-                layers, [b.data_ptr() for b in imported], msg.page_format, device_id=dev, mem_type=mem
-            )
-            self._cache_gen += 1
-            caches = Caches(
-                generation=self._cache_gen,
-                owner=owner,
-                page_format=msg.page_format,
-                compat_factors=dict(msg.compat_factors),
-                imported=imported,
-                layers=layers,
-                regions=regions,
-                registration=None,
-                destination=None,
-                nbytes=sum(b.nbytes for b in imported),
-            )
-            if regions_per_layer(msg.page_format) == 2:
-                for view in layers:
-                    t = views[view.name]
-                    # .view, not .reshape: a copy would silently convert somewhere else
-                    caches.k_planes.append(t.select(1, 0).view(t.shape[0], -1))
-                    caches.v_planes.append(t.select(1, 1).view(t.shape[0], -1))
-            return caches
-        except BaseException:
-            del views
-            for b in imported:
-                b.close()
-            raise
-
-    def _register(self, caches: Caches) -> None:
-        regions = caches.regions
-        ranges = [(b.data_ptr(), b.nbytes, regions.device_id) for b in caches.imported if b.nbytes]
-        caches.registration = self.transfer.register(ranges, regions.mem_type)
-        try:
-            caches.destination = self.transfer.destination(caches.registration, regions)
-        except Exception:
-            self.transfer.deregister(caches.registration)
-            raise
+    def _next_cache_gen(self) -> int:
+        self._cache_gen += 1
+        return self._cache_gen
 
     async def _on_unregister(self, envelope: list[bytes]) -> None:
         await self._fail_all("failed", "caches unregistered by the shim")
@@ -818,7 +574,7 @@ class Daemon:
             await asyncio.sleep(0.001)
         with contextlib.suppress(Exception):
             self.transfer.deregister(caches.registration)
-        _close_caches(caches)
+        close_caches(caches)
         log.info("released cache generation %d", caches.generation)
 
     # ---------------------------------------------------------------------------------------- pulls
@@ -1081,7 +837,7 @@ class Daemon:
                 "no heartbeat in time); not reading blocks the prefill may have reused"
             )
         plan = job.peer.plan
-        mode = "plain" if not plan.convert else self._mode(caches, msg)
+        mode = "plain" if not plan.convert else self._mode()
         job.enter("transfer")
         staged = await self._post_read(job, caches, mode)
         await self._wait_read(job)
@@ -1096,7 +852,7 @@ class Daemon:
             await self._convert(job, caches, staged)
         return Outcome("ok")
 
-    def _mode(self, caches: Caches, msg: p.Pull) -> str:
+    def _mode(self) -> str:
         mode = self.config.pull_mode
         if mode == "auto":
             return "staged" if self._pool is not None else "direct"
@@ -1106,8 +862,7 @@ class Daemon:
         key = (msg.remote_engine_id, rank)
         entry = self._peers.get(key)
         if entry is not None and entry.task.done():
-            exc = entry.task.exception() if not entry.task.cancelled() else None
-            peer = entry.task.result() if exc is None and not entry.task.cancelled() else None
+            peer = entry.peer
             stale = (
                 peer is None
                 or entry.config_gen != self._config_gen
@@ -1159,7 +914,7 @@ class Daemon:
                 host, port, [(0, rank)], timeout_s=cfg.handshake_timeout_s, expected_engine_id=engine_id
             )
             reply = replies[(0, rank)]
-            rule = next((r for r in cfg.remotes if _fnmatch(address, r.match)), None)
+            rule = next((r for r in cfg.remotes if fnmatch.fnmatchcase(address, r.match)), None)
             rules = tuple(
                 tr.RemoteFormatRule(address=r.match, format=r.page_format)
                 for r in cfg.remotes
@@ -1338,6 +1093,10 @@ class Daemon:
         async with self._pool_changed:
             while (first := alloc.take(need)) is None:
                 await self._pool_changed.wait()
+                if pool.get("allocator") is not alloc:
+                    break  # re-cut for another page size while we waited: start over on the new one
+        if first is None:
+            return await self._take_slots(job, caches, blocks)
         job.slots = (first, need)
         return pool["staging"], contiguous_slots(first, len(caches.layers), blocks)
 
@@ -1371,9 +1130,11 @@ class Daemon:
             )
         loop = asyncio.get_running_loop()
         if self._stream is None:
-            job.conversion = loop.run_in_executor(self._convert_pool, _convert, caches, job.blocks, fmt, src)
+            job.conversion = loop.run_in_executor(
+                self._convert_pool, convert_blocks, caches, job.blocks, fmt, src
+            )
         else:
-            event = _launch_gpu(self._stream, caches, job.blocks, fmt, src)
+            event = launch_gpu(self._stream, caches, job.blocks, fmt, src)
             job.conversion = loop.run_in_executor(self._convert_pool, event.synchronize)
         try:
             await asyncio.shield(job.conversion)
@@ -1394,14 +1155,7 @@ class Daemon:
                 self._lease.seen(rid, now)
                 self._hb_peer[rid] = (key[0], key[1], target.remote_host, target.remote_port)
             entry = self._peers.get(key)
-            peer = None
-            if (
-                entry is not None
-                and entry.task.done()
-                and not entry.task.cancelled()
-                and entry.task.exception() is None
-            ):
-                peer = entry.task.result()
+            peer = entry.peer if entry is not None else None
             if peer is not None:
                 self._send_heartbeat(peer, target.remote_request_ids)
             elif entry is None and self.caches is not None and not self._stopping:
@@ -1435,13 +1189,8 @@ class Daemon:
                     by_peer.setdefault(job.peer_key, []).append(rid)
             for key, ids in by_peer.items():
                 entry = self._peers.get(key)
-                if (
-                    entry is not None
-                    and entry.task.done()
-                    and not entry.task.cancelled()
-                    and entry.task.exception() is None
-                ):
-                    self._send_heartbeat(entry.task.result(), ids)
+                if entry is not None and entry.peer is not None:
+                    self._send_heartbeat(entry.peer, ids)
             # forget shim-heartbeated ids whose lease lapsed and that no job holds
             for rid in [r for r in self._hb_peer if r not in active and not self._lease.check(r, now)]:
                 self._hb_peer.pop(rid, None)
@@ -1468,49 +1217,11 @@ class Daemon:
                 log.debug("progress: %s", exc)
 
 
-# ------------------------------------------------------------------------------------- conversion bodies
-
-
-def _convert(caches: Caches, block_ids: np.ndarray, fmt: PageFormat, src: Any) -> None:
-    """Convert a request's blocks in every layer (on the current stream, or the CPU)."""
-    import torch
-
-    from sidecar.convert import convert_layers_standard_to_shuffled
-
-    convert_layers_standard_to_shuffled(
-        caches.k_planes,
-        caches.v_planes,
-        torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64)),
-        num_heads=fmt.num_heads,
-        block_size=fmt.block_size,
-        head_size=fmt.head_size,
-        src=src,
-    )
-
-
-def _launch_gpu(stream: Any, caches: Caches, block_ids: np.ndarray, fmt: PageFormat, src: Any) -> Any:
-    """Queue the conversion on the daemon's own stream (never the decoder's) and return its event."""
-    import torch
-
-    with torch.cuda.stream(stream):
-        _convert(caches, block_ids, fmt, src)
-        event = torch.cuda.Event()
-        event.record(stream)
-    return event
-
-
 # ------------------------------------------------------------------------------------------- small helpers
 
 
-def _fnmatch(address: str, pattern: str) -> bool:
-    import fnmatch
-
-    return fnmatch.fnmatchcase(address, pattern)
-
-
 def _reason(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return text
+    return str(exc) or type(exc).__name__
 
 
 def _peek(payload: bytes) -> tuple[str | None, str | None]:
@@ -1523,13 +1234,6 @@ def _peek(payload: bytes) -> tuple[str | None, str | None]:
         return None, None
     kind, req_id = obj.get("type"), obj.get("req_id")
     return (kind if isinstance(kind, str) else None), (req_id if isinstance(req_id, str) else None)
-
-
-def _close_caches(caches: Caches) -> None:
-    caches.k_planes.clear()
-    caches.v_planes.clear()
-    if not all([b.close() for b in caches.imported]):
-        log.warning("some cache mappings are still referenced; they unmap when the last view goes")
 
 
 def _log_send_failure(fut: asyncio.Future) -> None:

@@ -364,6 +364,8 @@ class Pull:
     done_at: float | None = None
     descriptors: int = 0
     nbytes: int = 0
+    layer_ranges: list[tuple[int, int]] = field(default_factory=list)  # [first, last) layers of each handle
+    landed: list[tuple[int, int]] = field(default_factory=list)  # ranges seen DONE, for the caller to take
 
 
 def init_cuda_context(device: int) -> None:
@@ -672,12 +674,17 @@ class Transfer:
             raise pull.error from exc  # type: ignore[misc]
         bounds = np.linspace(0, geo.layers, max(1, min(layer_groups, geo.layers)) + 1).astype(int)
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            posted = len(pull.handles)
             if isinstance(table, Descs):
                 loc, rem = table.layer_slice(a, b)
                 self.read_descs(pull, loc, rem, pool.mem_type)  # type: ignore[union-attr]
             else:
                 li, ri = table.layer_slice(a, b)
                 self.read_indices(pull, dest, mode, li, ri, nbytes=self._index_bytes(geo, li.size))
+            if len(pull.handles) > posted:
+                pull.layer_ranges.append((int(a), int(b)))
+                if pull.done_flags[-1]:  # a transport that copies while posting (shm) is DONE at once
+                    pull.landed.append((int(a), int(b)))
         self.seal(pull)
         return pull
 
@@ -706,6 +713,9 @@ class Transfer:
     def poll(self, pull: Pull, now: float | None = None) -> bool:
         """Non-blocking: True once every transfer is DONE and the one notification has been sent.
 
+        The DONE handles stay with the pull until :meth:`release`: releasing a handle of thousands of
+        descriptors takes time the caller can spend after it has answered (the daemon releases after Done).
+
         Raises RemoteDisconnected / TransferFailed / TransferTimeout (the pull is then aborted: handles
         released and, where the peer is alive, the notification sent so the prefill frees its blocks)."""
         if pull.finished:
@@ -717,10 +727,11 @@ class Transfer:
             if pull.done_flags[i]:
                 continue
             pull.done_flags[i] = self._state(pull, "check_xfer_state", self.agent.check_xfer_state, handle)
+            if pull.done_flags[i] and i < len(pull.layer_ranges):
+                pull.landed.append(pull.layer_ranges[i])  # its layers may be converted while others read
         if pull.sealed and all(pull.done_flags):
             pull.done_at = now
-            self._release(pull)
-            self._notify_once(pull)
+            self._notify_once(pull)  # every read is DONE: the prefill may free its blocks now
             pull.finished = True
             return True
         if now > pull.deadline:
@@ -732,11 +743,19 @@ class Transfer:
             raise exc
         return False
 
-    def wait(self, pull: Pull, *, sleep_s: float = 0.0005) -> Pull:
-        """Blocking helper for benches and tests: poll with a short sleep (no hot spin on small hosts)."""
+    def wait(self, pull: Pull, *, sleep_s: float = 0.0005, release: bool = True) -> Pull:
+        """Blocking helper for benches and tests: poll with a short sleep (no hot spin on small hosts), then
+        release the handles unless told not to."""
         while not self.poll(pull):
             time.sleep(sleep_s)
+        if release:
+            self.release(pull)
         return pull
+
+    def release(self, pull: Pull) -> bool:
+        """Release a pull's transfer handles (DONE ones after :meth:`poll`, or cancel them). True when none is
+        left, i.e. nothing can still write into the destination."""
+        return self._release(pull)
 
     def abort(self, pull: Pull) -> bool:
         """Stop a pull: release (cancel) its transfers, then send its notification so the prefill frees the

@@ -10,6 +10,8 @@ Three parts, one run:
    posted, polled, notification sent), ``bare`` (NIXL called directly with the very same descriptors and
    the same polling), and ``single`` (one descriptor covering the same number of bytes). Reported as
    ``ours/bare`` (our overhead; must be ≥ 0.9) and ``ours/single`` (what splitting into pages costs).
+   Releasing the transfer handles is timed apart for ours and bare (``release_median_s``): both do it after
+   the data has landed, and the daemon does it after it has answered Done.
 
 CPU (DRAM, default, modest sizes) or GPU (``--device cuda``: VRAM on both sides; sets
 ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` for both processes unless already set). Writes one JSON file.
@@ -464,6 +466,8 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
                             f"{mode}: layer {layer} block {i} does not hold the target's bytes"
                         )
 
+        # handle release, timed apart from the reads (both variants do it after the data has landed)
+        release_s: dict[str, dict[str, list[float]]] = {m: {"ours": [], "bare": []} for m in modes}
         for mode in modes:
             geo = tx.geometry(peer, dest, mode, pool if mode == "staged" else None)
 
@@ -480,8 +484,12 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
                     pool=pool if mode == "staged" else None,
                     slots=slots if mode == "staged" else None,
                 )
-                tx.wait(pull, sleep_s=sleep_s)
-                return time.perf_counter() - t, pull.descriptors
+                tx.wait(pull, sleep_s=sleep_s, release=False)  # the daemon releases after its Done
+                dt_ = time.perf_counter() - t
+                t = time.perf_counter()
+                tx.release(pull)
+                release_s[mode]["ours"].append(time.perf_counter() - t)
+                return dt_, pull.descriptors
 
             def bare(remote_ids, mode=mode, geo=geo):
                 # the very same descriptors (built outside the timing), NIXL called directly
@@ -508,8 +516,10 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
                         handles.append(h)
                 _wait_handles(agent, handles, sleep_s)
                 dt_ = time.perf_counter() - t
+                t = time.perf_counter()
                 for h in handles:
                     agent.release_xfer_handle(h)
+                release_s[mode]["bare"].append(time.perf_counter() - t)
                 return dt_, sum(len(p[0]) for p in parts)
 
             def single(_remote_ids):
@@ -544,6 +554,9 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
                 "GBps": gbps,
                 "ours_over_bare": gbps["ours"] / gbps["bare"],
                 "ours_over_single": gbps["ours"] / gbps["single"],
+                "release_median_s": {
+                    k: statistics.median(v[args.warmup :]) for k, v in release_s[mode].items() if v
+                },
             }
         return {
             "agent_create_s": agent_s,
@@ -640,7 +653,8 @@ def run(args: argparse.Namespace) -> int:
                 f"{mode:>7}: ours {g['ours']:.2f} GB/s ({r['descriptors']['ours']} descs), "
                 f"bare {g['bare']:.2f}, "
                 f"single {g['single']:.2f} -> ours/bare {r['ours_over_bare']:.3f}, "
-                f"ours/single {r['ours_over_single']:.3f}"
+                f"ours/single {r['ours_over_single']:.3f}; handle release "
+                + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in r["release_median_s"].items())
             )
     fails = must_show(result)
     result["must_show_failures"] = fails

@@ -484,6 +484,23 @@ def test_direct_pull_every_byte_and_one_notification(emu, tx, planes):
     assert emu.client.status(params.remote_request_id).notif_counts == [1]
 
 
+def test_layer_groups_land_and_stay_until_released_and_the_notification_does_not_wait(emu, tx, planes):
+    peer = connect(tx, emu)
+    reply, params = new_request(emu, 4)
+    planes.reset()
+    pull = tx.pull(peer, planes.dest, "direct", [0, 1, 2, 3], params.remote_block_ids[0],
+                   params.remote_request_id, layer_groups=2)
+    tx.wait(pull, release=False)
+    assert pull.notified and len(pull.handles) == 2  # DONE, notified, not yet released
+    # each layer group is reported once as it lands, so its layers can be converted while others read
+    half = LAYERS // 2
+    assert pull.layer_ranges == [(0, half), (half, LAYERS)] and sorted(pull.landed) == pull.layer_ranges
+    emu.client.wait_state(params.remote_request_id, "freed_by_notif", 10)
+    check_planes(planes.arr, reply, [0, 1, 2, 3])
+    assert tx.release(pull) and pull.handles == []
+    assert tx.poll(pull)
+
+
 def test_direct_pull_pairs_with_the_remote_tail(emu, tx, planes):
     """A decoder prefix hit: only its uncached blocks are read, from the tail of the prefill's list."""
     peer = connect(tx, emu)
