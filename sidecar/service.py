@@ -108,7 +108,12 @@ class Job:
     peer_entry: PeerEntry | None = None
     settled: bool = False  # the pipeline ended; only quiescing and the answer remain (no more cancels)
     tpull: Any = None
-    conversion: asyncio.Future | None = None
+    converting: bool = False  # its pages are converted, layer group by layer group as they land
+    convert_src: Any = None  # staged: the request's pool slots as [layers, blocks, page]; None: in place
+    conversions: list[asyncio.Future] = field(default_factory=list)  # CPU twin: one per layer group
+    last_event: Any = None  # GPU: the event after the latest group's conversion (one stream, in order)
+    converted_layers: int = 0
+    conversion: asyncio.Future | None = None  # all of the above, once awaited
     slots: tuple[int, int] | None = None
     blocks: Any = None  # local kernel block ids read (numpy int64)
     caches: Caches | None = None
@@ -155,7 +160,7 @@ class Daemon:
         self._queued = 0
         self._slots: asyncio.Semaphore | None = None
         self._peers: dict[tuple[str, int], PeerEntry] = {}
-        self._reads: dict[Any, asyncio.Future] = {}
+        self._reads: dict[Any, tuple[asyncio.Future, Job]] = {}  # transfer.Pull -> (its wait, its job)
         self._reads_wakeup: asyncio.Event | None = None
         self._hb_peer: dict[
             str, tuple[str, int, str, int]
@@ -687,10 +692,12 @@ class Daemon:
         """Make sure nothing can still write into the job's blocks: stop its reads, await its conversion."""
         safe = True
         if job.tpull is not None:
-            fut = self._reads.pop(job.tpull, None)
+            fut, _ = self._reads.pop(job.tpull, (None, None))
             if fut is not None and not fut.done():
                 fut.cancel()
-            if not job.tpull.finished or job.tpull.handles:
+            # A finished pull's handles are DONE (or already released on error): nothing left to stop. They
+            # are released after the answer, in _finish.
+            if not job.tpull.finished:
                 safe = self.transfer.abort(job.tpull)
                 give_up = time.monotonic() + 5.0
                 while not safe and time.monotonic() < give_up:
@@ -711,9 +718,10 @@ class Daemon:
             entry = self._peer_entry_for_notify(job)
             if entry is not None:
                 self._spawn(self._notify_after_handshake(entry.task, job.msg.remote_request_id))
-        if job.conversion is not None and not job.conversion.done():
+        done = self._conversions_done(job)
+        if done is not None and not done.done():
             with contextlib.suppress(Exception):
-                await asyncio.shield(job.conversion)
+                await asyncio.shield(done)
         return safe
 
     def _peer_entry_for_notify(self, job: Job) -> PeerEntry | None:
@@ -794,6 +802,8 @@ class Daemon:
             timings["signal"] = time.monotonic() - t0
         if job.tpull is not None:
             self._nixl_active()  # its completion notification went out with the last poll
+            if job.tpull.handles and not self.transfer.release(job.tpull):
+                log.warning("pull %s: some DONE transfers could not be released", job.msg.req_id)
         if outcome.kind == "ok":
             self.metrics.bytes_pulled.inc(getattr(job.tpull, "nbytes", 0) if job.tpull is not None else 0)
         self.metrics.answered(outcome.kind, timings)
@@ -840,16 +850,19 @@ class Daemon:
         mode = "plain" if not plan.convert else self._mode()
         job.enter("transfer")
         staged = await self._post_read(job, caches, mode)
-        await self._wait_read(job)
+        job.converting = bool(plan.convert and job.blocks is not None and job.blocks.size)
+        if job.converting and staged is not None:
+            job.convert_src = self._staged_source(job, caches)
+        await self._wait_read(job)  # layer groups are converted as they land, while later ones still read
         done_at = job.tpull.done_at or time.monotonic()
         if done_at >= self._lease.vouched_until(msg.remote_request_id):
             raise Failed(
                 f"lease: the read of {msg.remote_request_id!r} ended after its lease could have "
                 "lapsed; its bytes cannot be trusted"
             )
-        if plan.convert and job.blocks is not None and job.blocks.size:
-            job.enter("convert")
-            await self._convert(job, caches, staged)
+        if job.converting:
+            job.enter("convert")  # what is left of the conversion once the last byte has landed
+            await self._finish_conversion(job, len(caches.layers))
         return Outcome("ok")
 
     def _mode(self) -> str:
@@ -1015,7 +1028,7 @@ class Daemon:
 
         assert self._loop is not None and self._reads_wakeup is not None
         fut = self._loop.create_future()
-        self._reads[job.tpull] = fut
+        self._reads[job.tpull] = (fut, job)
         self._reads_wakeup.set()
         try:
             await fut
@@ -1039,7 +1052,7 @@ class Daemon:
                 self._reads_wakeup.clear()
                 await self._reads_wakeup.wait()
             now = time.monotonic()
-            for tpull, fut in list(self._reads.items()):
+            for tpull, (fut, job) in list(self._reads.items()):
                 if fut.done():
                     self._reads.pop(tpull, None)
                     continue
@@ -1049,6 +1062,8 @@ class Daemon:
                     self._reads.pop(tpull, None)
                     fut.set_exception(exc)
                     continue
+                while tpull.landed:
+                    self._convert_group(job, *tpull.landed.pop(0))
                 if finished:
                     self._reads.pop(tpull, None)
                     fut.set_result(None)
@@ -1115,33 +1130,59 @@ class Daemon:
 
     # ---------------------------------------------------------------------------------------- conversion
 
-    async def _convert(self, job: Job, caches: Caches, staged_slots: Any) -> None:
-        fmt = caches.page_format
-        src = None
-        if staged_slots is not None:
-            first, n = job.slots  # type: ignore[misc]
-            per = int(job.blocks.size)
-            pool_t = self._pool["tensor"]  # type: ignore[index]
-            slot = self._pool["slot_bytes"]  # type: ignore[index]
-            src = (
-                pool_t[first * slot : (first + n) * slot]
-                .view(ipc_mod.torch_dtype(fmt.dtype))
-                .view(len(caches.layers), per, -1)
-            )
-        loop = asyncio.get_running_loop()
-        if self._stream is None:
-            job.conversion = loop.run_in_executor(
-                self._convert_pool, convert_blocks, caches, job.blocks, fmt, src
-            )
-        else:
-            event = launch_gpu(self._stream, caches, job.blocks, fmt, src)
-            job.conversion = loop.run_in_executor(self._convert_pool, event.synchronize)
+    def _staged_source(self, job: Job, caches: Caches) -> Any:
+        """The request's staging slots as [layers, blocks, page elements] of the page dtype."""
+        assert self._pool is not None and job.slots is not None
+        first, n = job.slots
+        slot = self._pool["slot_bytes"]
+        return (
+            self._pool["tensor"][first * slot : (first + n) * slot]
+            .view(ipc_mod.torch_dtype(caches.page_format.dtype))
+            .view(len(caches.layers), int(job.blocks.size), -1)
+        )
+
+    def _convert_group(self, job: Job, first: int, last: int) -> None:
+        """Start converting layers [first, last) of a job, their reads DONE (called by the poll loop)."""
+        if not job.converting or job.caches is None:
+            return
+        caches, fmt = job.caches, job.caches.page_format
+        src = None if job.convert_src is None else job.convert_src[first:last]
+        assert self._loop is not None
         try:
-            await asyncio.shield(job.conversion)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            raise Failed(f"convert: {_reason(exc)}") from exc
+            if self._stream is None:
+                job.conversions.append(
+                    self._loop.run_in_executor(
+                        self._convert_pool, convert_blocks, caches, job.blocks, fmt, src, (first, last)
+                    )
+                )
+            else:
+                job.last_event = launch_gpu(self._stream, caches, job.blocks, fmt, src, (first, last))
+        except Exception as exc:  # noqa: BLE001 - a launch that fails fails the request, not the loop
+            failed = self._loop.create_future()
+            failed.set_exception(exc)
+            job.conversions.append(failed)
+            return
+        job.converted_layers += last - first
+
+    def _conversions_done(self, job: Job) -> asyncio.Future | None:
+        """One future for every conversion the job started (None if it started none); never fails early."""
+        if job.conversion is None and (job.conversions or job.last_event is not None):
+            assert self._loop is not None
+            waits = list(job.conversions)
+            if job.last_event is not None:
+                waits.append(self._loop.run_in_executor(self._convert_pool, job.last_event.synchronize))
+            # return_exceptions: a failed group must not end the wait while others still write
+            job.conversion = asyncio.gather(*waits, return_exceptions=True)
+        return job.conversion
+
+    async def _finish_conversion(self, job: Job, layers: int) -> None:
+        done = self._conversions_done(job)
+        results = await asyncio.shield(done) if done is not None else []
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise Failed(f"convert: {_reason(errors[0])}") from errors[0]
+        if job.converted_layers != layers:
+            raise Failed(f"convert: {job.converted_layers} of {layers} layers were converted")
 
     # ---------------------------------------------------------------------------------------- heartbeats
 

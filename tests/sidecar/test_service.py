@@ -454,6 +454,20 @@ def test_staged_pull_then_reregistered_plain_read(daemon_factory, emulator):
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_layer_groups_are_each_converted_once_they_land(daemon_factory, emulator, mode):
+    d = daemon_factory("--remotes", remotes_flag(), "--pull-mode", mode, "--layer-groups", str(L),
+                       "--staging-bytes", str(64 * STANDARD.page_bytes))
+    d.ready(emulator)
+    for i, local in enumerate(([5, 1, 17], [2, 30, 8, 9, 4])):
+        r = emulator.client.new_request(num_tokens=len(local) * N)
+        done = d.shim.ask(pull_of(r.kv_transfer_params, f"groups-{i}", local))
+        assert done.ok and "convert" in done.timings, done
+        d.decoder.check(r, local)  # every layer, in each group, converted from its own pages
+    assert d.decoder.untouched([b for b in range(B) if b not in (5, 1, 17, 2, 30, 8, 9, 4)])
+
+
+@pytest.mark.e2e
 def test_overload_then_sigterm_fails_in_flight_pulls_and_exits(daemon_factory, emulator, silent_prefill):
     d = daemon_factory("--remotes", remotes_flag(), "--max-inflight", "1", "--max-queued", "1",
                        "--shutdown-grace-s", "0.5", "--handshake-timeout-s", "30")
