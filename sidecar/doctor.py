@@ -1,10 +1,11 @@
 """``kv-sidecar doctor``: check a live node end to end and print a pass/fail table (``--json`` for scripts).
 
-Checks, in order: the config loads; the daemon answers Ping on its socket; /healthz and /readyz; vLLM's
-caches are registered; each prefill's side channel answers vLLM's handshake, and the page-format negotiation
-the daemon would make with it (plan or refusal, with the reason); then one test pull from a prefill emulator
-(started here unless one is given) by a NIXL agent of our own, with ``UCX_LOG_LEVEL=info`` captured to show
-which UCX transports carry the bytes (a warning when only tcp does). The exit code is 1 when any check fails.
+Checks, in order: the config loads; the daemon answers Ping on its socket, and over its completion socket;
+/healthz and /readyz; vLLM's caches are registered; each prefill's side channel answers vLLM's handshake, and
+the page-format negotiation the daemon would make with it (plan or refusal, with the reason); then one test
+pull from a prefill emulator (started here unless one is given) by a NIXL agent of our own, with
+``UCX_LOG_LEVEL=info`` captured to show which UCX transports carry the bytes (a warning when only tcp does).
+The exit code is 1 when any check fails.
 
 Doctor never writes into the decoder's cache: the test pull reads into its own buffer.
 """
@@ -285,6 +286,55 @@ def check_daemon(socket_endpoint: str, timeout_s: float) -> tuple[list[Check], A
     except Exception as exc:  # noqa: BLE001 - any failure is a finding, never a crash
         return [Check("daemon", "fail", f"{socket_endpoint}: {type(exc).__name__}: {exc}")], None
     finally:
+        sock.close(0)
+        ctx.term()
+
+
+def check_completion_socket(socket_endpoint: str, timeout_s: float) -> Check:
+    """Hello as a shim would, bind the completion socket the daemon offers, and get a Pong over it."""
+    import socket as socket_mod
+
+    import zmq
+
+    from sidecar import protocol
+
+    name = "completion socket"
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    routing_id = b"doctor-" + os.urandom(6).hex().encode()
+    sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    fast = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_SEQPACKET)
+    fast.settimeout(timeout_s)
+    try:
+        sock.connect(socket_endpoint)
+        sock.send(protocol.encode(protocol.Hello(protocol_version=protocol.PROTOCOL_VERSION,
+                                                 package_version="doctor")))
+        welcome = _recv(sock, protocol, timeout_s)
+        if not isinstance(welcome, protocol.Welcome):
+            return Check(name, "fail", f"Hello answered with {welcome!r}")
+        path = welcome.completion_socket
+        if not path:
+            return Check(name, "skip", "not offered (fast_completions = false): replies go over ZMQ")
+        fast.connect(path)
+        fast.send(protocol.encode(protocol.BindCompletions(routing_id=routing_id)))
+        bound = protocol.decode_to_shim(fast.recv(65536))
+        if not isinstance(bound, protocol.CompletionsBound) or not bound.ok:
+            return Check(name, "warn", f"{path} refused the binding ({bound!r}): shims fall back to ZMQ")
+        nonce = int.from_bytes(os.urandom(4), "little")
+        t0 = time.perf_counter()
+        sock.send(protocol.encode(protocol.Ping(nonce=nonce)))
+        pong = protocol.decode_to_shim(fast.recv(65536))
+        if not isinstance(pong, protocol.Pong) or pong.nonce != nonce:
+            return Check(name, "warn", f"Ping answered over {path} with {pong!r}")
+        return Check(name, "pass", f"Pong over {path} in {(time.perf_counter() - t0) * 1e3:.2f} ms")
+    except (OSError, TimeoutError) as exc:
+        # the shim falls back to ZMQ on the same trouble: slower completions, nothing lost
+        return Check(name, "warn", f"{type(exc).__name__}: {exc}; shims fall back to ZMQ")
+    except Exception as exc:  # noqa: BLE001 - any failure is a finding, never a crash
+        return Check(name, "fail", f"{type(exc).__name__}: {exc}")
+    finally:
+        fast.close()
         sock.close(0)
         ctx.term()
 
@@ -705,6 +755,8 @@ def diagnose(args: argparse.Namespace, environ: Mapping[str, str] | None = None)
         return Report(checks)
     daemon_checks, status = check_daemon(target.socket, args.timeout)
     checks += daemon_checks
+    if all(c.status == "pass" for c in daemon_checks):
+        checks.append(check_completion_socket(target.socket, args.timeout))
     health, gauges = check_health(target.metrics_url, args.timeout)
     checks += health
     checks.append(check_caches(status, gauges))

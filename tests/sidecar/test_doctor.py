@@ -309,11 +309,20 @@ def test_doctor_passes_on_a_healthy_node(node):
     ):
         assert checks[name]["status"] in ("pass", "warn"), (name, checks[name])
     assert checks["daemon"]["status"] == "pass" and checks["caches"]["status"] == "pass"
+    assert checks["completion socket"]["status"] == "pass", checks["completion socket"]
+    assert checks["completion socket"]["detail"].startswith(f"Pong over {node['socket'][6:]}.done")
     assert (
         "convert standard LBHNC -> aiter_shuffled LHBNC" in checks[f"negotiation {node['prefill']}"]["detail"]
     )
     assert "completion notification received" in checks["test pull"]["detail"]
     assert checks["UCX transports"]["status"] == "pass"  # tcp + cma on loopback here
+
+
+@pytest.mark.e2e
+def test_a_missing_completion_socket_is_a_warning_not_a_failure(own_node):
+    os.unlink(own_node["socket"].removeprefix("ipc://") + ".done")  # shims fall back to ZMQ
+    check = doctor.check_completion_socket(own_node["socket"], 2.0)
+    assert check.status == "warn" and "fall back to ZMQ" in check.detail, check
 
 
 @pytest.mark.e2e
