@@ -67,10 +67,6 @@ class CompletionSocket:
         self._listener.setblocking(False)
         loop.add_reader(self._listener.fileno(), self._accept)
 
-    @property
-    def bound(self) -> int:
-        return len(self._by_id)
-
     def send(self, routing_id: bytes, data: bytes) -> bool:
         """Send one reply to a bound shim, in order. False when it has no completion socket (use ZMQ)."""
         conn = self._by_id.get(routing_id)

@@ -1,11 +1,11 @@
 """The daemon: a request's life from Pull to Done (queue → handshake → read → convert → Done).
 
 One asyncio (uvloop) loop owns everything: the ZMQ ROUTER the shim talks to (and its completion socket,
-``completions.py``), the NIXL agent (polled, never
-blocking), the lease bookkeeping and every request. Conversion runs off the loop: on the daemon's own CUDA/HIP
-stream (the loop waits for its event in a thread), or on the CPU in one worker thread (the CPU twin's
-"stream"). Every accepted Pull is answered exactly once (Done, or Aborted after an Abort) and at the latest
-at its deadline; nothing is answered while a transfer or a conversion can still write into its blocks.
+``completions.py``), the NIXL agent (polled, never blocking), the lease bookkeeping and every request.
+Conversion runs off the loop, one layer group at a time as its READ lands: on the daemon's own CUDA/HIP stream
+(the loop waits for its event in a thread), or on the CPU in one worker thread (the CPU twin's "stream").
+Every accepted Pull is answered exactly once (Done, or Aborted after an Abort) and at the latest at its
+deadline; nothing is answered while a transfer or a conversion can still write into its blocks.
 """
 
 from __future__ import annotations

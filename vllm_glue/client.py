@@ -86,6 +86,7 @@ class SidecarClient:
         self.registered: p.Registered | None = None
         self._changed = threading.Condition()
         self._bound = threading.Event()
+        self._fast: socket.socket | None = None  # the completion socket, owned by the I/O thread
         self._thread = threading.Thread(target=self._run, name="kv-sidecar-client", daemon=True)
         self._thread.start()
         self._bound.wait()
@@ -106,7 +107,7 @@ class SidecarClient:
     @property
     def uses_completion_socket(self) -> bool:
         """Whether replies now come over the daemon's completion socket (else over ZMQ)."""
-        return getattr(self, "_fast", None) is not None
+        return self._fast is not None
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Block until registered (True), or until the timeout or a refusal (False). For startup only."""
@@ -191,7 +192,6 @@ class SidecarClient:
         for s in (inbox, dealer, monitor):
             poller.register(s, zmq.POLLIN)
         self._poller = poller
-        self._fast: socket.socket | None = None
         self._phase, self._deadline = "idle", float("inf")
         connected = False
         try:
