@@ -156,14 +156,14 @@ def test_abort_is_reported_once_and_never_as_a_failure(work, emulator, daemon, m
 def test_heartbeats_keep_a_waiting_request_alive_past_its_lease(work, emulator, daemon, make_standin) -> None:
     standin = make_standin(daemon.socket, dict(emulator.ready.compat_factors))
     assert standin.register()
-    # A 1.5 s lease (heartbeats extend it by 1 s): without heartbeats the blocks would be reused long before
-    # the pull.
-    reply = emulator.client.new_request(num_tokens=64, lease_s=1.5)
+    # A 3 s lease (heartbeats extend it by 2 s: room for a late one on a loaded CI box); without heartbeats
+    # the blocks would be reused long before the pull.
+    reply = emulator.client.new_request(num_tokens=64, lease_s=3.0)
     remote = parse_remote(reply.kv_transfer_params)
     hb = StepOrders(
         heartbeats=[HeartbeatOrder(remote.engine_id, remote.host, remote.port, 1, [remote.request_id])]
     )
-    t_end = time.monotonic() + 3.5
+    t_end = time.monotonic() + 4.5
     while (
         time.monotonic() < t_end
     ):  # the scheduler half's heartbeat cadence while the request waits for blocks
