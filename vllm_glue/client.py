@@ -24,6 +24,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from sidecar import protocol as p
+from vllm_glue.sched_hint import request_short_slice
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,9 @@ class SidecarClient:
             self._changed.notify_all()
 
     def _run(self) -> None:
+        why_not = request_short_slice()  # replies wake this thread: let it run at once on a busy host
+        if why_not is not None:
+            log.debug("kv-sidecar client I/O thread keeps the default time slice: %s", why_not)
         try:
             self._loop()
         except Exception as e:  # never die silently: the engine must see loads fail, not hang
