@@ -709,8 +709,9 @@ class Daemon:
                     )
         elif job.peer is not None:
             self._notify(job)  # read never posted: still tell the prefill to free the blocks
-        elif job.peer_entry is not None and not job.peer_entry.task.done():
-            # stopped during the handshake: notify once it is through, without holding up the answer
+        elif job.peer_entry is not None:
+            # stopped during the handshake, or after it ended but before this job resumed from it (an Abort
+            # handled in the same loop turn): notify once it is through, without holding up the answer
             self._spawn(self._notify_after_handshake(job.peer_entry.task, job.msg.remote_request_id))
         elif job.peer_entry is None and job.cancel is not None and job.cancel[0] in ("aborted", "expired"):
             # stopped before the handshake began (queued): the prefill still holds the blocks for its lease,
