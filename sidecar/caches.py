@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ class Caches:
     nbytes: int
     k_planes: list[Any] = field(default_factory=list)  # 2-D [blocks, plane elems] per layer, for conversion
     v_planes: list[Any] = field(default_factory=list)
+    plane_set: Any = None  # sidecar.convert.PlaneSet over k_planes/v_planes, made by the first conversion
     users: int = 0
 
 
@@ -74,12 +76,32 @@ def map_caches(
                 # .view, not .reshape: a copy would silently convert somewhere else
                 caches.k_planes.append(t.select(1, 0).view(t.shape[0], -1))
                 caches.v_planes.append(t.select(1, 1).view(t.shape[0], -1))
+        if caches.k_planes and msg.page_format.kind == "aiter_shuffled":
+            caches.plane_set = conversion_planes(caches, msg.page_format)
+            if gpu is not None:  # compile in the registration's worker thread, not in a request on the loop
+                t0 = time.monotonic()
+                caches.plane_set.warm_up()
+                ms = (time.monotonic() - t0) * 1e3
+                log.info("conversion kernels ready for %s (%.0f ms)", msg.page_format, ms)
         return caches
     except BaseException:
         del views
         for b in imported:
             b.close()
         raise
+
+
+def conversion_planes(caches: Caches, fmt: PageFormat) -> Any:
+    """The caches' planes as a checked ``PlaneSet``: each conversion then checks only its ids and source."""
+    from sidecar.convert import PlaneSet
+
+    return PlaneSet(
+        caches.k_planes,
+        caches.v_planes,
+        num_heads=fmt.num_heads,
+        block_size=fmt.block_size,
+        head_size=fmt.head_size,
+    )
 
 
 def register_caches(transfer: Any, caches: Caches) -> None:
@@ -95,6 +117,7 @@ def register_caches(transfer: Any, caches: Caches) -> None:
 
 
 def close_caches(caches: Caches) -> None:
+    caches.plane_set = None  # it holds views of the mappings too
     caches.k_planes.clear()
     caches.v_planes.clear()
     if not all([b.close() for b in caches.imported]):

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from sidecar.caches import Caches
+from sidecar.caches import Caches, conversion_planes
 from sidecar.formats import PageFormat
 
 
@@ -17,17 +17,10 @@ def convert_blocks(
     ``src``: None to convert in place, else the staged pages of exactly those layers."""
     import torch
 
-    from sidecar.convert import convert_layers_standard_to_shuffled
-
-    first, last = layers if layers is not None else (0, len(caches.k_planes))
-    convert_layers_standard_to_shuffled(
-        caches.k_planes[first:last],
-        caches.v_planes[first:last],
-        torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64)),
-        num_heads=fmt.num_heads,
-        block_size=fmt.block_size,
-        head_size=fmt.head_size,
-        src=src,
+    if caches.plane_set is None:  # made at registration for a shuffled cache; here for anything else
+        caches.plane_set = conversion_planes(caches, fmt)
+    caches.plane_set.convert(
+        torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64)), src=src, layers=layers
     )
 
 

@@ -851,11 +851,14 @@ class Daemon:
         mode = "plain" if not plan.convert else self._mode()
         job.enter("transfer")
         staged = await self._post_read(job, caches, mode)
+        posted = time.monotonic()
+        job.timings["post"] = posted - job.stage_started
         job.converting = bool(plan.convert and job.blocks is not None and job.blocks.size)
         if job.converting and staged is not None:
             job.convert_src = self._staged_source(job, caches)
         await self._wait_read(job)  # layer groups are converted as they land, while later ones still read
         done_at = job.tpull.done_at or time.monotonic()
+        job.timings["read"] = done_at - posted
         if done_at >= self._lease.vouched_until(msg.remote_request_id):
             raise Failed(
                 f"lease: the read of {msg.remote_request_id!r} ended after its lease could have "
@@ -1157,7 +1160,9 @@ class Daemon:
                     )
                 )
             else:
+                t0 = time.perf_counter()
                 job.last_event = launch_gpu(self._stream, caches, job.blocks, fmt, src, (first, last))
+                job.timings["launch"] = job.timings.get("launch", 0.0) + time.perf_counter() - t0
         except Exception as exc:  # noqa: BLE001 - a launch that fails fails the request, not the loop
             failed = self._loop.create_future()
             failed.set_exception(exc)

@@ -61,6 +61,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "another host, here it shares the cores (its NIXL progress thread spins) (default 10)",
     )
     parser.add_argument(
+        "--prefill-progress-thread",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run the prefill emulator's NIXL progress thread, as a stock vLLM prefill does. It spins a "
+        "core; on a decoder host the prefill is on another machine, so by default the stand-in drives NIXL "
+        "from its loop instead and the load measured is the daemon's and the shim's own (default off)",
+    )
+    parser.add_argument(
         "--channels",
         default=",".join(CHANNELS),
         help="reply channels to measure, in this order: completion_socket (the daemon's default) and/or zmq "
@@ -156,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         },
         "gil_switch_interval_s": sys.getswitchinterval(),
         "prefill_nice": args.prefill_nice,
+        "prefill_progress_thread": args.prefill_progress_thread,
         "host_cpus": os.cpu_count(),
         "load_average_1m_after": round(os.getloadavg()[0], 2),
     }
@@ -214,6 +223,7 @@ def _measure(args: argparse.Namespace, channel: str) -> dict[str, Any]:
             str(n),
             "--num-blocks",
             str(prefill_blocks),
+            *([] if args.prefill_progress_thread else ["--no-progress-thread"]),
         ]
     )
     _renice(emu.proc.pid, args.prefill_nice)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 CONVERTIBLE = (torch.bfloat16, torch.float16)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Job:
     """A checked conversion: planes as int16 views (a pure permutation never looks at values), ids on CPU."""
 
@@ -21,6 +23,11 @@ class Job:
     num_heads: int
     block_size: int
     head_size: int
+    planes_aligned16: bool  # see ``aligned16``
+    # Per layer: K plane address (bytes), its row stride (elements), the same for V; and for the sources
+    # (address, row stride). Kernels build their tables from these without touching the tensors again.
+    plane_rows: np.ndarray  # int64 [layers, 4]
+    src_rows: np.ndarray | None  # int64 [layers, 2]
 
     @property
     def x(self) -> int:
@@ -82,13 +89,14 @@ def _check_ids(block_ids: object, device: torch.device, num_blocks: int) -> torc
                          f"{device}")
     ids = block_ids.to("cpu", torch.int64)  # a GPU tensor costs one sync here: pass CPU ids on hot paths
     if ids.numel():
-        lo, hi = int(ids.min()), int(ids.max())
+        ordered = np.sort(ids.numpy())  # one sort finds the range and any duplicate (cheaper than torch ops)
+        lo, hi = int(ordered[0]), int(ordered[-1])
         if lo < 0 or hi >= num_blocks:
             bad = lo if lo < 0 else hi
             raise ValueError(f"block_ids holds {bad}, out of range [0, {num_blocks})")
-        if torch.unique(ids).numel() != ids.numel():
-            uniq, counts = torch.unique(ids, return_counts=True)
-            raise ValueError(f"block_ids holds duplicates, e.g. {int(uniq[counts > 1][0])}")
+        same = np.flatnonzero(ordered[1:] == ordered[:-1])
+        if same.size:
+            raise ValueError(f"block_ids holds duplicates, e.g. {int(ordered[same[0]])}")
     return ids
 
 
@@ -105,17 +113,52 @@ def _as_src_list(src: object, num_layers: int) -> list[object]:
     raise ValueError(f"src must be a tensor or a sequence of tensors, got {type(src).__name__}")
 
 
-def check_job(
+@dataclass(frozen=True, eq=False)
+class Planes:
+    """Every layer's K and V planes, checked once (``check_planes``); requests then check only ids and src."""
+
+    k_planes: tuple[torch.Tensor, ...]  # int16 views
+    v_planes: tuple[torch.Tensor, ...]
+    dtype: torch.dtype
+    num_blocks: int  # the fewest blocks of any plane: every id must be below it
+    num_heads: int
+    block_size: int
+    head_size: int
+    aligned16: bool  # every plane's base and row stride allow 16-byte vectors
+    spans: tuple[tuple[int, int, str], ...]  # byte ranges of the planes and their names, sorted, disjoint
+    rows: np.ndarray  # int64 [layers, 4], as Job.plane_rows
+
+    @property
+    def single(self) -> bool:
+        return len(self.k_planes) == 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_planes[0].device
+
+
+def _aligned16(tensors: Sequence[torch.Tensor]) -> bool:
+    """The kernels use 16-byte vectors: every base and row stride must be a multiple of 8 elements."""
+    return all(t.data_ptr() % 16 == 0 and (t.shape[0] <= 1 or t.stride(0) % 8 == 0) for t in tensors)
+
+
+def aligned16(job: Job) -> bool:
+    """16-byte vectors fit every tensor of the job (the planes were checked once, the sources now)."""
+    if job.src_rows is None or not len(job.src_rows):
+        return job.planes_aligned16
+    rows_ok = job.ids.numel() <= 1 or not (job.src_rows[:, 1] % 8).any()
+    return job.planes_aligned16 and rows_ok and not (job.src_rows[:, 0] % 16).any()
+
+
+def check_planes(
     k_planes: Sequence[object],
     v_planes: Sequence[object],
-    block_ids: object,
     *,
     num_heads: object,
     block_size: object,
     head_size: object,
-    srcs: Sequence[object] | None,
-) -> Job:
-    """Check everything a conversion reads or writes; raise ValueError naming the first problem found."""
+) -> Planes:
+    """Check the planes and the geometry once; raise ValueError naming the first problem found."""
     h = _positive_int("num_heads", num_heads)
     n = _positive_int("block_size", block_size)
     d = _positive_int("head_size", head_size)
@@ -144,38 +187,126 @@ def check_job(
         raise ValueError(f"head_size {d} is not a multiple of x={x} (16 bytes of {dtype})")
     if n % x:
         raise ValueError(f"block_size {n} is not a multiple of x={x} (16 bytes of {dtype})")
-    ids = _check_ids(block_ids, device, min(k.shape[0] for k in ks))
-    src_list = None
-    if srcs is not None:
-        src_list = []
-        for i, s in enumerate(srcs):
-            name = "src" if single else f"src[{i}]"
-            if not isinstance(s, torch.Tensor):
-                raise ValueError(f"{name} must be a torch.Tensor, got {type(s).__name__}")
-            if s.dtype != dtype:
-                raise ValueError(f"{name} dtype {s.dtype} differs from the planes' {dtype}")
-            if s.device != device:
-                raise ValueError(f"mismatched devices: {name} is on {s.device}, the planes on {device}")
-            if s.dim() != 2 or s.shape[0] != ids.numel() or s.shape[1] != 2 * row:
-                raise ValueError(f"{name} shape {tuple(s.shape)} must be [len(block_ids), "
-                                 f"2*num_heads*block_size*head_size] = [{ids.numel()}, {2 * row}]")
-            if s.numel() and s.shape[1] > 1 and s.stride(1) != 1:
-                raise ValueError(f"{name} must be dense along its element axis (stride(1) == 1)")
-            src_list.append(s)
-    if src_list is not None:
-        named += [("src" if single else f"src[{i}]", t) for i, t in enumerate(src_list)]
     _check_disjoint(named)
-    return Job(
+    return Planes(
         k_planes=tuple(t.view(torch.int16) for t in ks),
         v_planes=tuple(t.view(torch.int16) for t in vs),
-        srcs=None if src_list is None else tuple(t.view(torch.int16) for t in src_list),
-        ids=ids,
+        dtype=dtype,
+        num_blocks=min(k.shape[0] for k in ks),
         num_heads=h,
         block_size=n,
         head_size=d,
+        aligned16=_aligned16(ks + vs),
+        spans=tuple(sorted((*_span(t), name) for name, t in named if t.numel())),
+        rows=np.array(
+            [(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0)) for k, v in zip(ks, vs, strict=True)],
+            dtype=np.int64,
+        ).reshape(-1, 4),
     )
 
 
-def src_layers(src: object, num_layers: int) -> list[object] | None:
-    """Normalise a batched ``src`` (a [L, M, page] tensor or a list of L [M, page] tensors) to a list."""
-    return None if src is None else _as_src_list(src, num_layers)
+def _check_src_disjoint(planes: Planes, named: list[tuple[str, int, int]]) -> None:
+    """No source span (name, start, end) overlaps a plane (the planes' own spans are sorted and disjoint)."""
+    starts = [span[0] for span in planes.spans]
+    for name, start, end in named:
+        if start == end:
+            continue
+        i = bisect.bisect_right(starts, start)
+        for p_start, p_end, plane in (planes.spans[j] for j in (i - 1, i) if 0 <= j < len(starts)):
+            if p_start < end and start < p_end:
+                raise ValueError(
+                    f"{plane} and {name} overlap in memory; every plane and source must be disjoint"
+                )
+
+
+def _check_src_tensor(planes: Planes, name: str, s: object) -> torch.Tensor:
+    if not isinstance(s, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(s).__name__}")
+    if s.dtype != planes.dtype:
+        raise ValueError(f"{name} dtype {s.dtype} differs from the planes' {planes.dtype}")
+    if s.device != planes.device:
+        raise ValueError(f"mismatched devices: {name} is on {s.device}, the planes on {planes.device}")
+    if s.numel() and s.shape[-1] > 1 and s.stride(-1) != 1:
+        raise ValueError(f"{name} must be dense along its element axis (stride(-1) == 1)")
+    return s
+
+
+def _batched_src(planes: Planes, src: torch.Tensor, layers: int, m: int) -> tuple[tuple, np.ndarray]:
+    """A [layers, M, page] source (the staging slots), checked as one tensor: its layer views and rows."""
+    row = planes.num_heads * planes.block_size * planes.head_size
+    if src.dim() != 3 or src.shape[0] != layers:
+        raise ValueError(f"src shape {tuple(src.shape)} must be [num_layers={layers}, len(block_ids), page]")
+    if src.shape[1] != m or src.shape[2] != 2 * row:
+        raise ValueError(f"src shape {tuple(src.shape)} must be [num_layers, len(block_ids), "
+                         f"2*num_heads*block_size*head_size] = [{layers}, {m}, {2 * row}]")
+    _check_src_tensor(planes, "src", src)
+    if src.numel():
+        # the bounding range: a source interleaved with a plane is refused too (never guessed safe)
+        last = sum((n - 1) * st for n, st in zip(src.shape, src.stride(), strict=True)) + 1
+        _check_src_disjoint(planes, [("src", src.data_ptr(), src.data_ptr() + last * src.element_size())])
+    rows = np.empty((layers, 2), dtype=np.int64)
+    rows[:, 0] = src.data_ptr() + np.arange(layers, dtype=np.int64) * src.stride(0) * src.element_size()
+    rows[:, 1] = src.stride(1)
+    return tuple(src.view(torch.int16).unbind(0)), rows
+
+
+def _listed_srcs(planes: Planes, srcs: Sequence[object], m: int) -> tuple[tuple, np.ndarray]:
+    row = planes.num_heads * planes.block_size * planes.head_size
+    src_list = []
+    for i, s in enumerate(srcs):
+        name = "src" if planes.single else f"src[{i}]"
+        _check_src_tensor(planes, name, s)
+        if s.dim() != 2 or s.shape[0] != m or s.shape[1] != 2 * row:
+            raise ValueError(f"{name} shape {tuple(s.shape)} must be [len(block_ids), "
+                             f"2*num_heads*block_size*head_size] = [{m}, {2 * row}]")
+        src_list.append(s)
+    named = [("src" if planes.single else f"src[{i}]", t) for i, t in enumerate(src_list)]
+    _check_src_disjoint(planes, [(name, *_span(t)) for name, t in named])
+    _check_disjoint(named)
+    rows = np.array([(t.data_ptr(), t.stride(0)) for t in src_list], dtype=np.int64).reshape(-1, 2)
+    return tuple(t.view(torch.int16) for t in src_list), rows
+
+
+def check_request(
+    planes: Planes, block_ids: object, src: object, layers: tuple[int, int] | None = None
+) -> Job:
+    """Check one request against checked planes: its ids and its source for layers ``[first, last)``
+    (default all): None (in place), a [layers, M, page] tensor, or a sequence of [M, page] tensors."""
+    first, last = layers if layers is not None else (0, len(planes.k_planes))
+    if not 0 <= first < last <= len(planes.k_planes):
+        raise ValueError(
+            f"layers [{first}, {last}) is not a non-empty range of the {len(planes.k_planes)} layers"
+        )
+    ids = _check_ids(block_ids, planes.device, planes.num_blocks)
+    srcs = src_rows = None
+    if isinstance(src, torch.Tensor):
+        srcs, src_rows = _batched_src(planes, src, last - first, ids.numel())
+    elif src is not None:
+        srcs, src_rows = _listed_srcs(planes, _as_src_list(src, last - first), ids.numel())
+    return Job(
+        k_planes=planes.k_planes[first:last],
+        v_planes=planes.v_planes[first:last],
+        srcs=srcs,
+        ids=ids,
+        num_heads=planes.num_heads,
+        block_size=planes.block_size,
+        head_size=planes.head_size,
+        planes_aligned16=planes.aligned16,
+        plane_rows=planes.rows[first:last],
+        src_rows=src_rows,
+    )
+
+
+def check_job(
+    k_planes: Sequence[object],
+    v_planes: Sequence[object],
+    block_ids: object,
+    *,
+    num_heads: object,
+    block_size: object,
+    head_size: object,
+    srcs: Sequence[object] | None,
+) -> Job:
+    """Check everything a conversion reads or writes; raise ValueError naming the first problem found."""
+    planes = check_planes(k_planes, v_planes, num_heads=num_heads, block_size=block_size, head_size=head_size)
+    return check_request(planes, block_ids, None if srcs is None else list(srcs))

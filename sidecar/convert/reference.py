@@ -10,15 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from sidecar.convert.checks import Job
+from sidecar.convert.checks import Job, aligned16
 
 CPU_CHUNK_BYTES = 2 << 20  # pairs per chunk on the CPU: gather, permute and scatter stay in L2/L3
 WIDE = torch.complex128  # a 16-byte element type; only ever copied, never computed on
-
-
-def _wide_ok(job: Job) -> bool:
-    tensors = [*job.k_planes, *job.v_planes, *(job.srcs or ())]
-    return all(t.data_ptr() % 16 == 0 and (t.shape[0] <= 1 or t.stride(0) % 8 == 0) for t in tensors)
 
 
 def run_reference(job: Job) -> None:
@@ -28,7 +23,7 @@ def run_reference(job: Job) -> None:
     if m_all == 0:
         return
     half = job.plane_block_elems
-    unit = 8 if _wide_ok(job) else 1  # int16 elements per moved element
+    unit = 8 if aligned16(job) else 1  # int16 elements per moved element
     elem = WIDE if unit == 8 else torch.int16
     chunk = m_all if job.device.type != "cpu" else max(1, min(m_all, CPU_CHUNK_BYTES // (4 * half)))
     ids_all = job.ids.to(job.device)

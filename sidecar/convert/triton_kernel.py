@@ -22,6 +22,7 @@ bench/results/convert-h200-*.json):
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -208,20 +209,18 @@ def _floor_pow2(v: int) -> int:
     return 1 << (max(1, v).bit_length() - 1)
 
 
-def _meta_table(job: Job, anchor: torch.Tensor, src_rows: list[tuple[int, int]] | None) -> torch.Tensor:
-    """int64 [L, 6] of element offsets from ``anchor`` and row strides, built on the CPU, copied once."""
+def _meta_table(job: Job, anchor: torch.Tensor, src_cols: np.ndarray | None) -> torch.Tensor:
+    """int64 [L, 6] of element offsets from ``anchor`` and row strides, built on the CPU, copied once.
+    ``src_cols``: [L, 2] source offsets (elements from the anchor) and row strides, or None (in place)."""
+    rows = np.zeros((len(job.plane_rows), 6), dtype=np.int64)
     a = anchor.data_ptr()
-    rows = []
-    for layer, (k, v) in enumerate(zip(job.k_planes, job.v_planes, strict=True)):
-        s_off, s_rs = src_rows[layer] if src_rows is not None else (0, 0)
-        rows.append(((k.data_ptr() - a) // 2, k.stride(0), (v.data_ptr() - a) // 2, v.stride(0), s_off, s_rs))
-    return torch.tensor(rows, dtype=torch.int64).to(job.device, non_blocking=True)
-
-
-def aligned(job: Job) -> bool:
-    """The kernels use 16-byte vectors: every base and row stride must be a multiple of 8 elements."""
-    tensors = list(job.k_planes) + list(job.v_planes) + list(job.srcs or ())
-    return all(t.data_ptr() % 16 == 0 and (t.shape[0] <= 1 or t.stride(0) % 8 == 0) for t in tensors)
+    rows[:, 0] = (job.plane_rows[:, 0] - a) // 2
+    rows[:, 1] = job.plane_rows[:, 1]
+    rows[:, 2] = (job.plane_rows[:, 2] - a) // 2
+    rows[:, 3] = job.plane_rows[:, 3]
+    if src_cols is not None:
+        rows[:, 4:] = src_cols
+    return torch.from_numpy(rows).to(job.device, non_blocking=True)
 
 
 def in_place_strategy(job: Job, tuning: Tuning = TUNING) -> str:
@@ -257,11 +256,11 @@ class Launcher:
         self.layers = len(job.k_planes)
         self.m = job.ids.numel()
         self.ids = job.ids.to(job.device, non_blocking=True)
-        src_rows = None
-        if job.srcs is not None:
-            a = self.anchor.data_ptr()
-            src_rows = [((s.data_ptr() - a) // 2, s.stride(0)) for s in job.srcs]
-        self.meta = _meta_table(job, self.anchor, src_rows)
+        src_cols = None
+        if job.src_rows is not None:
+            offsets = (job.src_rows[:, 0] - self.anchor.data_ptr()) // 2
+            src_cols = np.stack([offsets, job.src_rows[:, 1]], axis=1)
+        self.meta = _meta_table(job, self.anchor, src_cols)
         self.geom = dict(N=job.block_size, D=job.head_size, X=job.x)
         # A register cap lets more in-place programs share an SM (CUDA only: HIP's Triton has no such option).
         self.extra = {"maxnreg": tuning.maxnreg} if tuning.maxnreg and torch.version.hip is None else {}
@@ -331,7 +330,10 @@ class Launcher:
         # One table per chunk: pair p = layer*M + i reads scratch row p - pair0.
         self.chunks = []
         for pair0 in range(0, total, self.per_chunk):
-            rows = [(s_off + (layer * self.m - pair0) * 2 * half, 2 * half) for layer in range(self.layers)]
+            rows = np.array(
+                [(s_off + (layer * self.m - pair0) * 2 * half, 2 * half) for layer in range(self.layers)],
+                dtype=np.int64,
+            )
             pairs = min(self.per_chunk, total - pair0)
             self.chunks.append((pair0, pairs, _meta_table(job, self.anchor, rows)))
         self.piece = min(4096, job.block_size * job.head_size)  # a power of two that divides the half page

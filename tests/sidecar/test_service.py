@@ -262,7 +262,8 @@ def test_pull_is_converted_bit_exact_and_the_prefill_freed(shared, emulator):
     done = d.shim.ask(pull_of(r.kv_transfer_params, "req-1", local))
     assert isinstance(done, p.Done) and done.ok, done
     assert t0 < done.sent_at_ns <= time.monotonic_ns()
-    assert {"queue", "handshake", "transfer", "convert", "end_to_end"} <= set(done.timings)
+    assert {"queue", "handshake", "transfer", "convert", "end_to_end", "post", "read"} <= set(done.timings)
+    assert done.timings["post"] + done.timings["read"] <= done.timings["transfer"] + 1e-3  # parts of it
     d.decoder.check(r, local)
     assert d.decoder.untouched([b for b in range(B) if b not in local])
     status = emulator.client.wait_state(r.kv_transfer_params["remote_request_id"], "freed_by_notif", 10)

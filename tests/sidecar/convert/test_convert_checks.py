@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sidecar.convert import convert_layers_standard_to_shuffled, convert_standard_to_shuffled
+from sidecar.convert import PlaneSet, convert_layers_standard_to_shuffled, convert_standard_to_shuffled
 
 H, N, D, B = 2, 16, 64, 4
 ROW = H * N * D
@@ -162,3 +162,53 @@ def test_batched_refusals(call, match):
     with pytest.raises(ValueError, match=match):
         call(k, v)
     assert all(torch.equal(a, b) for a, b in zip(before, raw(k, v), strict=False))
+
+
+BF16 = torch.bfloat16
+
+
+def plane_set(layers=2):
+    ks, vs = zip(*(fresh() for _ in range(layers)), strict=True)
+    return list(ks), list(vs), PlaneSet(list(ks), list(vs), **GEOM)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda ps, ks: ps.convert(IDS, layers=(1, 1)), r"layers \[1, 1\) is not a non-empty range of the 2"),
+        (lambda ps, ks: ps.convert(IDS, layers=(0, 3)), r"layers \[0, 3\) is not"),
+        (lambda ps, ks: ps.convert(torch.tensor([3, 3])), "block_ids holds duplicates, e.g. 3"),
+        (lambda ps, ks: ps.convert(torch.tensor([0, 4])), r"block_ids holds 4, out of range \[0, 4\)"),
+        (lambda ps, ks: ps.convert(IDS, src=torch.zeros((2, 2, 2 * ROW), dtype=BF16), layers=(1, 2)),
+         r"src shape \(2, 2, 4096\) must be \[num_layers=1"),
+        (lambda ps, ks: ps.convert(IDS, src=[ks[1].view(-1)[: 2 * 2 * ROW].view(2, 2 * ROW)], layers=(0, 1)),
+         r"k_planes\[1\] and src\[0\] overlap in memory"),
+        (lambda ps, ks: ps.convert(IDS, src=[torch.zeros((2, 2 * ROW), dtype=torch.float16)], layers=(1, 2)),
+         "src.0. dtype torch.float16 differs"),
+        (lambda ps, ks: ps.convert(IDS, src=torch.zeros((1, 3, 2 * ROW), dtype=BF16), layers=(1, 2)),
+         r"src shape \(1, 3, 4096\) must be \[num_layers, len\(block_ids\), .* = \[1, 2, 4096\]"),
+        (lambda ps, ks: ps.convert(IDS, src=ks[0].view(-1)[: 2 * 2 * ROW].view(1, 2, 2 * ROW), layers=(1, 2)),
+         r"k_planes\[0\] and src overlap in memory"),
+        (lambda ps, ks: ps.convert(IDS, src=torch.zeros((2, 2, 2 * ROW), dtype=torch.float16)),
+         "src dtype torch.float16 differs"),
+        (lambda ps, ks: ps.convert(IDS, src=torch.zeros((2, 2, 4 * ROW), dtype=torch.bfloat16)[:, :, ::2]),
+         "src must be dense along its element axis"),
+    ],
+    ids=["empty-range", "past-the-end", "duplicates", "out-of-range", "src-layers", "src-overlaps-a-plane",
+         "src-dtype", "batched-src-rows", "batched-src-overlaps-a-plane", "batched-src-dtype",
+         "batched-src-strided"],
+)
+def test_plane_set_refuses_a_bad_request_and_writes_nothing(call, match):
+    ks, vs, ps = plane_set()
+    before = raw(*ks, *vs)
+    with pytest.raises(ValueError, match=match):
+        call(ps, ks)
+    assert all(torch.equal(a, b) for a, b in zip(before, raw(*ks, *vs), strict=True))
+
+
+def test_plane_set_checks_its_planes_once_up_front():
+    k, v = fresh()
+    with pytest.raises(ValueError, match="overlap in memory"):
+        PlaneSet([k, k], [v, fresh()[1]], **GEOM)
+    with pytest.raises(ValueError, match="must be sequences"):
+        PlaneSet(k, v, **GEOM)

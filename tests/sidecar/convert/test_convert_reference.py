@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sidecar.convert import convert_layers_standard_to_shuffled, convert_standard_to_shuffled
+from sidecar.convert import PlaneSet, convert_layers_standard_to_shuffled, convert_standard_to_shuffled
 
 HEADS = [1, 2, 3, 4, 5, 7, 8]
 GRID = list(itertools.product(HEADS, [16, 32], [64, 128, 256], ["bfloat16", "float16"]))
@@ -119,3 +119,28 @@ def test_hypothesis_in_scope_space(cases, h, n, d, dtype, layers, blocks, data):
                                         block_size=n, head_size=d, src=src)
     np.testing.assert_array_equal(cases.bits(ks), case.want_k)
     np.testing.assert_array_equal(cases.bits(vs), case.want_v)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_plane_set_converts_layer_ranges_independently(cases, in_place):
+    """A PlaneSet (planes checked once) converting layer groups one at a time, as the daemon does when each
+    group's read lands: every group exact, layers outside the group never written."""
+    layers, blocks, (h, n, d) = 4, 6, (3, 16, 64)
+    ids = [5, 1, 3]
+    case = cases.make_case(layers, blocks, ids, h, n, d, 1, seed=11)
+    k0, v0 = (case.in_place_k, case.in_place_v) if in_place else (case.before_k, case.before_v)
+    cache = torch.from_numpy(np.stack([k0, v0], axis=1).copy()).view(torch.float16)  # [L, 2, B, HND]
+    planes = PlaneSet([cache[i, 0] for i in range(layers)], [cache[i, 1] for i in range(layers)],
+                      num_heads=h, block_size=n, head_size=d)
+    src = None if in_place else torch.from_numpy(case.src).view(torch.float16)
+    converted: set[int] = set()
+    for first, last in [(1, 3), (0, 1), (3, 4)]:
+        planes.convert(torch.tensor(ids), src=None if src is None else src[first:last], layers=(first, last))
+        converted |= set(range(first, last))
+        got = cache.view(torch.int16).numpy()
+        for layer in range(layers):
+            done = layer in converted
+            np.testing.assert_array_equal(got[layer, 0], case.want_k[layer] if done else k0[layer],
+                                          err_msg=f"K, after group {first}:{last}, layer {layer}")
+            np.testing.assert_array_equal(got[layer, 1], case.want_v[layer] if done else v0[layer],
+                                          err_msg=f"V, after group {first}:{last}, layer {layer}")

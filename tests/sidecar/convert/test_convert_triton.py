@@ -153,3 +153,43 @@ def test_misaligned_planes_fall_back_to_reference(cases):
     convert_standard_to_shuffled(k.view(dt), v.view(dt), torch.tensor([2, 0]), num_heads=h, block_size=n,
                                  head_size=d)
     assert_bits(k.cpu().numpy()[None], v.cpu().numpy()[None], case.want_k, case.want_v, "misaligned")
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_plane_set_layer_groups_on_the_gpu(cases, no_reference, in_place):
+    """The daemon's path: planes checked once, layer groups converted by the kernel one launch each."""
+    h, n, d, dt = 8, 16, 128, torch.bfloat16
+    layers, ids = 5, [6, 1, 3, 0]
+    case = cases.make_case(layers, 8, ids, h, n, d, 0, seed=3)
+    k0, v0 = (case.in_place_k, case.in_place_v) if in_place else (case.before_k, case.before_v)
+    cache = lhbnc(k0, v0, dt)
+    planes = api.PlaneSet([cache[i, 0] for i in range(layers)], [cache[i, 1] for i in range(layers)],
+                          num_heads=h, block_size=n, head_size=d)
+    src = None if in_place else torch.from_numpy(case.src).to(DEV).view(dt)
+    for first, last in [(0, 2), (2, 3), (3, 5)]:
+        planes.convert(torch.tensor(ids), src=None if src is None else src[first:last], layers=(first, last))
+    got = cache.view(torch.int16).cpu().numpy()
+    assert_bits(got[:, 0], got[:, 1], case.want_k, case.want_v, f"layer groups, in_place={in_place}")
+
+
+def _compiled_kernels() -> int:
+    from sidecar.convert import triton_kernel as tk
+
+    kernels = (tk.convert_kernel, tk.in_place_split_kernel, tk.in_place_pipe_kernel, tk.gather_pairs_kernel)
+    return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+
+
+@pytest.mark.parametrize(("h", "n", "d"), [(5, 32, 64), (8, 16, 128)])
+def test_warm_up_compiles_what_a_request_then_uses(cases, no_reference, h, n, d):
+    """The daemon warms the kernels up at registration on scratch blocks: a request on the real planes
+    (another allocation, other block counts) must need no further compile."""
+    case = cases.make_case(3, 9, [7, 2, 4], h, n, d, 0, seed=5)
+    cache = lhbnc(case.in_place_k, case.in_place_v, torch.bfloat16)
+    planes = api.PlaneSet([cache[i, 0] for i in range(3)], [cache[i, 1] for i in range(3)], num_heads=h,
+                          block_size=n, head_size=d)
+    planes.warm_up()
+    compiled = _compiled_kernels()
+    planes.convert(torch.tensor([7, 2, 4]))
+    planes.convert(torch.tensor([7, 2, 4]), src=torch.from_numpy(case.src).to(DEV).view(torch.bfloat16))
+    torch.cuda.synchronize()
+    assert _compiled_kernels() == compiled
