@@ -33,7 +33,7 @@ class Caches:
     nbytes: int
     k_planes: list[Any] = field(default_factory=list)  # 2-D [blocks, plane elems] per layer, for conversion
     v_planes: list[Any] = field(default_factory=list)
-    plane_set: Any = None  # sidecar.convert.PlaneSet over k_planes/v_planes, made by the first conversion
+    plane_set: Any = None  # sidecar.convert.PlaneSet over k_planes/v_planes: checked planes for conversion
     users: int = 0
 
 

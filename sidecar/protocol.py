@@ -240,8 +240,8 @@ class Done(_Msg):
     """The end of one Pull: ``ok`` only once every byte is converted.
 
     ``timings``, in seconds: the stages (queue, handshake, transfer, convert, end_to_end), and within transfer
-    "post" (descriptors built, READ posted), "read" (posted until seen DONE) and, on a GPU, "launch" (CPU time
-    spent starting the conversion kernels).
+    "post" (staging slots taken, descriptors built, READ posted), "read" (posted until seen DONE) and, on a
+    GPU, "launch" (CPU time spent starting the conversion kernels).
     """
 
     req_id: str
