@@ -126,6 +126,7 @@ class Planes:
     head_size: int
     aligned16: bool  # every plane's base and row stride allow 16-byte vectors
     spans: tuple[tuple[int, int, str], ...]  # byte ranges of the planes and their names, sorted, disjoint
+    starts: tuple[int, ...]  # each span's start, for bisecting
     rows: np.ndarray  # int64 [layers, 4], as Job.plane_rows
 
     @property
@@ -188,6 +189,7 @@ def check_planes(
     if n % x:
         raise ValueError(f"block_size {n} is not a multiple of x={x} (16 bytes of {dtype})")
     _check_disjoint(named)
+    spans = tuple(sorted((*_span(t), name) for name, t in named if t.numel()))
     return Planes(
         k_planes=tuple(t.view(torch.int16) for t in ks),
         v_planes=tuple(t.view(torch.int16) for t in vs),
@@ -197,7 +199,8 @@ def check_planes(
         block_size=n,
         head_size=d,
         aligned16=_aligned16(ks + vs),
-        spans=tuple(sorted((*_span(t), name) for name, t in named if t.numel())),
+        spans=spans,
+        starts=tuple(span[0] for span in spans),
         rows=np.array(
             [(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0)) for k, v in zip(ks, vs, strict=True)],
             dtype=np.int64,
@@ -207,12 +210,11 @@ def check_planes(
 
 def _check_src_disjoint(planes: Planes, named: list[tuple[str, int, int]]) -> None:
     """No source span (name, start, end) overlaps a plane (the planes' own spans are sorted and disjoint)."""
-    starts = [span[0] for span in planes.spans]
     for name, start, end in named:
         if start == end:
             continue
-        i = bisect.bisect_right(starts, start)
-        for p_start, p_end, plane in (planes.spans[j] for j in (i - 1, i) if 0 <= j < len(starts)):
+        i = bisect.bisect_right(planes.starts, start)
+        for p_start, p_end, plane in (planes.spans[j] for j in (i - 1, i) if 0 <= j < len(planes.spans)):
             if p_start < end and start < p_end:
                 raise ValueError(
                     f"{plane} and {name} overlap in memory; every plane and source must be disjoint"
