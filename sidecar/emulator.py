@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -707,6 +708,10 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    # As vLLM and the daemon do after start-up: the import-time objects (torch comes with NIXL) are never
+    # scanned again, which also cuts the exit's final collection from ~0.6 s to ~0.15 s of CPU.
+    gc.collect()
+    gc.freeze()
     try:
         _announce(emu.ready_info(), cfg.ready_file, stdout_fd)
         emu.serve()

