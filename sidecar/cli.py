@@ -18,9 +18,9 @@ from typing import Any
 
 # subcommand -> module whose main(argv) runs it
 DELEGATED = {
-    "emulate-prefill": "sidecar.emulator",
-    "doctor": "sidecar.doctor",
-    "demo": "sidecar.demo",
+    "emulate-prefill": "sidecar.standins.emulator",
+    "doctor": "sidecar.ops.doctor",
+    "demo": "sidecar.standins.demo",
 }
 BENCHES = {
     "convert": "sidecar.bench.convert",
@@ -83,7 +83,7 @@ class _ServeHelp(argparse.RawDescriptionHelpFormatter):
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per Config key, its help taken from the key's description (so it cannot drift)."""
-    from sidecar.config import key_docs
+    from sidecar.ops.config import key_docs
 
     group = parser.add_argument_group("configuration (flag overrides variable overrides file)")
     for doc in key_docs():
@@ -99,7 +99,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    from sidecar.config import parse_value
+    from sidecar.ops.config import parse_value
 
     out = {}
     for key, raw in vars(args).items():
@@ -150,7 +150,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lines = [f"kv-sidecar serve needs {', '.join(missing)}, which cannot be imported:"]
         lines += [f"  {name}: {SERVE_NEEDS[name]}" for name in missing]
         raise CliError("\n".join(lines))
-    from sidecar import config as config_mod
+    from sidecar.ops import config as config_mod
 
     overrides = config_overrides(args)
     try:
@@ -163,8 +163,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvloop
 
-    from sidecar import service
-    from sidecar.errors import Refused
+    from sidecar.daemon import service
+    from sidecar.daemon.errors import Refused
 
     def reload() -> Any:
         return config_mod.load(args.config, overrides=overrides)

@@ -5,7 +5,7 @@ message to the I/O thread and returns; replies (Done, Aborted, Error) are collec
 they arrived and taken with ``poll_events``. The thread says Hello and registers the caches whenever it
 (re)connects, and reports a lost daemon as an event, so outstanding loads fail instead of hanging. When the
 daemon's Welcome offers a completion socket, the thread binds it before registering and takes every reply
-from there (one unix packet instead of ZMQ's four thread hops; see ``sidecar/completions.py``). Importable
+from there (one unix packet instead of ZMQ's four thread hops; see ``sidecar/daemon/completions.py``). Importable
 without vLLM and without torch.
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from sidecar import protocol as p
+from sidecar.wire import protocol as p
 from vllm_glue.sched_hint import request_short_slice
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from sidecar.formats import AITER_SHUFFLED, STANDARD, PageFormat
+from sidecar.wire.formats import AITER_SHUFFLED, STANDARD, PageFormat
 
 SHUFFLE_ENV = "VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT"
 CPU_ATTN_KIND = "cpu_attn"

@@ -1,6 +1,6 @@
 """The worker half of the shim, without vLLM: export the caches, forward each step's orders, report the loads.
 
-``vllm_glue.connector`` wraps it for vLLM; the decoder stand-in (``sidecar.decoder_standin``) drives it
+``vllm_glue.connector`` wraps it for vLLM; the decoder stand-in (``sidecar.standins.decoder``) drives it
 directly, so both exercise the same code. torch is imported only when caches are exported.
 """
 
@@ -13,8 +13,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from sidecar import __version__
-from sidecar import protocol as p
-from sidecar.formats import PageFormat
+from sidecar.wire import protocol as p
+from sidecar.wire.formats import PageFormat
 from vllm_glue.client import Lost, NotReady, Reply, SidecarClient
 from vllm_glue.load_tracker import LoadTracker, TransferResults
 from vllm_glue.orders import StepOrders
@@ -22,7 +22,7 @@ from vllm_glue.orders import StepOrders
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from sidecar.ipc import ExportedCaches
+    from sidecar.wire.ipc import ExportedCaches
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class WorkerHalf:
         unlink the /dev/shm files created here when this process exits, even by SIGKILL
         (vllm_glue.shm_reaper).
         """
-        from sidecar.ipc import TORCH_SHM_HEADER_BYTES, export_caches
+        from sidecar.wire.ipc import TORCH_SHM_HEADER_BYTES, export_caches
 
         self.exported = export_caches(kv_caches)
         moved = [

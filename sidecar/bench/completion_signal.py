@@ -26,9 +26,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from sidecar import __version__, ipc
-from sidecar import protocol as p
-from sidecar.formats import PageFormat
+from sidecar import __version__
+from sidecar.wire import ipc
+from sidecar.wire import protocol as p
+from sidecar.wire.formats import PageFormat
 
 GOAL_P50_US = 100.0
 GOAL_P99_US = 1000.0
@@ -105,7 +106,7 @@ def _renice(pid: int, nice: int) -> None:
 
 def _new_request(client: Any, tokens: int) -> dict[str, Any]:
     """A finished prefill; if the emulator has not yet freed earlier requests' blocks, retry briefly."""
-    from sidecar.emulator_control import ControlError
+    from sidecar.standins.emulator_control import ControlError
 
     deadline = time.monotonic() + 10
     while True:
@@ -193,7 +194,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def _measure(args: argparse.Namespace, channel: str) -> dict[str, Any]:
     """One daemon and prefill, ``args.pulls`` Pulls with replies over ``channel``; its latencies."""
     from sidecar.cli import spawn_serve
-    from sidecar.emulator_control import spawn_emulator
+    from sidecar.standins.emulator_control import spawn_emulator
     from vllm_glue.client import Reply, SidecarClient
 
     n, h, d, layers = args.block_size, args.heads, args.head_size, args.layers

@@ -48,8 +48,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from sidecar.decoder_standin import DecoderStandin, StandinShape
-from sidecar.formats import AITER_SHUFFLED, STANDARD, PageFormat
+from sidecar.standins.decoder import DecoderStandin, StandinShape
+from sidecar.wire.formats import AITER_SHUFFLED, STANDARD, PageFormat
 
 PEER_FLOOR = 0.8  # must show: bare NIXL bandwidth >= 0.8 x the peer copy's
 SIDECAR_FACTOR = 1.05  # must show: kv-sidecar <= 1.05 x bare + 0.2 ms per request
@@ -335,7 +335,7 @@ def transports_of(config: str) -> list[str]:
 
 def summarize_ucx_logs(paths: Sequence[str], agent_prefix: str = "") -> dict[str, Any]:
     """What UCX says it used: endpoint lanes, the protocols chosen for remote reads, and notes on cuda_ipc."""
-    from sidecar.doctor import parse_ucx_lanes
+    from sidecar.ops.doctor import parse_ucx_lanes
 
     lanes, reads, notes = [], [], []
     for path in paths:
@@ -414,8 +414,8 @@ def mismatched_planes(
 
     from sidecar.convert.checks import check_job
     from sidecar.convert.reference import run_reference
-    from sidecar.emulator_pages import expected_pages_torch
-    from sidecar.ipc import torch_dtype
+    from sidecar.standins.emulator_pages import expected_pages_torch
+    from sidecar.wire.ipc import torch_dtype
 
     dev = standin.buffer.tensor.device
     count = len(local_ids)
@@ -488,7 +488,7 @@ def start_daemon(
     """``kv-sidecar serve`` for one pull mode, configured by a TOML file (``settings``: more keys, raw TOML
     values, overriding these); returns the ServeProcess."""
     from sidecar.cli import spawn_serve
-    from sidecar.config import ENV_NOT_KEYS, Config
+    from sidecar.ops.config import ENV_NOT_KEYS, Config
 
     keys = {
         "socket": f'"ipc://{work}/{name}.sock"',
@@ -532,9 +532,9 @@ class BareReader:
         layer_groups: int,
         sleep_s: float,
     ) -> None:
-        from sidecar import vllm_wire
-        from sidecar.geometry import LocalRegions, StagingPool
-        from sidecar.transfer import RemoteFormatRule, Transfer, TransferSettings, admit_remote
+        from sidecar.nixl.agent import RemoteFormatRule, Transfer, TransferSettings, admit_remote
+        from sidecar.nixl.geometry import LocalRegions, StagingPool
+        from sidecar.wire import prefill as vllm_wire
 
         gpu = parse_device(standin.device)
         self.mem, dev = ("DRAM", 0) if gpu is None else ("VRAM", gpu)
@@ -631,7 +631,7 @@ class BareReader:
     def batch(self, mode: str, requests: list[tuple[list[int], list[int], int]], timeout_s: float) -> float:
         """Read every request at once (staged: in waves that fit the pool); seconds from the first post to the
         last completion. ``requests``: (local kernel ids, remote kernel ids, remote_num_tokens)."""
-        from sidecar.geometry import contiguous_slots
+        from sidecar.nixl.geometry import contiguous_slots
 
         agent, peer, deadline = self.tx.agent, self.peer, time.monotonic() + timeout_s
         bounds = self._bounds()
@@ -899,7 +899,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         flush=True,
     )
 
-    from sidecar.emulator_control import spawn_emulator
+    from sidecar.standins.emulator_control import spawn_emulator
 
     emu = standin = bare = None
     daemons: dict[str, Any] = {}

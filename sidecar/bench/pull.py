@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from sidecar.formats import AITER_SHUFFLED, STANDARD, PageFormat, Plan, negotiate
-from sidecar.geometry import LocalRegions, PairGeometry, RemoteRegions, StagingPool, contiguous_slots
+from sidecar.nixl.geometry import LocalRegions, PairGeometry, RemoteRegions, StagingPool, contiguous_slots
+from sidecar.wire.formats import AITER_SHUFFLED, STANDARD, PageFormat, Plan, negotiate
 
 INDEX_BUDGET_S = 1e-3  # must show: 36 x 256 indices in <= 1 ms on the CPU machine
 OVERHEAD_FLOOR = 0.9  # must show: ours >= 0.9 x a bare NIXL read of the same descriptors
@@ -108,7 +108,7 @@ def _meta(
     mem: str,
     agent_metadata: bytes = b"x",
 ) -> Any:
-    from sidecar import vllm_wire as wire
+    from sidecar.wire import prefill as wire
 
     n = len(bases)
     return wire.NixlAgentMetadata(
@@ -248,7 +248,7 @@ def _target_main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     from nixl._api import nixl_agent, nixl_agent_config
 
-    from sidecar import vllm_wire as wire
+    from sidecar.wire import prefill as wire
 
     size = a.layers * a.blocks * a.page
     keep, base, mem, dev = _alloc(size, a.device, a.gpu)
@@ -280,7 +280,7 @@ class _Target:
     """The target subprocess and its decoded metadata."""
 
     def __init__(self, args: argparse.Namespace, page: int, remote_blocks: int, env: dict[str, str]) -> None:
-        from sidecar import vllm_wire as wire
+        from sidecar.wire import prefill as wire
 
         cmd = [
             sys.executable,
@@ -348,7 +348,7 @@ def _wait_handles(agent: Any, handles: list[Any], sleep_s: float) -> None:
 
 
 def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
-    from sidecar.transfer import Transfer, TransferSettings, admit_remote
+    from sidecar.nixl.agent import Transfer, TransferSettings, admit_remote
 
     std, shuf, _ = _formats(args)
     page, half, layers = std.page_bytes, std.page_bytes // 2, args.layers
@@ -369,7 +369,7 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
     target = _Target(args, page, remote_blocks, env)
     tx = None
     try:
-        from sidecar.transfer import RemoteFormatRule
+        from sidecar.nixl.agent import RemoteFormatRule
 
         settings = TransferSettings(
             remote_formats=(RemoteFormatRule(address="*:*", format=std),),

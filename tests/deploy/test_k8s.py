@@ -264,7 +264,7 @@ def test_configmap_holds_the_shipped_toml():
 @pytest.mark.parametrize("name", DECODERS)
 def test_sidecar_config_loads_with_the_daemon_config_code(name, tmp_path):
     """The ConfigMap's TOML plus each container's KV_SIDECAR_* variables make a valid daemon config."""
-    from sidecar import config
+    from sidecar.ops import config
 
     (cm,) = _docs(K8S / "configmap.yaml")
     path = tmp_path / "kv-sidecar.toml"

@@ -1,5 +1,5 @@
 """deploy/prometheus and deploy/grafana: promtool checks and rule unit tests, and every metric, label and
-label value that a rule or a dashboard query names exists in the daemon's registry (sidecar.metrics)."""
+label value that a rule or a dashboard query names exists in the daemon's registry (sidecar.ops.metrics)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
-from sidecar import metrics as daemon_metrics
+from sidecar.ops import metrics as daemon_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 PROM = REPO / "deploy" / "prometheus"

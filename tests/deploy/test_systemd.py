@@ -279,7 +279,7 @@ def _next_notification(notify: socket.socket, proc: subprocess.Popen, log: Path,
                     f"daemon exited (rc={proc.returncode}) before notifying:\n{log.read_text()[-3000:]}"
                 )
     pytest.fail(
-        f"no sd_notify message within {timeout_s} s: the daemon must call sidecar.sdnotify.ready()\n"
+        f"no sd_notify message within {timeout_s} s: the daemon must call sidecar.ops.sdnotify.ready()\n"
         f"{log.read_text()[-3000:]}"
     )
 
@@ -288,7 +288,7 @@ def _next_notification(notify: socket.socket, proc: subprocess.Popen, log: Path,
 def test_daemon_sends_ready_only_with_its_socket_bound_then_stopping(tmp_path):
     """Run `kv-sidecar serve` (CPU twin) as systemd would, with a real notify socket: READY=1 arrives once the
     ipc socket exists and answers a Ping; SIGTERM brings STOPPING=1."""
-    from sidecar import protocol
+    from sidecar.wire import protocol
 
     zmq = pytest.importorskip("zmq")
     notify_path = tmp_path / "notify.sock"

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.decoder_standin import DecoderStandin
+from sidecar.standins.decoder import DecoderStandin
 from tests.e2e.procs import SHAPE, start_daemon, start_emulator
 
 

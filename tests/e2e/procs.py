@@ -6,8 +6,8 @@ import os
 import uuid
 from typing import Any
 
-from sidecar.decoder_standin import StandinShape
-from sidecar.formats import STANDARD, PageFormat
+from sidecar.standins.decoder import StandinShape
+from sidecar.wire.formats import STANDARD, PageFormat
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK = 2, 2, 128, 16
 SHAPE = StandinShape(layers=LAYERS, heads=HEADS, head_size=HEAD_SIZE, block_size=BLOCK, num_blocks=512)
@@ -25,7 +25,7 @@ def toml_format(f: PageFormat) -> str:
 
 
 def start_emulator(work: str, *extra: str) -> Any:
-    from sidecar.emulator_control import spawn_emulator
+    from sidecar.standins.emulator_control import spawn_emulator
 
     args = [
         "--layers",

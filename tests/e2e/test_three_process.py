@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from sidecar.decoder_standin import run_session, summarize
-from sidecar.demo import metrics_check, sample, scrape
+from sidecar.standins.decoder import run_session, summarize
+from sidecar.standins.demo import metrics_check, sample, scrape
 from tests.e2e.procs import REMOTE_FMT, SHAPE, log_tail, start_daemon, start_emulator
 from vllm_glue.orders import HeartbeatOrder, PullOrder, StepOrders, parse_remote
 
@@ -175,7 +175,7 @@ def test_heartbeats_keep_a_waiting_request_alive_past_its_lease(work, emulator, 
     standin.pull([PullOrder("hb-1", remote, local, True, time.monotonic_ns())])
     (out,) = standin.wait({"hb-1"}, 30).values()
     assert out.ok, out.reason
-    from sidecar.decoder_standin import mismatched_blocks
+    from sidecar.standins.decoder import mismatched_blocks
 
     assert mismatched_blocks(standin, reply, local, 0, REMOTE_FMT) == []
     emulator.client.wait_state(remote.request_id, "freed_by_notif", 10.0)
@@ -220,7 +220,7 @@ def test_standin_runs_as_its_own_process(work, emulator, daemon) -> None:
         [
             sys.executable,
             "-m",
-            "sidecar.decoder_standin",
+            "sidecar.standins.decoder",
             "--socket",
             daemon.socket,
             "--emulator-ready-file",

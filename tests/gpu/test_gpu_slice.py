@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from sidecar.bench.e2e import DeviceStandin, quantiles, start_daemon, summarize_ucx_logs, ucx_env
-from sidecar.decoder_standin import StandinShape, expected_planes
-from sidecar.emulator_control import spawn_emulator
-from sidecar.formats import STANDARD, PageFormat
+from sidecar.standins.decoder import StandinShape, expected_planes
+from sidecar.standins.emulator_control import spawn_emulator
+from sidecar.wire.formats import STANDARD, PageFormat
 from vllm_glue.orders import PullOrder, parse_remote
 
 pytestmark = [

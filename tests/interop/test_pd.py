@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from sidecar.demo import sample, scrape
+from sidecar.standins.demo import sample, scrape
 from tests.interop.engines import Engine, start_daemon
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(900)]

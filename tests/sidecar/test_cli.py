@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from sidecar import cli
-from sidecar.config import Config
+from sidecar.ops.config import Config
 
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

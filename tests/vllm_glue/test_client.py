@@ -1,5 +1,5 @@
 """The shim's daemon client over real ZMQ ipc sockets, against a scripted ROUTER peer speaking
-sidecar.protocol.
+sidecar.wire.protocol.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import time
 import pytest
 import zmq
 
-from sidecar import protocol as p
-from sidecar.formats import PageFormat
-from sidecar.ipc import IpcBuffer, LayerView, ShmFile
+from sidecar.wire import protocol as p
+from sidecar.wire.formats import PageFormat
+from sidecar.wire.ipc import IpcBuffer, LayerView, ShmFile
 from vllm_glue.client import Lost, NotReady, Reply, SidecarClient
 
 FMT = PageFormat(
@@ -201,7 +201,7 @@ def test_invalid_frame_is_dropped_and_client_keeps_running(address: str) -> None
 
 
 class FastPeer(Peer):
-    """The scripted peer with a completion socket, as the daemon offers one (``sidecar/completions.py``)."""
+    """The scripted peer with a completion socket, as the daemon offers one (``sidecar/daemon/completions.py``)."""
 
     def __init__(self, address: str, path: str) -> None:
         super().__init__(address)

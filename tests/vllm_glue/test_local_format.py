@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.formats import AITER_SHUFFLED, STANDARD
+from sidecar.wire.formats import AITER_SHUFFLED, STANDARD
 from vllm_glue.local_format import UnknownFormat, local_page_format, required_layout
 
 

@@ -1,0 +1,182 @@
+"""The daemon's completion socket: replies to a shim over one AF_UNIX SOCK_SEQPACKET connection.
+
+A ZMQ message crosses four threads between two processes (sender, its I/O thread, the receiver's I/O thread,
+the receiver); each wake-up costs tens of µs on a busy host, which put the completion signal's p50 at the
+100 µs goal. One SEQPACKET packet is one syscall each side and keeps message boundaries. The ZMQ socket stays
+the request channel and the fallback: a shim that never binds, or whose connection breaks, gets its replies
+there. Runs on the daemon's event loop (``add_reader``/``add_writer``); no threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections import deque
+from collections.abc import Callable
+
+from sidecar.ops.socket_files import bind_socket_file
+from sidecar.wire import protocol as p
+
+log = logging.getLogger("kv_sidecar.completions")
+
+MAX_PACKET = 65536  # a BindCompletions is < 300 bytes; anything larger is refused whole
+SEND_BUFFER = 1 << 20  # room for thousands of Done packets before a slow shim makes us queue
+
+
+def completion_path(zmq_socket_path: str) -> str:
+    return zmq_socket_path + ".done"
+
+
+class _Conn:
+    """One accepted connection; ``routing_id`` once bound, ``pending`` while the kernel buffer is full."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.routing_id: bytes | None = None
+        self.pending: deque[bytes] = deque()
+
+
+class CompletionSocket:
+    """Listen at ``path``. ``may_bind(routing_id)`` says whether that ZMQ peer has said Hello (None) or why
+    not (the reason sent back); ``fallback(routing_id, data)`` sends over ZMQ what a broken connection left
+    unsent, so no reply is lost while the shim lives."""
+
+    def __init__(
+        self,
+        path: str,
+        loop: asyncio.AbstractEventLoop,
+        may_bind: Callable[[bytes], str | None],
+        fallback: Callable[[bytes, bytes], None],
+        *,
+        group_gid: int | None = None,
+    ) -> None:
+        self.path = path
+        self._loop = loop
+        self._may_bind = may_bind
+        self._fallback = fallback
+        self._by_id: dict[bytes, _Conn] = {}
+        self._conns: set[_Conn] = set()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # the caller has checked that no live daemon serves this socket
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        bind_socket_file(lambda: self._listener.bind(path), path, group_gid)
+        self._listener.listen(64)
+        self._listener.setblocking(False)
+        loop.add_reader(self._listener.fileno(), self._accept)
+
+    def send(self, routing_id: bytes, data: bytes) -> bool:
+        """Send one reply to a bound shim, in order. False when it has no completion socket (use ZMQ)."""
+        conn = self._by_id.get(routing_id)
+        if conn is None:
+            return False
+        if conn.pending:  # keep order behind what waits for room
+            conn.pending.append(data)
+            return True
+        try:
+            conn.sock.send(data)
+        except BlockingIOError:
+            conn.pending.append(data)
+            self._loop.add_writer(conn.sock.fileno(), self._flush, conn)
+        except OSError as exc:  # the shim is gone or closed its end: it will hear from ZMQ
+            self._drop(conn, f"send failed: {exc}")
+            return False
+        return True
+
+    def close(self) -> None:
+        for conn in list(self._conns):
+            self._drop(conn, None)
+        with contextlib.suppress(ValueError, OSError):
+            self._loop.remove_reader(self._listener.fileno())
+        self._listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    # --------------------------------------------------------------------------------------- loop callbacks
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.warning("completion socket: accept failed: %s", exc)
+                return
+            sock.setblocking(False)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+            conn = _Conn(sock)
+            self._conns.add(conn)
+            self._loop.add_reader(sock.fileno(), self._readable, conn)
+
+    def _readable(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(MAX_PACKET)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._drop(conn, f"receive failed: {exc}")
+            return
+        if not data:
+            self._drop(conn, None)
+            return
+        reply, keep = self._on_packet(conn, data)
+        try:
+            conn.sock.send(p.encode(reply))
+        except OSError as exc:
+            self._drop(conn, f"send failed: {exc}")
+            return
+        if not keep:
+            self._drop(conn, reply.reason)
+
+    def _on_packet(self, conn: _Conn, data: bytes) -> tuple[p.CompletionsBound | p.Error, bool]:
+        """Validate a packet from a shim: (the answer, whether the connection stays)."""
+        if conn.routing_id is not None:
+            return p.Error(reason="already bound: only one BindCompletions travels on this socket"), True
+        try:
+            msg = p.decode_bind(data)
+        except p.DecodeError as exc:
+            return p.CompletionsBound(ok=False, reason=str(exc)), False
+        why_not = self._may_bind(msg.routing_id)
+        if why_not is not None:
+            return p.CompletionsBound(ok=False, reason=why_not), False
+        old = self._by_id.get(msg.routing_id)
+        if old is not None:
+            self._drop(old, "replaced by a new binding")
+        conn.routing_id = msg.routing_id
+        self._by_id[msg.routing_id] = conn
+        log.debug("completion socket bound for %r", msg.routing_id)
+        return p.CompletionsBound(ok=True), True
+
+    def _flush(self, conn: _Conn) -> None:
+        while conn.pending:
+            try:
+                conn.sock.send(conn.pending[0])
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self._drop(conn, f"send failed: {exc}")
+                return
+            conn.pending.popleft()
+        self._loop.remove_writer(conn.sock.fileno())
+
+    def _drop(self, conn: _Conn, reason: str | None) -> None:
+        if conn not in self._conns:
+            return
+        self._conns.discard(conn)
+        if conn.routing_id is not None and self._by_id.get(conn.routing_id) is conn:
+            del self._by_id[conn.routing_id]
+        if reason:
+            log.warning("completion socket of %r closed: %s", conn.routing_id, reason)
+        fd = conn.sock.fileno()
+        with contextlib.suppress(ValueError, OSError):
+            self._loop.remove_reader(fd)
+        with contextlib.suppress(ValueError, OSError):
+            self._loop.remove_writer(fd)
+        conn.sock.close()
+        if conn.routing_id is not None:
+            while conn.pending:
+                self._fallback(conn.routing_id, conn.pending.popleft())

@@ -1,0 +1,1 @@
+"""The NIXL side: the agent (registration, peers, reads, notifications), remote admission, geometry."""

@@ -1,0 +1,828 @@
+"""The NIXL side of a pull: admit a remote prefill, register local memory, read, poll, notify, heartbeat.
+
+Synchronous and non-blocking: every call returns at once and the service polls from its asyncio loop.
+The wire formats (notification, heartbeat, metadata) come from ``sidecar.wire.prefill``; the byte geometry
+from ``sidecar.nixl.geometry``. ``nixl`` is imported lazily (it costs ~2 s with CPU torch installed).
+
+Completion notification: a request's reads from one prefill rank may be split into several transfers
+(one per layer group, so conversion can start early). NIXL delivers a notification attached to a READ
+when THAT transfer completes, and transfers may complete out of order, so attaching it to the last one
+posted could free the prefill's blocks while an earlier transfer still reads them. We therefore never
+attach it: after every transfer of the rank is DONE we send exactly one ``send_notif`` — the same call
+that abort and full-prefix-hit requests use, so there is one path for all three.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from sidecar.nixl.geometry import (
+    DescIndices,
+    Descs,
+    GeometryError,
+    LocalRegions,
+    Mode,
+    PairGeometry,
+    RemoteRegions,
+    StagingPool,
+    check_remote,
+)
+from sidecar.wire import prefill as vllm_wire
+from sidecar.wire.formats import PageFormat, Plan, Refusal, negotiate
+
+log = logging.getLogger(__name__)
+
+LOCAL_AGENT = "NIXL_INIT_AGENT"
+
+
+# -- typed errors ----------------------------------------------------------------------------------
+
+
+class TransferError(RuntimeError):
+    """Base of every failure of the transfer layer; ``field`` names the culprit when there is one."""
+
+    def __init__(self, reason: str, field: str | None = None) -> None:
+        super().__init__(f"{field}: {reason}" if field else reason)
+        self.field = field
+        self.reason = reason
+
+
+class RemoteRefused(TransferError):
+    """The remote cannot be read: its metadata, format, identity or geometry disagree (at handshake)."""
+
+
+class RemoteDisconnected(TransferError):
+    """The remote agent is gone (NIXL_ERR_REMOTE_DISCONNECT)."""
+
+
+class TransferFailed(TransferError):
+    """NIXL reported an error for a transfer or a call."""
+
+
+class TransferTimeout(TransferError):
+    """A pull did not finish before its deadline."""
+
+
+class RequestRefused(TransferError):
+    """A request's block ids do not fit the checked geometry (out of range, duplicates, too many)."""
+
+
+def _map_nixl_error(exc: BaseException, what: str) -> TransferError:
+    """NIXL raises its own exception classes (from whichever of nixl_cu12/cu13/rocm); map them by name."""
+    name = type(exc).__name__
+    if name == "nixlRemoteDisconnectError":
+        return RemoteDisconnected(f"{what}: remote agent disconnected ({exc})")
+    if name == "nixlNotFoundError":
+        return TransferFailed(f"{what}: not found — unknown remote or unregistered memory ({exc})")
+    if name == "nixlInvalidParamError":
+        return TransferFailed(f"{what}: invalid parameter ({exc})")
+    return TransferFailed(f"{what}: {name}: {exc}")
+
+
+def _encode(encoder, *args) -> bytes:
+    """A message for a stock prefill, validated: a malformed one would crash its engine, so never send it."""
+    try:
+        return encoder(*args)
+    except vllm_wire.WireError as exc:
+        raise RequestRefused(exc.reason, exc.field) from exc
+
+
+def _nixl_call(what: str, fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except TransferError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every NIXL failure becomes a typed error
+        raise _map_nixl_error(exc, what) from exc
+
+
+# -- configuration ---------------------------------------------------------------------------------
+
+
+class RemoteFormatRule(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The operator's declaration: prefills whose side channel matches ``address`` (``host:port``, fnmatch
+    wildcards, e.g. ``"10.0.0.*:5600"`` or ``"*:*"``) publish pages in ``format``."""
+
+    address: str
+    format: PageFormat
+
+    def __post_init__(self) -> None:
+        if self.address.count(":") < 1:
+            raise ValueError(f"address pattern {self.address!r} must be host:port (wildcards allowed)")
+
+
+class TransferSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The transfer section of the daemon's config."""
+
+    name_prefix: str = "kv-sidecar"
+    backends: tuple[str, ...] = ("UCX",)
+    num_threads: int = 0
+    progress_thread: bool = True
+    remote_formats: tuple[RemoteFormatRule, ...] = ()
+    # Memory type of remote regions when the metadata has no region_mem_types.
+    remote_mem_type: str = "VRAM"
+    conversion_enabled: bool = True
+    # GPU whose memory this agent registers; None on the CPU twin.
+    cuda_device: int | None = None
+
+
+# -- admission (pure) ------------------------------------------------------------------------------
+
+
+def resolve_remote_format(address: str, rules: Sequence[RemoteFormatRule], tag: Any = None) -> PageFormat:
+    """The remote page format: its own tag when a (future) vLLM publishes one, else the first declaration
+    whose pattern matches ``host:port``; with neither, refuse — the format is never guessed."""
+    if tag is not None:
+        try:
+            return msgspec.convert(tag, PageFormat)
+        except (msgspec.ValidationError, ValueError) as exc:
+            raise RemoteRefused(
+                f"the published page-format tag is invalid: {exc}", "remote page format"
+            ) from exc
+    for rule in rules:
+        if fnmatch.fnmatchcase(address, rule.address):
+            return rule.format
+    raise RemoteRefused(
+        f"prefill {address} publishes no page-format tag and no declaration in the config "
+        f"matches it (remote_formats: {[r.address for r in rules]})",
+        "remote page format",
+    )
+
+
+def check_model_identity(
+    remote_hash: str, remote_backend: str, local_factors: Mapping[str, Any] | None
+) -> None:
+    """Refuse a remote serving another model: its compatibility hash must equal the decoder's own, recomputed
+    with the remote's attention backend name (the only factor allowed to differ)."""
+    if local_factors is None:
+        raise RemoteRefused(
+            "no local model identity (hash factors) to check the remote against", "compatibility_hash"
+        )
+    try:
+        vllm_wire.check_model_identity(remote_hash, local_factors, remote_backend)
+    except vllm_wire.WireError as exc:
+        raise RemoteRefused(exc.reason, exc.field) from exc
+
+
+# Metadata fields whose non-default values mean a feature out of scope (MLA packing, PP/HMA members, DCP).
+_OUT_OF_SCOPE = {
+    "dcp_size": 1,
+    "pcp_size": 1,
+}
+
+
+def admit_remote(
+    meta: Any,
+    *,
+    address: str,
+    local_format: PageFormat,
+    layers: int,
+    settings: TransferSettings,
+    remote_hash: str | None = None,
+    local_factors: Mapping[str, Any] | None = None,
+    check_identity: bool = True,
+    expected_engine_id: str | None = None,
+) -> tuple[Plan, RemoteRegions]:
+    """Every handshake-time check of one prefill rank, in order; the first failure refused by field name."""
+    if expected_engine_id is not None and meta.engine_id != expected_engine_id:
+        raise RemoteRefused(
+            f"metadata is for engine {meta.engine_id!r}, the request names {expected_engine_id!r}",
+            "engine_id",
+        )
+    for name, want in _OUT_OF_SCOPE.items():
+        got = getattr(meta, name, want)
+        if got != want:
+            raise RemoteRefused(f"{got} != {want}: out of scope", name)
+    if tuple(getattr(meta, "ssm_sizes", (0, 0)) or (0, 0)) != (0, 0):
+        raise RemoteRefused("Mamba/SSM state is out of scope", "ssm_sizes")
+    if getattr(meta, "region_members", None):
+        raise RemoteRefused("per-region layer members (push/PP/HMA) are out of scope", "region_members")
+    if getattr(meta, "packed_member_layouts", None):
+        raise RemoteRefused("packed MLA layouts are out of scope", "packed_member_layouts")
+    remote_format = resolve_remote_format(
+        address, settings.remote_formats, getattr(meta, "page_format", None)
+    )
+    if check_identity:
+        if remote_hash is None:
+            raise RemoteRefused("the handshake carried no compatibility hash", "compatibility_hash")
+        check_model_identity(remote_hash, meta.attn_backend_name, local_factors)
+    plan = negotiate(remote_format, local_format, conversion_enabled=settings.conversion_enabled)
+    if isinstance(plan, Refusal):
+        raise RemoteRefused(plan.reason, plan.field)
+    try:
+        regions = RemoteRegions.from_metadata(meta, default_mem_type=settings.remote_mem_type)
+        check_remote(regions, remote_format, layers)
+    except GeometryError as exc:
+        raise RemoteRefused(exc.reason, exc.field) from exc
+    return plan, regions
+
+
+# -- lease bookkeeping (pure) ----------------------------------------------------------------------
+
+
+class LeaseTracker:
+    """Which requests' prefill leases we can still vouch for.
+
+    A prefill frees (and reuses) a request's blocks ``lease_s`` after it finished unless heartbeats arrive;
+    a heartbeat that arrives at ``t`` extends the lease to at least ``t + extension_s`` (vLLM: lease*2//3).
+    The prefill's clock started before we first saw the request, so we count from ``first_seen`` minus a
+    ``margin_s`` for the proxy hop and clock skew. A heartbeat sent after the lease may have lapsed proves
+    nothing (the blocks may already be reused), so such a request stays lost. Times are monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        lease_s: float = 30.0,
+        *,
+        extension_s: float | None = None,
+        margin_s: float = 2.0,
+        heartbeat_interval_s: float = 5.0,
+    ) -> None:
+        if lease_s <= margin_s:
+            raise ValueError(f"lease_s {lease_s} must exceed margin_s {margin_s}")
+        self.lease_s = lease_s
+        self.extension_s = float(int(lease_s) * 2 // 3) if extension_s is None else extension_s
+        self.margin_s = margin_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self._until: dict[str, float] = {}
+        self._last_beat: dict[str, float] = {}
+
+    def seen(self, req_id: str, now: float) -> None:
+        """Start tracking ``req_id`` (idempotent: the first sighting is what counts)."""
+        if req_id not in self._until:
+            self._until[req_id] = now + self.lease_s - self.margin_s
+            self._last_beat[req_id] = now
+
+    def heartbeat_sent(self, req_ids: Iterable[str], now: float) -> None:
+        for req_id in req_ids:
+            until = self._until.get(req_id)
+            if until is None or now >= until:
+                continue  # unknown, or too late to count
+            self._until[req_id] = max(until, now + self.extension_s - self.margin_s)
+            self._last_beat[req_id] = now
+
+    def vouched_until(self, req_id: str) -> float:
+        return self._until.get(req_id, float("-inf"))
+
+    def check(self, req_id: str, now: float) -> bool:
+        """True while the prefill still holds ``req_id``'s blocks for sure."""
+        return now < self.vouched_until(req_id)
+
+    def due(self, now: float) -> list[str]:
+        """Requests that need a heartbeat now (still vouched, last one older than the interval)."""
+        return [
+            r
+            for r, last in self._last_beat.items()
+            if now - last >= self.heartbeat_interval_s and now < self._until[r]
+        ]
+
+    def forget(self, req_id: str) -> None:
+        self._until.pop(req_id, None)
+        self._last_beat.pop(req_id, None)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._until
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+
+# -- the agent -------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Registration:
+    """Local memory registered with NIXL: (addr, len, dev) ranges of one memory type."""
+
+    ranges: np.ndarray  # (N, 3) uint64
+    mem_type: str
+    handle: Any
+
+    def covers(self, start: np.ndarray, end: np.ndarray, device_id: int) -> bool:
+        """Whether every [start, end) lies inside one registered range of ``device_id``."""
+        r = self.ranges[self.ranges[:, 2] == np.uint64(device_id)]
+        lo, hi = r[:, 0][None, :], (r[:, 0] + r[:, 1])[None, :]
+        inside = (start[:, None] >= lo) & (end[:, None] <= hi)
+        return bool(inside.any(axis=1).all())
+
+
+@dataclass(eq=False)
+class Destination:
+    """Local regions (K/V planes or whole blocks) inside a registration, with their prepared local table."""
+
+    registration: Registration
+    regions: LocalRegions
+    local_handle: Any = None
+
+
+@dataclass(eq=False)
+class Peer:
+    """One prefill rank: its NIXL agent, its checked geometry and our prepared lists for it."""
+
+    engine_id: str
+    tp_rank: int
+    generation: int
+    address: str
+    agent_name: str
+    plan: Plan
+    regions: RemoteRegions
+    remote_handles: dict[str, Any] = field(default_factory=dict)  # mode -> prepped remote dlist
+    geometries: dict[tuple[int, str], PairGeometry] = field(default_factory=dict)
+    prep_seconds: dict[str, float] = field(default_factory=dict)  # mode -> one-time prep_xfer_dlist cost
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.engine_id, self.tp_rank)
+
+
+@dataclass(eq=False)
+class Pull:
+    """One request's reads from one prefill rank, and the single completion notification owed to it."""
+
+    peer: Peer
+    remote_request_id: str
+    readers: int
+    deadline: float  # monotonic
+    handles: list[Any] = field(default_factory=list)
+    done_flags: list[bool] = field(default_factory=list)
+    sealed: bool = False  # no more transfers will be added
+    notified: bool = False
+    finished: bool = False
+    error: TransferError | None = None
+    notify_error: TransferError | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    done_at: float | None = None
+    descriptors: int = 0
+    nbytes: int = 0
+    layer_ranges: list[tuple[int, int]] = field(default_factory=list)  # [first, last) layers of each handle
+    landed: list[tuple[int, int]] = field(default_factory=list)  # ranges seen DONE, for the caller to take
+
+
+def init_cuda_context(device: int) -> None:
+    """Create the CUDA/HIP context before the NIXL agent: UCX probes memory types through the current
+    context, and an agent made without one takes VRAM for host memory and refuses to register it (seen on
+    the H200: "VRAM memory is detected as host by UCX")."""
+    import torch
+
+    # UCX's memory-type cache learns ranges from the allocations it intercepts; memory mapped through
+    # cudaIpcOpenMemHandle is not among them and was taken for host memory on the H200. Ask the driver.
+    os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
+    torch.cuda.set_device(device)
+    torch.zeros(1, device=f"cuda:{device}")
+
+
+class Transfer:
+    """A NIXL agent used to pull KV pages from prefills. Single-threaded use (the service's loop)."""
+
+    def __init__(self, settings: TransferSettings | None = None) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.settings = settings or TransferSettings()
+        if self.settings.cuda_device is not None:
+            init_cuda_context(self.settings.cuda_device)
+        self.name = f"{self.settings.name_prefix}-{uuid.uuid4().hex}"
+        conf = nixl_agent_config(
+            enable_prog_thread=self.settings.progress_thread,
+            enable_listen_thread=False,
+            backends=list(self.settings.backends),
+            num_threads=self.settings.num_threads,
+        )
+        self.agent = _nixl_call("create agent", nixl_agent, self.name, conf)
+        self._peers: dict[tuple[str, int], Peer] = {}
+        self._registrations: list[Registration] = []
+        self._dests: dict[int, Destination] = {}
+
+    # -- local memory --
+
+    def metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    def register(self, ranges: Sequence[tuple[int, int, int]], mem_type: str) -> Registration:
+        """Register local (addr, len, dev) ranges: planes (DRAM on CPU, VRAM on GPU) or a staging pool."""
+        if not ranges:
+            raise TransferFailed("nothing to register", "ranges")
+        if self.settings.cuda_device is not None:
+            # The context is current per thread, and UCX checks the memory type in the calling thread.
+            init_cuda_context(self.settings.cuda_device)
+        arr = np.asarray(ranges, dtype=np.uint64).reshape(-1, 3)
+        descs = self.agent.get_reg_descs([(int(a), int(n), int(d), "") for a, n, d in arr], mem_type)
+        if descs is None:
+            raise TransferFailed(f"NIXL rejected the ranges as {mem_type}", "mem_type")
+        handle = _nixl_call(
+            "register_memory", self.agent.register_memory, descs, backends=list(self.settings.backends)
+        )
+        reg = Registration(ranges=arr, mem_type=mem_type, handle=handle)
+        self._registrations.append(reg)
+        return reg
+
+    def deregister(self, reg: Registration) -> None:
+        for key in [k for k, d in self._dests.items() if d.registration is reg]:
+            self._drop_destination(key)
+        _nixl_call("deregister_memory", self.agent.deregister_memory, reg.handle)
+        self._registrations.remove(reg)
+
+    def destination(self, reg: Registration, regions: LocalRegions) -> Destination:
+        """Local regions to read into; they must lie inside ``reg`` (fail closed, never read outside it)."""
+        if regions.mem_type != reg.mem_type:
+            raise TransferFailed(
+                f"regions are {regions.mem_type}, the registration is {reg.mem_type}", "mem_type"
+            )
+        start = regions.base
+        end = regions.base + ((regions.num_blocks - 1) * regions.block_stride + regions.block_len).astype(
+            np.uint64
+        )
+        if not reg.covers(start, end, regions.device_id):
+            raise TransferFailed("some local regions lie outside the registered memory", "local.regions")
+        dest = Destination(registration=reg, regions=regions)
+        self._dests[id(dest)] = dest
+        return dest
+
+    def staging(self, reg: Registration, pool: StagingPool) -> StagingPool:
+        """A staging pool to read into; it must lie inside ``reg``."""
+        if pool.mem_type != reg.mem_type:
+            raise TransferFailed(f"pool is {pool.mem_type}, the registration is {reg.mem_type}", "mem_type")
+        start = np.array([pool.base], np.uint64)
+        if not reg.covers(start, start + np.uint64(pool.slot_bytes * pool.num_slots), pool.device_id):
+            raise TransferFailed("the staging pool lies outside the registered memory", "pool")
+        return pool
+
+    def _local_handle(self, dest: Destination, table: np.ndarray) -> Any:
+        if dest.local_handle is None:
+            dest.local_handle = _nixl_call(
+                "prep local dlist", self.agent.prep_xfer_dlist, LOCAL_AGENT, table, dest.registration.mem_type
+            )
+        return dest.local_handle
+
+    def _drop_destination(self, key: int) -> None:
+        dest = self._dests.pop(key)
+        if dest.local_handle is not None:
+            self.agent.release_dlist_handle(dest.local_handle)
+        for peer in self._peers.values():
+            for gk in [gk for gk in peer.geometries if gk[0] == key]:
+                del peer.geometries[gk]
+
+    # -- remotes --
+
+    def peer(self, engine_id: str, tp_rank: int) -> Peer | None:
+        return self._peers.get((engine_id, tp_rank))
+
+    @property
+    def peers(self) -> list[Peer]:
+        return list(self._peers.values())
+
+    def add_peer(
+        self,
+        *,
+        engine_id: str,
+        tp_rank: int,
+        generation: int,
+        address: str,
+        agent_metadata: bytes,
+        plan: Plan,
+        regions: RemoteRegions,
+    ) -> Peer:
+        """Load a checked remote (see ``admit_remote``). Cached per (engine id, rank) and registration
+        generation: a higher generation replaces it, and so does a new engine at the same address and rank
+        (a restarted prefill gets a fresh engine id)."""
+        key = (engine_id, tp_rank)
+        old = self._peers.get(key)
+        if old is not None:
+            if generation == old.generation:
+                return old
+            if generation < old.generation:
+                raise RemoteRefused(
+                    f"generation {generation} is older than the loaded {old.generation}",
+                    "remote_registration_generation",
+                )
+            self.remove_peer(old)
+        for stale in [p for p in self._peers.values() if p.address == address and p.tp_rank == tp_rank]:
+            log.info("prefill at %s rank %d restarted: dropping engine %s", address, tp_rank, stale.engine_id)
+            self.remove_peer(stale)
+        name = _nixl_call("add_remote_agent", self.agent.add_remote_agent, agent_metadata)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if any(p.agent_name == name for p in self._peers.values()):
+            raise RemoteRefused(f"agent name {name!r} is already loaded for another engine", "agent_metadata")
+        _nixl_call("make_connection", self.agent.make_connection, name)
+        peer = Peer(
+            engine_id=engine_id,
+            tp_rank=tp_rank,
+            generation=generation,
+            address=address,
+            agent_name=name,
+            plan=plan,
+            regions=regions,
+        )
+        self._peers[key] = peer
+        return peer
+
+    def remove_peer(self, peer: Peer) -> None:
+        self._peers.pop(peer.key, None)
+        for handle in peer.remote_handles.values():
+            try:
+                self.agent.release_dlist_handle(handle)
+            except Exception as exc:  # noqa: BLE001 - best effort on teardown
+                log.warning("releasing a dlist of %s: %s", peer.agent_name, exc)
+        peer.remote_handles.clear()
+        peer.geometries.clear()
+        try:
+            self.agent.remove_remote_agent(peer.agent_name)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("removing agent %s: %s", peer.agent_name, exc)
+
+    def geometry(
+        self, peer: Peer, dest: Destination, mode: Mode, pool: StagingPool | None = None
+    ) -> PairGeometry:
+        """The checked pairing of ``peer``'s regions with ``dest`` (cached); refusals name the field."""
+        key = (id(dest), mode)
+        geo = peer.geometries.get(key)
+        if geo is None or (mode == "staged" and geo.pool is not pool):
+            try:
+                geo = PairGeometry(peer.plan, peer.regions, dest.regions, mode, pool=pool)
+            except GeometryError as exc:
+                raise RemoteRefused(exc.reason, exc.field) from exc
+            peer.geometries[key] = geo
+        return geo
+
+    def prepare(self, peer: Peer, dest: Destination, mode: Mode) -> tuple[Any, Any]:
+        """Prepared (local, remote) dlists for index-form reads: NIXL's one-time work per remote and mode."""
+        geo = self.geometry(peer, dest, mode)
+        local = self._local_handle(dest, geo.local_table())
+        remote = peer.remote_handles.get(mode)
+        if remote is None:
+            t0 = time.perf_counter()
+            remote = _nixl_call(
+                "prep remote dlist",
+                self.agent.prep_xfer_dlist,
+                peer.agent_name,
+                geo.remote_table(),
+                peer.regions.mem_type,
+            )
+            peer.prep_seconds[mode] = time.perf_counter() - t0
+            peer.remote_handles[mode] = remote
+        return local, remote
+
+    # -- reads --
+
+    def start(self, peer: Peer, remote_request_id: str, *, readers: int = 1, timeout_s: float = 30.0) -> Pull:
+        """A pull of one request from one prefill rank; add transfers, then ``seal`` and ``poll``."""
+        _encode(vllm_wire.encode_notification, remote_request_id, readers)  # refuse now, not when owed
+        return Pull(
+            peer=peer,
+            remote_request_id=remote_request_id,
+            readers=readers,
+            deadline=time.monotonic() + timeout_s,
+        )
+
+    def _post(self, pull: Pull, make, what: str, count: int, nbytes: int) -> None:
+        if pull.sealed or pull.finished:
+            raise TransferFailed("the pull is sealed; no more transfers", "pull")
+        try:
+            handle = _nixl_call(what, make)
+        except TransferError as exc:
+            self._fail(pull, exc)
+            raise
+        pull.handles.append(handle)
+        pull.done_flags.append(False)
+        pull.done_flags[-1] = self._state(pull, "transfer", self.agent.transfer, handle)
+        pull.descriptors += count
+        pull.nbytes += nbytes
+
+    def read_indices(
+        self,
+        pull: Pull,
+        dest: Destination,
+        mode: Mode,
+        local_idx: np.ndarray,
+        remote_idx: np.ndarray,
+        nbytes: int = 0,
+    ) -> None:
+        """Post one READ of prepared-table rows (a layer group of ``DescIndices``)."""
+        if local_idx.size == 0:
+            return
+        local_h, remote_h = self.prepare(pull.peer, dest, mode)
+        li, ri = np.ascontiguousarray(local_idx, np.int32), np.ascontiguousarray(remote_idx, np.int32)
+        self._post(
+            pull,
+            lambda: self.agent.make_prepped_xfer("READ", local_h, li, remote_h, ri),
+            "make_prepped_xfer",
+            li.size,
+            nbytes,
+        )
+
+    def read_descs(self, pull: Pull, local: np.ndarray, remote: np.ndarray, local_mem_type: str) -> None:
+        """Post one READ of explicit Nx3 descriptors (staged or merged runs)."""
+        if local.shape[0] == 0:
+            return
+        agent, peer = self.agent, pull.peer
+
+        def make():
+            ld = agent.get_xfer_descs(np.ascontiguousarray(local, np.uint64), local_mem_type)
+            rd = agent.get_xfer_descs(np.ascontiguousarray(remote, np.uint64), peer.regions.mem_type)
+            if ld is None or rd is None:
+                raise TransferFailed("NIXL rejected the descriptor arrays", "descs")
+            return agent.initialize_xfer("READ", ld, rd, peer.agent_name)
+
+        self._post(pull, make, "initialize_xfer", int(local.shape[0]), int(local[:, 1].sum()))
+
+    def pull(
+        self,
+        peer: Peer,
+        dest: Destination,
+        mode: Mode,
+        local_block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+        remote_request_id: str,
+        *,
+        readers: int = 1,
+        layer_groups: int = 1,
+        timeout_s: float = 30.0,
+        remote_num_tokens: int | None = None,
+        pool: StagingPool | None = None,
+        slots: np.ndarray | None = None,
+    ) -> Pull:
+        """Build the request's descriptors and post them in ``layer_groups`` READs; returns the sealed pull.
+
+        Staged mode reads into ``pool`` (see ``staging``) at ``slots[layer, i]``. With no block to read (a
+        full local prefix hit) nothing is posted and the pull completes with just the notification."""
+        geo = self.geometry(peer, dest, mode, pool)
+        pull = self.start(peer, remote_request_id, readers=readers, timeout_s=timeout_s)
+        try:
+            if mode == "staged":
+                if pool is None or slots is None:
+                    raise GeometryError("pool", "a staged pull needs a pool and slots")
+                table: DescIndices | Descs = geo.staged_descs(
+                    remote_block_ids,
+                    slots,
+                    local_block_ids=local_block_ids,
+                    remote_num_tokens=remote_num_tokens,
+                )
+            else:
+                table = geo.indices(local_block_ids, remote_block_ids, remote_num_tokens)
+        except GeometryError as exc:
+            # Nothing will be read: tell the prefill now rather than let the blocks wait for the lease.
+            self._fail(pull, RequestRefused(exc.reason, exc.field))
+            raise pull.error from exc  # type: ignore[misc]
+        bounds = np.linspace(0, geo.layers, max(1, min(layer_groups, geo.layers)) + 1).astype(int)
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            posted = len(pull.handles)
+            if isinstance(table, Descs):
+                loc, rem = table.layer_slice(a, b)
+                self.read_descs(pull, loc, rem, pool.mem_type)  # type: ignore[union-attr]
+            else:
+                li, ri = table.layer_slice(a, b)
+                self.read_indices(pull, dest, mode, li, ri, nbytes=self._index_bytes(geo, li.size))
+            if len(pull.handles) > posted:
+                pull.layer_ranges.append((int(a), int(b)))
+                if pull.done_flags[-1]:  # a transport that copies while posting (shm) is DONE at once
+                    pull.landed.append((int(a), int(b)))
+        self.seal(pull)
+        return pull
+
+    @staticmethod
+    def _index_bytes(geo: PairGeometry, count: int) -> int:
+        unit = int(geo.local.block_len[0])
+        return unit * count
+
+    def seal(self, pull: Pull) -> None:
+        """No more transfers for this pull: once all are done, its notification may go."""
+        pull.sealed = True
+
+    def _state(self, pull: Pull, what: str, call: Any, handle: Any) -> bool:
+        """Post or check one transfer; True when it is DONE. A NIXL error fails the whole pull."""
+        try:
+            state = _nixl_call(what, call, handle)
+        except TransferError as exc:
+            self._fail(pull, exc)
+            raise
+        if state == "ERR":
+            exc = TransferFailed(f"{what} returned ERR")
+            self._fail(pull, exc)
+            raise exc
+        return state == "DONE"
+
+    def poll(self, pull: Pull, now: float | None = None) -> bool:
+        """Non-blocking: True once every transfer is DONE and the one notification has been sent.
+
+        The DONE handles stay with the pull until :meth:`release`: releasing a handle of thousands of
+        descriptors takes time the caller can spend after it has answered (the daemon releases after Done).
+
+        Raises RemoteDisconnected / TransferFailed / TransferTimeout (the pull is then aborted: handles
+        released and, where the peer is alive, the notification sent so the prefill frees its blocks)."""
+        if pull.finished:
+            if pull.error is not None:
+                raise pull.error
+            return True
+        now = time.monotonic() if now is None else now
+        for i, handle in enumerate(pull.handles):
+            if pull.done_flags[i]:
+                continue
+            pull.done_flags[i] = self._state(pull, "check_xfer_state", self.agent.check_xfer_state, handle)
+            if pull.done_flags[i] and i < len(pull.layer_ranges):
+                pull.landed.append(pull.layer_ranges[i])  # its layers may be converted while others read
+        if pull.sealed and all(pull.done_flags):
+            pull.done_at = now
+            self._notify_once(pull)  # every read is DONE: the prefill may free its blocks now
+            pull.finished = True
+            return True
+        if now > pull.deadline:
+            exc = TransferTimeout(
+                f"pull of {pull.remote_request_id!r} from {pull.peer.address} rank "
+                f"{pull.peer.tp_rank} missed its deadline"
+            )
+            self._fail(pull, exc)
+            raise exc
+        return False
+
+    def wait(self, pull: Pull, *, sleep_s: float = 0.0005, release: bool = True) -> Pull:
+        """Blocking helper for benches and tests: poll with a short sleep (no hot spin on small hosts), then
+        release the handles unless told not to."""
+        while not self.poll(pull):
+            time.sleep(sleep_s)
+        if release:
+            self.release(pull)
+        return pull
+
+    def release(self, pull: Pull) -> bool:
+        """Release a pull's transfer handles (DONE ones after :meth:`poll`, or cancel them). True when none is
+        left, i.e. nothing can still write into the destination."""
+        return self._release(pull)
+
+    def abort(self, pull: Pull) -> bool:
+        """Stop a pull: release (cancel) its transfers, then send its notification so the prefill frees the
+        blocks. Returns True when nothing can still write into local memory (every handle released)."""
+        if not pull.finished:
+            pull.error = pull.error or TransferFailed("aborted")
+            pull.finished = True
+        safe = self._release(pull)
+        self._notify_once(pull)
+        return safe
+
+    def notify(self, peer: Peer, remote_request_id: str, readers: int = 1) -> None:
+        """A notification without reads (full prefix hit): the prefill frees the request's blocks."""
+        msg = _encode(vllm_wire.encode_notification, remote_request_id, readers)
+        _nixl_call("send_notif", self.agent.send_notif, peer.agent_name, msg)
+
+    def heartbeat(self, peer: Peer, remote_request_ids: Sequence[str]) -> None:
+        """Renew the prefill's lease on these requests (``HB:id1,id2``)."""
+        if not remote_request_ids:
+            return
+        msg = _encode(vllm_wire.encode_heartbeat, list(remote_request_ids))
+        _nixl_call("send_notif", self.agent.send_notif, peer.agent_name, msg)
+
+    def _release(self, pull: Pull) -> bool:
+        safe = True
+        kept = []
+        for handle in pull.handles:
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception as exc:  # noqa: BLE001 - NIXL could not cancel it yet; keep it for a retry
+                log.warning("could not release a transfer of %r: %s", pull.remote_request_id, exc)
+                kept.append(handle)
+                safe = False
+        pull.handles = kept
+        pull.done_flags = [False] * len(kept)
+        return safe
+
+    def _notify_once(self, pull: Pull) -> None:
+        if pull.notified:
+            return
+        pull.notified = True  # exactly once, even if the send fails
+        try:
+            self.notify(pull.peer, pull.remote_request_id, pull.readers)
+        except TransferError as exc:
+            pull.notify_error = exc
+            log.warning(
+                "completion notification for %r to %s failed: %s",
+                pull.remote_request_id,
+                pull.peer.address,
+                exc,
+            )
+
+    def _fail(self, pull: Pull, exc: TransferError) -> None:
+        pull.error = exc
+        pull.finished = True
+        self._release(pull)
+        self._notify_once(pull)
+
+    def close(self) -> None:
+        """Release everything this agent holds (peers, lists, registrations)."""
+        for peer in list(self._peers.values()):
+            self.remove_peer(peer)
+        for key in list(self._dests):
+            self._drop_destination(key)
+        for reg in list(self._registrations):
+            try:
+                self.agent.deregister_memory(reg.handle)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("deregister: %s", exc)
+        self._registrations.clear()

@@ -1,0 +1,661 @@
+"""Descriptor geometry: which remote bytes land in which local bytes, as NIXL descriptor tables and indices.
+
+Pure and vectorised with numpy; no I/O, no NIXL import. The byte contract is docs/page-formats.md and the
+remote side is what a stock vLLM 0.33 prefill publishes (reference/vllm-0.33-nixl-protocol.md §2, §4).
+
+Three pull modes:
+
+- ``direct``: each remote standard page is read as two virtual halves, half 0 into the local K-plane
+  block and half 1 into the local V-plane block (then converted in place).
+- ``staged``: whole pages into slots of a registered staging pool; runs that are contiguous on both
+  sides are merged into one descriptor (then converted out of place).
+- ``plain``: whole blocks into whole local blocks, same format on both sides (no conversion).
+
+Two forms of the same tables:
+
+- index form: a remote table prepared ONCE per remote (NIXL's strided Nx5 rows ``(addr, len, dev, stride,
+  count)``), a local table once per registration, then per request only int32 index arrays;
+- explicit form: Nx3 ``(addr, len, dev)`` arrays per request, with adjacent runs merged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from sidecar.wire.formats import AITER_SHUFFLED, STANDARD, PageFormat, Plan
+
+Mode = Literal["direct", "staged", "plain"]
+MODES: tuple[Mode, ...] = ("direct", "staged", "plain")
+MEM_TYPES = frozenset({"DRAM", "VRAM"})
+# Element sizes a block length may imply; only to hint at the dtype when a length is off by such a factor.
+_ELEMENT_SIZES = (1, 2, 4)
+
+_U64 = np.uint64
+_I64 = np.int64
+
+
+class GeometryError(ValueError):
+    """Sizes, counts, ids or layouts disagree with the negotiated formats; ``field`` names the culprit."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+def regions_per_layer(fmt: PageFormat) -> int:
+    """How many registered regions (descriptor windows) one layer of ``fmt`` occupies."""
+    if fmt.layout in ("LBHNC", "LBNHC"):
+        return 1
+    if fmt.kind == AITER_SHUFFLED:
+        return 2  # LHBNC: the K plane, then the V plane
+    if fmt.kind == STANDARD:
+        return fmt.num_heads  # LHBNC standard: one head plane per head
+    raise GeometryError("layout", f"no region model for {fmt.kind!r} pages under {fmt.layout}")
+
+
+def _array(values: Sequence[int] | np.ndarray, field: str) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise GeometryError(field, f"must be a flat list of integers, got {arr.dtype} shape {arr.shape}")
+    return arr.astype(_I64, copy=False)
+
+
+@dataclass(frozen=True, eq=False)
+class RemoteRegions:
+    """The prefill's registered regions as its NixlAgentMetadata describes them (kernel-block granular)."""
+
+    base: np.ndarray  # (R,) uint64
+    block_len: np.ndarray  # (R,) int64
+    block_stride: np.ndarray  # (R,) int64
+    num_blocks: np.ndarray  # (R,) int64, kernel blocks per region
+    device_id: int
+    layout: str
+    block_size: int  # kernel block size in tokens
+    blocks_per_logical: int  # physical_blocks_per_logical_kv_block
+    mem_type: str
+
+    @property
+    def num_regions(self) -> int:
+        return int(self.base.size)
+
+    @classmethod
+    def from_metadata(cls, meta: Any, *, default_mem_type: str = "VRAM") -> RemoteRegions:
+        """Read and check the region fields of a NixlAgentMetadata (any object with vLLM's field names)."""
+        bases = _array(meta.kv_caches_base_addr, "kv_caches_base_addr")
+        r = bases.size
+        if r == 0:
+            raise GeometryError("kv_caches_base_addr", "the prefill published no regions")
+        if (bases <= 0).any():
+            raise GeometryError("kv_caches_base_addr", "region base addresses must be positive")
+        lens = _array(meta.block_lens, "block_lens")
+        strides = _array(meta.block_strides, "block_strides")
+        for name, arr in (("block_lens", lens), ("block_strides", strides)):
+            if arr.size != r:
+                raise GeometryError(name, f"{arr.size} entries for {r} regions")
+        if (lens <= 0).any():
+            raise GeometryError("block_lens", "block lengths must be positive")
+        if (strides < lens).any():
+            i = int(np.flatnonzero(strides < lens)[0])
+            raise GeometryError(
+                "block_strides",
+                f"region {i}: stride {strides[i]} < block_len {lens[i]} (blocks would overlap)",
+            )
+        ratio = int(meta.physical_blocks_per_logical_kv_block)
+        if ratio < 1:
+            raise GeometryError("physical_blocks_per_logical_kv_block", f"must be >= 1, got {ratio}")
+        total = int(meta.num_blocks)
+        if total <= 0 or total % ratio:
+            raise GeometryError(
+                "num_blocks",
+                f"{total} kernel blocks is not a positive multiple of "
+                f"physical_blocks_per_logical_kv_block={ratio}",
+            )
+        counts_in = getattr(meta, "region_num_blocks", None)
+        counts = np.full(r, total, _I64) if counts_in is None else _array(counts_in, "region_num_blocks")
+        if counts.size != r:
+            raise GeometryError("region_num_blocks", f"{counts.size} entries for {r} regions")
+        if (counts <= 0).any():
+            raise GeometryError("region_num_blocks", "every region must hold at least one block")
+        device_id = int(meta.device_id)
+        if device_id < 0:
+            raise GeometryError("device_id", f"must be >= 0, got {device_id}")
+        block_size = int(meta.block_size)
+        if block_size <= 0:
+            raise GeometryError("block_size", f"must be positive, got {block_size}")
+        mem_types = getattr(meta, "region_mem_types", None)
+        if mem_types:
+            kinds = set(mem_types)
+            if len(mem_types) != r or len(kinds) != 1 or not kinds <= MEM_TYPES:
+                raise GeometryError(
+                    "region_mem_types",
+                    f"expected one of {sorted(MEM_TYPES)} for all {r} "
+                    f"regions, got {sorted(kinds)} over {len(mem_types)} entries",
+                )
+            mem_type = mem_types[0]
+        else:
+            mem_type = default_mem_type
+        return cls(
+            base=bases.astype(_U64),
+            block_len=lens,
+            block_stride=strides,
+            num_blocks=counts,
+            device_id=device_id,
+            layout=str(meta.kv_cache_layout),
+            block_size=block_size,
+            blocks_per_logical=ratio,
+            mem_type=mem_type,
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class LocalRegions:
+    """The decoder's destination regions: K/V planes of each layer, or whole-block regions."""
+
+    base: np.ndarray  # (R,) uint64
+    block_len: np.ndarray  # (R,) int64
+    block_stride: np.ndarray  # (R,) int64
+    num_blocks: np.ndarray  # (R,) int64
+    device_id: int = 0
+    mem_type: str = "DRAM"
+    blocks_per_logical: int = 1
+
+    @property
+    def num_regions(self) -> int:
+        return int(self.base.size)
+
+    @classmethod
+    def planes(
+        cls,
+        k_bases: Sequence[int],
+        v_bases: Sequence[int],
+        plane_block_bytes: int,
+        num_blocks: int,
+        *,
+        device_id: int = 0,
+        mem_type: str = "DRAM",
+        blocks_per_logical: int = 1,
+    ) -> LocalRegions:
+        """Dense LHBNC planes: regions ordered K0, V0, K1, V1, ... (one plane-block per block id)."""
+        k, v = _array(k_bases, "local.k_bases"), _array(v_bases, "local.v_bases")
+        if k.size != v.size or k.size == 0:
+            raise GeometryError("local.planes", f"{k.size} K planes and {v.size} V planes")
+        bases = np.empty(2 * k.size, _I64)
+        bases[0::2], bases[1::2] = k, v
+        return cls.blocks(
+            bases,
+            plane_block_bytes,
+            num_blocks,
+            device_id=device_id,
+            mem_type=mem_type,
+            blocks_per_logical=blocks_per_logical,
+        )
+
+    @classmethod
+    def blocks(
+        cls,
+        bases: Sequence[int] | np.ndarray,
+        block_len: int,
+        num_blocks: int,
+        *,
+        block_stride: int | None = None,
+        device_id: int = 0,
+        mem_type: str = "DRAM",
+        blocks_per_logical: int = 1,
+    ) -> LocalRegions:
+        """One region per entry of ``bases``, all with the same block length, stride and count."""
+        b = _array(bases, "local.bases")
+        stride = block_len if block_stride is None else block_stride
+        if b.size == 0 or (b <= 0).any():
+            raise GeometryError("local.bases", "need at least one positive base address")
+        if block_len <= 0 or stride < block_len:
+            raise GeometryError("local.block_len", f"block_len {block_len}, stride {stride}")
+        if num_blocks <= 0:
+            raise GeometryError("local.num_blocks", f"must be positive, got {num_blocks}")
+        if mem_type not in MEM_TYPES:
+            raise GeometryError("local.mem_type", f"{mem_type!r} is not one of {sorted(MEM_TYPES)}")
+        r = b.size
+        return cls(
+            base=b.astype(_U64),
+            block_len=np.full(r, block_len, _I64),
+            block_stride=np.full(r, stride, _I64),
+            num_blocks=np.full(r, num_blocks, _I64),
+            device_id=device_id,
+            mem_type=mem_type,
+            blocks_per_logical=blocks_per_logical,
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class StagingPool:
+    """A registered buffer of equal slots, each one remote page."""
+
+    base: int
+    slot_bytes: int
+    num_slots: int
+    device_id: int = 0
+    mem_type: str = "DRAM"
+
+    def __post_init__(self) -> None:
+        if self.base <= 0 or self.slot_bytes <= 0 or self.num_slots <= 0:
+            raise GeometryError(
+                "pool",
+                f"base {self.base}, slot_bytes {self.slot_bytes}, "
+                f"num_slots {self.num_slots} must all be positive",
+            )
+
+
+@dataclass(frozen=True, eq=False)
+class DescIndices:
+    """Per-request indices into the prepared tables, layer-major (``per_layer`` rows per layer)."""
+
+    local: np.ndarray  # int32, flat
+    remote: np.ndarray  # int32, flat
+    layers: int
+    per_layer: int
+
+    @property
+    def count(self) -> int:
+        return int(self.local.size)
+
+    def layer_slice(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Indices of layers [start, stop): one layer group's transfer."""
+        a, b = start * self.per_layer, stop * self.per_layer
+        return self.local[a:b], self.remote[a:b]
+
+
+@dataclass(frozen=True, eq=False)
+class Descs:
+    """Explicit per-request descriptors (Nx3 uint64), grouped by layer: layer l owns rows
+    [layer_rows[l], layer_rows[l+1])."""
+
+    local: np.ndarray
+    remote: np.ndarray
+    layer_rows: np.ndarray  # (layers + 1,) int64
+
+    @property
+    def count(self) -> int:
+        return int(self.local.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.local[:, 1].sum()) if self.count else 0
+
+    def layer_slice(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = int(self.layer_rows[start]), int(self.layer_rows[stop])
+        return self.local[a:b], self.remote[a:b]
+
+
+def single_group(block_ids: Sequence[Any], field: str) -> list[int]:
+    """Unwrap vLLM's per-group id lists (``[[...]]``); several groups (HMA) are out of scope."""
+    if block_ids and isinstance(block_ids[0], (list, tuple, np.ndarray)):
+        if len(block_ids) != 1:
+            raise GeometryError(field, f"{len(block_ids)} KV-cache groups; only one (no HMA) is supported")
+        return list(block_ids[0])
+    return list(block_ids)
+
+
+def kernel_block_ids(logical_ids: Sequence[int] | np.ndarray, ratio: int, field: str) -> np.ndarray:
+    """Logical (manager) block ids to kernel block ids: L -> L*ratio + j, j in [0, ratio)."""
+    ids = _array(logical_ids, field)
+    if ratio == 1:
+        return ids
+    return (ids[:, None] * ratio + np.arange(ratio, dtype=_I64)[None, :]).ravel()
+
+
+def pair_blocks(local_ids: np.ndarray, remote_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pair local kernel blocks with the TAIL of the remote list (vLLM's ``prefill[-len(decode):]``)."""
+    n, m = local_ids.size, remote_ids.size
+    if n > m:
+        raise GeometryError(
+            "local_block_ids", f"the decoder asks for {n} kernel blocks but the prefill supplied only {m}"
+        )
+    return local_ids, remote_ids[m - n :]
+
+
+def trim_padding(
+    local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int, block_size: int, local_ratio: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Drop the kernel blocks past token ``num_tokens`` at the end of both lists: the remote keeps the first
+    ceil(T/N); the local loses the empty tail of its last logical block (it was allocated for T tokens)."""
+    if num_tokens < 0:
+        raise GeometryError("remote_num_tokens", f"must be >= 0, got {num_tokens}")
+    used = -(-num_tokens // block_size)
+    if remote_ids.size < used:
+        raise GeometryError(
+            "remote_block_ids",
+            f"{remote_ids.size} kernel blocks cannot hold {num_tokens} tokens of {block_size}",
+        )
+    pad = local_ratio * -(-num_tokens // (local_ratio * block_size)) - used
+    if pad and local_ids.size:
+        if local_ids.size < pad:
+            raise GeometryError(
+                "local_block_ids",
+                f"{local_ids.size} kernel blocks, fewer than the {pad} "
+                "padding blocks of the last logical block",
+            )
+        local_ids = local_ids[: local_ids.size - pad]
+    return local_ids, remote_ids[:used]
+
+
+def _check_range(ids: np.ndarray, limit: int, field: str) -> None:
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+        bad = ids[(ids < 0) | (ids >= limit)]
+        raise GeometryError(field, f"block id {int(bad[0])} outside [0, {limit})")
+
+
+def _check_unique(ids: np.ndarray, field: str) -> None:
+    if ids.size < 2 or (np.diff(ids) > 0).all():  # strictly increasing (e.g. contiguous slots): unique
+        return
+    s = np.sort(ids)
+    dup = s[1:][s[1:] == s[:-1]]
+    if dup.size:
+        raise GeometryError(field, f"block id {int(dup[0])} appears twice; two reads would land in one block")
+
+
+def _table(
+    base: np.ndarray, length: np.ndarray, dev: int, stride: np.ndarray, count: np.ndarray
+) -> np.ndarray:
+    t = np.empty((base.size, 5), _U64)
+    t[:, 0], t[:, 1], t[:, 2], t[:, 3], t[:, 4] = base, length, dev, stride, count
+    return t
+
+
+def merge_runs(
+    remote_addr: np.ndarray, local_addr: np.ndarray, unit: np.ndarray, remote_dev: int, local_dev: int
+) -> Descs:
+    """Explicit descriptors for (groups, n) unit copies of ``unit[g]`` bytes, merging each run that is
+    contiguous on BOTH sides into one descriptor; runs never cross groups (layers)."""
+    g, n = remote_addr.shape
+    if n == 0:
+        empty = np.empty((0, 3), _U64)
+        return Descs(local=empty, remote=empty.copy(), layer_rows=np.zeros(g + 1, _I64))
+    step = unit.astype(_U64)[:, None]
+    cont = (remote_addr[:, 1:] == remote_addr[:, :-1] + step) & (
+        local_addr[:, 1:] == local_addr[:, :-1] + step
+    )
+    start = np.ones((g, n), bool)
+    start[:, 1:] = ~cont
+    first = np.flatnonzero(start.ravel())
+    runs = np.diff(np.append(first, g * n))
+    lens = runs.astype(_U64) * unit.astype(_U64)[first // n]
+    local, remote = np.empty((first.size, 3), _U64), np.empty((first.size, 3), _U64)
+    local[:, 0], local[:, 1], local[:, 2] = local_addr.ravel()[first], lens, local_dev
+    remote[:, 0], remote[:, 1], remote[:, 2] = remote_addr.ravel()[first], lens, remote_dev
+    layer_rows = np.searchsorted(first, np.arange(g + 1, dtype=_I64) * n).astype(_I64)
+    return Descs(local=local, remote=remote, layer_rows=layer_rows)
+
+
+def check_remote(remote: RemoteRegions, fmt: PageFormat, layers: int) -> None:
+    """The remote's published geometry must be exactly what ``fmt`` implies for ``layers`` layers."""
+    if remote.layout != fmt.layout:
+        raise GeometryError(
+            "kv_cache_layout",
+            f"the prefill publishes {remote.layout!r}, the declared remote page format is {fmt.layout!r}",
+        )
+    if remote.block_size != fmt.block_size:
+        raise GeometryError(
+            "block_size",
+            f"the prefill's kernel block is {remote.block_size} tokens, the "
+            f"declared remote page format has {fmt.block_size}",
+        )
+    k = regions_per_layer(fmt)
+    if remote.num_regions != layers * k:
+        raise GeometryError(
+            "kv_caches_base_addr",
+            f"region count {remote.num_regions} != {layers} "
+            f"layers x {k} region(s) per layer of the declared remote format",
+        )
+    want = fmt.page_bytes // k
+    bad = np.flatnonzero(remote.block_len != want)
+    if bad.size:
+        got = int(remote.block_len[bad[0]])
+        # A factor of an element size may be the dtype (or the head count): say so, never guess which.
+        per_elem = want // fmt.elem_bytes
+        hint = ""
+        if got % per_elem == 0 and got // per_elem in _ELEMENT_SIZES:
+            hint = (
+                f"; it would fit {got // per_elem}-byte elements where the declared dtype {fmt.dtype} has "
+                f"{fmt.elem_bytes} (or another head count)"
+            )
+        raise GeometryError(
+            "block_lens",
+            f"region {int(bad[0])}: block_len {got} != page bytes {want} of the "
+            f"declared remote format (dtype size x heads x block size x head size){hint}",
+        )
+
+
+class PairGeometry:
+    """One remote's regions paired with one local registration under a negotiated plan, in one mode.
+
+    Built (and checked) once per (remote, registration, mode); then ``indices`` / ``descs`` /
+    ``staged_descs`` per request.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        remote: RemoteRegions,
+        local: LocalRegions,
+        mode: Mode,
+        *,
+        pool: StagingPool | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise GeometryError("mode", f"{mode!r} is not one of {MODES}")
+        self.plan, self.remote, self.local, self.mode, self.pool = plan, remote, local, mode, pool
+        rf, lf = plan.remote, plan.local
+        k_r, k_l = regions_per_layer(rf), regions_per_layer(lf)
+        if local.num_regions % k_l:
+            raise GeometryError(
+                "local.regions", f"{local.num_regions} local regions is not a multiple of {k_l} per layer"
+            )
+        self.layers = local.num_regions // k_l
+        check_remote(remote, rf, self.layers)
+        want_local = lf.page_bytes // k_l
+        if (local.block_len != want_local).any():
+            raise GeometryError(
+                "local.block_len",
+                f"local blocks of {int(local.block_len[0])} bytes, the "
+                f"local page format implies {want_local}",
+            )
+        self.remote_limit = int(remote.num_blocks.min())
+        self.local_limit = int(local.num_blocks.min())
+        if mode == "plain":
+            if plan.convert:
+                raise GeometryError("mode", "a plain read needs the same page format on both sides")
+        elif k_r != 1:
+            raise GeometryError(
+                "mode", f"{mode} reads need whole remote pages (one region per layer), the remote has {k_r}"
+            )
+        if mode == "direct" and (not plan.convert or k_l != 2):
+            raise GeometryError(
+                "mode",
+                "a direct read splits standard pages into K/V planes; the plan "
+                f"(convert={plan.convert}, {k_l} local region(s) per layer) has none",
+            )
+        if mode == "staged":
+            if pool is None:
+                raise GeometryError("pool", "a staged read needs a staging pool")
+            if pool.slot_bytes != rf.page_bytes:
+                raise GeometryError(
+                    "pool.slot_bytes", f"{pool.slot_bytes} != remote page bytes {rf.page_bytes}"
+                )
+        self._offsets()
+
+    def _offsets(self) -> None:
+        r, loc = self.remote, self.local
+        rows_per_region = 2 if self.mode == "direct" else 1
+        per = r.num_blocks * rows_per_region
+        self._remote_off = (np.cumsum(per) - per).astype(_I64)
+        self._local_off = (np.cumsum(loc.num_blocks) - loc.num_blocks).astype(_I64)
+        if self.mode == "direct":
+            # remote index of (layer, half, block) = off[layer] + half * nb[layer] + block
+            self._r_base = self._remote_off[:, None] + np.arange(2)[None, :] * r.num_blocks[:, None]
+            self._l_base = self._local_off.reshape(self.layers, 2)
+        else:
+            self._r_base = self._remote_off
+            self._l_base = self._local_off
+
+    # -- prepared tables (once) --------------------------------------------------------------------------
+
+    def remote_table(self) -> np.ndarray:
+        """Strided Nx5 rows for ``prep_xfer_dlist(remote, ...)``: halves (direct) or whole blocks (plain)."""
+        r = self.remote
+        if self.mode == "direct":
+            half = r.block_len // 2
+            base = np.repeat(r.base, 2) + np.tile(np.array([0, 1], _U64), r.num_regions) * np.repeat(
+                half, 2
+            ).astype(_U64)
+            return _table(
+                base,
+                np.repeat(half, 2),
+                r.device_id,
+                np.repeat(r.block_stride, 2),
+                np.repeat(r.num_blocks, 2),
+            )
+        if self.mode == "plain":
+            return _table(r.base, r.block_len, r.device_id, r.block_stride, r.num_blocks)
+        raise GeometryError("mode", "staged reads use explicit descriptors, not a prepared remote table")
+
+    def local_table(self) -> np.ndarray:
+        """Strided Nx5 rows for ``prep_xfer_dlist("NIXL_INIT_AGENT", ...)``: one row per local region."""
+        loc = self.local
+        return _table(loc.base, loc.block_len, loc.device_id, loc.block_stride, loc.num_blocks)
+
+    # -- per request -------------------------------------------------------------------------------------
+
+    def blocks(
+        self,
+        local_block_ids: Sequence[int] | np.ndarray,
+        remote_block_ids: Sequence[int] | np.ndarray,
+        remote_num_tokens: int | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Checked kernel block pairs: local ids and the tail of the remote ids, equal length.
+
+        With ``remote_num_tokens`` (kv_transfer_params' ``remote_num_tokens``) the kernel blocks past the last
+        token are dropped first on both sides (a logical block of several kernel blocks can end in empty
+        ones), so tail pairing stays token-aligned when the two sides' logical block sizes differ."""
+        lk = kernel_block_ids(local_block_ids, self.local.blocks_per_logical, "local_block_ids")
+        rk = kernel_block_ids(remote_block_ids, self.remote.blocks_per_logical, "remote_block_ids")
+        if remote_num_tokens is not None:
+            lk, rk = trim_padding(
+                lk, rk, remote_num_tokens, self.remote.block_size, self.local.blocks_per_logical
+            )
+        lk, rk = pair_blocks(lk, rk)
+        _check_range(lk, self.local_limit, "local_block_ids")
+        _check_range(rk, self.remote_limit, "remote_block_ids")
+        _check_unique(lk, "local_block_ids")
+        return lk, rk
+
+    def indices(
+        self,
+        local_block_ids: Sequence[int] | np.ndarray,
+        remote_block_ids: Sequence[int] | np.ndarray,
+        remote_num_tokens: int | None = None,
+    ) -> DescIndices:
+        """Index form (direct, plain): int32 indices into ``local_table`` / ``remote_table`` rows."""
+        lk, rk = self.blocks(local_block_ids, remote_block_ids, remote_num_tokens)
+        n = lk.size
+        if self.mode == "direct":
+            # (layer, half, block): half 0 -> K plane of the layer, half 1 -> V plane.
+            remote = (self._r_base[:, :, None] + rk[None, None, :]).astype(np.int32).ravel()
+            local = (self._l_base[:, :, None] + lk[None, None, :]).astype(np.int32).ravel()
+            return DescIndices(local=local, remote=remote, layers=self.layers, per_layer=2 * n)
+        if self.mode == "plain":
+            remote = (self._r_base[:, None] + rk[None, :]).astype(np.int32).ravel()
+            local = (self._l_base[:, None] + lk[None, :]).astype(np.int32).ravel()
+            per_layer = n * (self.remote.num_regions // self.layers)
+            return DescIndices(local=local, remote=remote, layers=self.layers, per_layer=per_layer)
+        raise GeometryError("mode", "staged reads have no index form; use staged_descs")
+
+    def _remote_addr(self, rk: np.ndarray, half: int | None = None) -> np.ndarray:
+        r = self.remote
+        addr = r.base[:, None] + rk.astype(_U64)[None, :] * r.block_stride.astype(_U64)[:, None]
+        if half:
+            addr = addr + (r.block_len // 2).astype(_U64)[:, None]
+        return addr
+
+    def _local_addr(self, lk: np.ndarray) -> np.ndarray:
+        loc = self.local
+        return loc.base[:, None] + lk.astype(_U64)[None, :] * loc.block_stride.astype(_U64)[:, None]
+
+    def descs(
+        self,
+        local_block_ids: Sequence[int] | np.ndarray,
+        remote_block_ids: Sequence[int] | np.ndarray,
+        remote_num_tokens: int | None = None,
+        *,
+        merge: bool = True,
+    ) -> Descs:
+        """Explicit form (direct, plain). Direct halves never merge (the remote halves are not adjacent)."""
+        lk, rk = self.blocks(local_block_ids, remote_block_ids, remote_num_tokens)
+        r, loc = self.remote, self.local
+        if self.mode == "direct":
+            half = r.block_len // 2  # (layers,)
+            ra = np.stack([self._remote_addr(rk, 0), self._remote_addr(rk, 1)], axis=1)  # (L, 2, n)
+            la = self._local_addr(lk).reshape(self.layers, 2, -1)
+            unit = np.repeat(half, 2)
+            d = merge_runs(
+                ra.reshape(2 * self.layers, -1),
+                la.reshape(2 * self.layers, -1),
+                unit,
+                r.device_id,
+                loc.device_id,
+            )
+            return Descs(local=d.local, remote=d.remote, layer_rows=d.layer_rows[::2])
+        if self.mode == "plain":
+            ra, la = self._remote_addr(rk), self._local_addr(lk)
+            if not merge:
+                ra, la = ra.reshape(-1, 1), la.reshape(-1, 1)
+                unit = np.repeat(r.block_len, lk.size)
+            else:
+                unit = r.block_len
+            d = merge_runs(ra, la, unit, r.device_id, loc.device_id)
+            k = r.num_regions // self.layers
+            rows = d.layer_rows if merge else np.arange(r.num_regions + 1, dtype=_I64) * lk.size
+            return Descs(local=d.local, remote=d.remote, layer_rows=rows[::k])
+        raise GeometryError("mode", "use staged_descs for a staged read")
+
+    def staged_descs(
+        self,
+        remote_block_ids: Sequence[int] | np.ndarray,
+        slots: np.ndarray,
+        *,
+        local_block_ids: Sequence[int] | np.ndarray | None = None,
+        remote_num_tokens: int | None = None,
+    ) -> Descs:
+        """Whole remote pages into pool slots: ``slots[layer, i]`` receives remote block ``i`` of the paired
+        tail (the last ``slots.shape[1]`` kernel blocks, or those paired with ``local_block_ids``)."""
+        if self.mode != "staged" or self.pool is None:
+            raise GeometryError("mode", "staged_descs needs a geometry built in staged mode with a pool")
+        slots = np.asarray(slots)
+        if slots.ndim != 2 or slots.shape[0] != self.layers or not np.issubdtype(slots.dtype, np.integer):
+            raise GeometryError(
+                "slots", f"need an integer array of shape ({self.layers}, n), got {slots.dtype} {slots.shape}"
+            )
+        if local_block_ids is None:
+            rk = kernel_block_ids(remote_block_ids, self.remote.blocks_per_logical, "remote_block_ids")
+            if remote_num_tokens is not None:
+                _, rk = trim_padding(np.empty(0, _I64), rk, remote_num_tokens, self.remote.block_size, 1)
+            _, rk = pair_blocks(np.empty(slots.shape[1], _I64), rk)
+            _check_range(rk, self.remote_limit, "remote_block_ids")
+        else:
+            _, rk = self.blocks(local_block_ids, remote_block_ids, remote_num_tokens)
+        if rk.size != slots.shape[1]:
+            raise GeometryError("slots", f"{slots.shape[1]} slots per layer for {rk.size} blocks")
+        s = slots.astype(_I64, copy=False)
+        _check_range(s.ravel(), self.pool.num_slots, "slots")
+        _check_unique(s.ravel(), "slots")
+        ra = self._remote_addr(rk)
+        la = np.uint64(self.pool.base) + s.astype(_U64) * np.uint64(self.pool.slot_bytes)
+        return merge_runs(ra, la, self.remote.block_len, self.remote.device_id, self.pool.device_id)
+
+
+def contiguous_slots(first_slot: int, layers: int, n: int) -> np.ndarray:
+    """Slots ``first_slot ..`` layer-major: each layer's blocks in adjacent slots, so runs can merge."""
+    return (first_slot + np.arange(layers * n, dtype=_I64)).reshape(layers, n)

@@ -1,0 +1,1 @@
+"""Operating the daemon: config, metrics, systemd notify, socket files, doctor."""

@@ -1,0 +1,375 @@
+"""The daemon's configuration: one msgspec Struct, from a TOML file, then KV_SIDECAR_* variables, then flags.
+
+Every key's help text is its ``description`` in the Struct, so ``kv-sidecar serve --help`` cannot drift from
+the code. Errors name the key (and the source: file, variable or flag).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+import msgspec
+import tomllib
+
+from sidecar.wire.formats import PageFormat
+
+ENV_PREFIX = "KV_SIDECAR_"
+# Variables of that prefix that are not config keys.
+# KV_SIDECAR_* variables that belong to other tools (tests, benchmarks, the shim), not to the daemon's config.
+ENV_NOT_KEYS = frozenset(
+    {
+        "KV_SIDECAR_CONFIG",
+        "KV_SIDECAR_BENCH_OUT",
+        "KV_SIDECAR_INTEROP_PYTHON",
+        "KV_SIDECAR_INTEROP_START_TIMEOUT",
+        "KV_SIDECAR_TINY_MODEL",
+        "KV_SIDECAR_SHIM_LOG_LEVEL",
+    }
+)
+DEFAULT_SOCKET_DIR = "/run/kv-sidecar"
+# Keys SIGHUP may change; the others need a restart.
+RELOADABLE = frozenset(
+    {
+        "remotes",
+        "default_timeout_s",
+        "heartbeat_interval_s",
+        "log_level",
+        "pull_mode",
+        "verify_model_identity",
+        "handshake_timeout_s",
+    }
+)
+
+PullMode = Literal["direct", "staged", "auto"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key and where it came from."""
+
+
+def _doc(text: str, **constraints: Any) -> msgspec.Meta:
+    return msgspec.Meta(description=text, **constraints)
+
+
+class RemoteRule(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the operator declares about the prefills whose side channel matches ``match``."""
+
+    match: Annotated[
+        str,
+        _doc(
+            "host:port of the prefill's side channel, fnmatch wildcards allowed "
+            "(e.g. '10.0.0.*:5600', '*:*')",
+            min_length=3,
+        ),
+    ]
+    page_format: Annotated[
+        PageFormat | None,
+        _doc("the page format those prefills publish (vLLM publishes no tag); without it they are refused"),
+    ] = None
+    convert: Annotated[bool, _doc("allow converting their pages into the decoder's format")] = True
+
+    def __post_init__(self) -> None:
+        if ":" not in self.match:
+            raise ValueError(f"match {self.match!r} must be host:port (wildcards allowed)")
+
+
+class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """kv-sidecar serve settings."""
+
+    gpu: Annotated[
+        Annotated[int, msgspec.Meta(ge=0)] | None,
+        _doc("GPU index this daemon serves; unset: the CPU twin (decoder cache in /dev/shm, device cpu)"),
+    ] = None
+    socket: Annotated[
+        str,
+        _doc(
+            "ZMQ endpoint for the shim, ipc:// only; default ipc:///run/kv-sidecar/gpu{N}.sock (cpu.sock "
+            "without a GPU)"
+        ),
+    ] = ""
+    socket_group: Annotated[
+        str | None,
+        _doc(
+            "group (name or gid) allowed to use the socket (0660, dir 0750) when vLLM runs as another user; "
+            "unset: owner only (0600, dir 0700)"
+        ),
+    ] = None
+    fast_completions: Annotated[
+        bool,
+        _doc(
+            "offer shims a SOCK_SEQPACKET completion socket beside the ZMQ one (<socket>.done, same "
+            "permissions): replies skip ZMQ's I/O threads, about 60 us less per Done here (bench signal)"
+        ),
+    ] = True
+    metrics_host: Annotated[str, _doc("address of the Prometheus / health HTTP endpoint")] = "127.0.0.1"
+    metrics_port: Annotated[
+        int,
+        _doc(
+            "port of /metrics, /healthz, /readyz; 0 picks a free port, -1 disables the endpoint",
+            ge=-1,
+            le=65535,
+        ),
+    ] = 9464
+    max_inflight: Annotated[int, _doc("requests read and converted at the same time", ge=1)] = 64
+    max_queued: Annotated[
+        int,
+        _doc(
+            "requests waiting for a slot; beyond it a Pull is answered Done(ok=False, reason='overloaded')",
+            ge=0,
+        ),
+    ] = 256
+    default_timeout_s: Annotated[
+        float, _doc("deadline of a Pull that carries none (seconds from its arrival)", gt=0)
+    ] = 30.0
+    handshake_timeout_s: Annotated[float, _doc("side-channel handshake timeout per prefill rank", gt=0)] = 5.0
+    pull_mode: Annotated[
+        PullMode,
+        _doc(
+            "direct: half pages straight into the K/V planes, converted in place; staged: whole pages into a "
+            "staging pool, converted out of place; auto: staged when the pool has room, else direct"
+        ),
+    ] = "direct"
+    staging_bytes: Annotated[
+        int, _doc("size of the registered staging pool (staged/auto modes); 0: no pool", ge=0)
+    ] = 0
+    layer_groups: Annotated[
+        int,
+        _doc("READs per request and prefill rank (layer groups), so conversion can overlap the read", ge=1),
+    ] = 1
+    remotes: Annotated[
+        list[RemoteRule],
+        _doc(
+            "declared prefills, first match wins: [[remotes]] match='*:5600' convert=true "
+            "page_format={kind='standard', layout='LBHNC', dtype='bfloat16', num_heads=8, block_size=16, "
+            "head_size=128}"
+        ),
+    ] = []
+    verify_model_identity: Annotated[
+        bool,
+        _doc(
+            "refuse a prefill whose vLLM compatibility hash differs from the decoder's (recomputed with the "
+            "prefill's backend name)"
+        ),
+    ] = True
+    heartbeat_interval_s: Annotated[
+        float, _doc("how often in-flight requests' prefill leases are renewed (HB: notifications)", gt=0)
+    ] = 5.0
+    lease_s: Annotated[
+        float,
+        _doc(
+            "the prefills' kv_lease_duration; a request whose lease cannot be vouched for is failed, "
+            "not read",
+            gt=0,
+        ),
+    ] = 30.0
+    lease_margin_s: Annotated[
+        float, _doc("safety margin subtracted from every lease (proxy hop, clock skew)", ge=0)
+    ] = 2.0
+    nixl_backends: Annotated[list[str], _doc("NIXL backends of the daemon's agent", min_length=1)] = (
+        msgspec.field(default_factory=lambda: ["UCX"])
+    )
+    nixl_progress_thread: Annotated[
+        bool,
+        _doc(
+            "run NIXL's progress thread in the daemon's agent. NIXL's Python API makes it spin without pause "
+            "(about half a core even when idle); the daemon only initiates reads and drives them itself by "
+            "polling, so it is off by default"
+        ),
+    ] = False
+    poll_interval_s: Annotated[
+        float,
+        _doc(
+            "how often in-flight NIXL transfers are polled (the loop sleeps between polls; uvloop timers "
+            "have millisecond resolution, so less than 0.001 polls without sleeping)",
+            gt=0,
+        ),
+    ] = 0.001
+    shutdown_grace_s: Annotated[
+        float, _doc("on SIGTERM/SIGINT, how long in-flight requests may finish before they are failed", ge=0)
+    ] = 10.0
+    log_json: Annotated[bool, _doc("log one JSON object per line instead of text")] = False
+    log_level: Annotated[LogLevel, _doc("DEBUG, INFO, WARNING or ERROR")] = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.socket and not self.socket.startswith("ipc://"):
+            raise ValueError(f"socket {self.socket!r} must be an ipc:// endpoint (local sockets only)")
+        if self.lease_margin_s >= self.lease_s:
+            raise ValueError(f"lease_margin_s {self.lease_margin_s} must be below lease_s {self.lease_s}")
+        if self.pull_mode == "staged" and self.staging_bytes == 0:
+            raise ValueError("pull_mode 'staged' needs staging_bytes > 0")
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.gpu is None else f"cuda:{self.gpu}"
+
+    @property
+    def socket_endpoint(self) -> str:
+        if self.socket:
+            return self.socket
+        name = "cpu" if self.gpu is None else f"gpu{self.gpu}"
+        return f"ipc://{DEFAULT_SOCKET_DIR}/{name}.sock"
+
+    @property
+    def socket_path(self) -> str:
+        return self.socket_endpoint.removeprefix("ipc://")
+
+
+# ------------------------------------------------------------------------------------------------ key docs
+
+
+class KeyDoc(msgspec.Struct, frozen=True):
+    name: str
+    type: str
+    default: Any
+    description: str
+
+
+def key_docs() -> list[KeyDoc]:
+    """Every key of Config with its JSON-schema type, default and description (the help text's source)."""
+    schema = msgspec.json.schema(Config)
+    props = schema["$defs"]["Config"]["properties"]
+    out = []
+    for field in msgspec.structs.fields(Config):
+        prop = props[field.name]
+        default = field.default_factory() if field.default is msgspec.NODEFAULT else field.default
+        out.append(
+            KeyDoc(
+                name=field.name,
+                type=_schema_type(prop),
+                default=msgspec.to_builtins(default),
+                description=prop.get("description", ""),
+            )
+        )
+    return out
+
+
+def _schema_type(prop: Mapping[str, Any]) -> str:
+    if "enum" in prop:
+        return "|".join(str(v) for v in prop["enum"])
+    if "anyOf" in prop:
+        return " or ".join(_schema_type(p) for p in prop["anyOf"])
+    if "$ref" in prop:
+        return prop["$ref"].rsplit("/", 1)[-1]
+    if prop.get("type") == "array":
+        return f"list of {_schema_type(prop.get('items', {}))}"
+    return str(prop.get("type", "value"))
+
+
+def help_text() -> str:
+    lines = ["configuration keys (TOML key = KV_SIDECAR_<KEY> variable = --<key-with-dashes> flag):"]
+    for d in key_docs():
+        default = "unset" if d.default is None else repr(d.default)
+        lines.append(f"  {d.name} ({d.type}, default {default})")
+        lines.append(f"      {d.description}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+
+def _field_types() -> dict[str, msgspec.inspect.Type]:
+    info = msgspec.inspect.type_info(Config)
+    return {f.name: f.type for f in info.fields}  # type: ignore[attr-defined]
+
+
+def _is_stringy(t: msgspec.inspect.Type) -> bool:
+    """Whether a raw string is the value as is (str fields), rather than JSON/TOML text to parse."""
+    if isinstance(t, msgspec.inspect.Metadata):
+        t = t.type
+    if isinstance(t, msgspec.inspect.StrType):
+        return True
+    if isinstance(t, msgspec.inspect.UnionType):
+        return any(_is_stringy(x) for x in t.types)
+    return isinstance(t, msgspec.inspect.LiteralType) and all(isinstance(v, str) for v in t.values)
+
+
+def parse_value(key: str, raw: str, source: str) -> Any:
+    """A flag or variable's text as a config value: strings as they are, everything else as JSON."""
+    types = _field_types()
+    if key not in types:
+        raise ConfigError(f"{source}: no config key {key!r}; keys: {', '.join(sorted(types))}")
+    if _is_stringy(types[key]):
+        return raw
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        lowered = raw.strip().lower()
+        if lowered in ("true", "yes", "on"):
+            return True
+        if lowered in ("false", "no", "off"):
+            return False
+        raise ConfigError(
+            f"{source}: value {raw!r} for {key!r} is not valid JSON "
+            f"(lists and tables are written as JSON, e.g. '[\"UCX\"]')"
+        ) from None
+
+
+def env_values(environ: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX) or name in ENV_NOT_KEYS:
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        out[key] = parse_value(key, raw, f"environment variable {name}")
+    return out
+
+
+def file_values(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"config file {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path}: invalid TOML: {e}") from None
+
+
+def build(values: Mapping[str, Any], source: str = "config") -> Config:
+    try:
+        return msgspec.convert(dict(values), Config, strict=False)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{source}: {_name_key(str(e))}") from None
+
+
+def _name_key(text: str) -> str:
+    """msgspec says '... - at `$.key`'; lead with the key instead."""
+    if " - at `$." in text:
+        what, where = text.rsplit(" - at `$.", 1)
+        return f"key {where.rstrip('`')}: {what}"
+    return text
+
+
+def load(
+    path: str | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """File (``path`` or $KV_SIDECAR_CONFIG), then KV_SIDECAR_* variables, then ``overrides`` (flags)."""
+    environ = os.environ if environ is None else environ
+    path = path or environ.get("KV_SIDECAR_CONFIG") or None
+    merged: dict[str, Any] = {}
+    sources = []
+    if path:
+        merged.update(file_values(path))
+        sources.append(f"file {path}")
+    env = env_values(environ)
+    if env:
+        merged.update(env)
+        sources.append("KV_SIDECAR_* variables")
+    if overrides:
+        merged.update(overrides)
+        sources.append("flags")
+    return build(merged, " + ".join(sources) or "defaults")
+
+
+def reload_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
+    """(keys SIGHUP applies, keys that changed but need a restart)."""
+    applied, restart = [], []
+    for field in msgspec.structs.fields(Config):
+        if getattr(old, field.name) != getattr(new, field.name):
+            (applied if field.name in RELOADABLE else restart).append(field.name)
+    return applied, restart

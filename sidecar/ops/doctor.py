@@ -1,0 +1,875 @@
+"""``kv-sidecar doctor``: check a live node end to end and print a pass/fail table (``--json`` for scripts).
+
+Checks, in order: the config loads; the daemon answers Ping on its socket, and over its completion socket;
+/healthz and /readyz; vLLM's caches are registered; each prefill's side channel answers vLLM's handshake, and
+the page-format negotiation the daemon would make with it (plan or refusal, with the reason); then one test
+pull from a prefill emulator (started here unless one is given) by a NIXL agent of our own, with
+``UCX_LOG_LEVEL=info`` captured to show which UCX transports carry the bytes (a warning when only tcp does).
+The exit code is 1 when any check fails.
+
+Doctor never writes into the decoder's cache: the test pull reads into its own buffer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal
+
+import msgspec
+
+from sidecar.wire.formats import PageFormat
+
+Status = Literal["pass", "warn", "fail", "skip"]
+PROBE_MARK = "KV_SIDECAR_PROBE "
+SYSTEMD_ENV_FILES = ("/etc/kv-sidecar/kv-sidecar.env", "/etc/kv-sidecar/{gpu}.env")
+SYSTEMD_CONFIG = "/etc/kv-sidecar/kv-sidecar.toml"
+# UCX transports that move bulk data without the tcp stack.
+ZERO_COPY = (
+    "cma",
+    "knem",
+    "xpmem",
+    "posix",
+    "sysv",
+    "cuda_ipc",
+    "rocm_ipc",
+    "rc",
+    "dc",
+    "ud",
+    "gdr_copy",
+    "cuda_copy",
+    "rocm_copy",
+)
+
+
+class Check(msgspec.Struct, frozen=True):
+    """One row of the report."""
+
+    name: str
+    status: Status
+    detail: str
+    data: dict[str, Any] = {}
+
+
+class Report(msgspec.Struct, frozen=True):
+    checks: list[Check]
+
+    @property
+    def ok(self) -> bool:
+        return not any(c.status == "fail" for c in self.checks)
+
+
+class Target(msgspec.Struct, frozen=True):
+    """Where the daemon of one GPU is, and the config it runs with."""
+
+    socket: str
+    metrics_url: str | None
+    config: Any  # sidecar.ops.config.Config
+
+
+# ----------------------------------------------------------------------------------------- pure helpers
+
+
+def exit_code(report: Report) -> int:
+    return 0 if report.ok else 1
+
+
+def read_env_file(path: str) -> dict[str, str]:
+    """KEY=VALUE lines as systemd's EnvironmentFile= reads them (comments, blank lines, optional quotes)."""
+    out: dict[str, str] = {}
+    with open(path) as f:
+        for raw in f:
+            line = raw.strip()
+            if not line or line.startswith(("#", ";")):
+                continue
+            key, sep, value = line.partition("=")
+            if not sep:
+                continue
+            value = value.strip()
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                value = value[1:-1]
+            out[key.strip()] = value
+    return out
+
+
+class Lane(msgspec.Struct, frozen=True):
+    """One line of UCX's endpoint configuration: ``rma_am(tcp/lo) am(tcp/lo cma/memory) ...``."""
+
+    scope: str  # "self", "intra-node", "inter-node" ...
+    lanes: dict[str, list[str]]  # lane kind -> transports ("tcp", "cma", "rc_mlx5" ...)
+
+
+_UCX_CFG = re.compile(r"UCX\s+INFO\s+\S+\s+(?P<scope>[\w-]+)\s+cfg#\d+\s+(?P<lanes>.*)$")
+_UCX_LANE = re.compile(r"(\w+)\(([^)]*)\)")
+
+
+def parse_ucx_lanes(log: str) -> list[Lane]:
+    """The endpoint configurations UCX logs at info level (``ucp_worker.c ... cfg#N ...``)."""
+    out = []
+    for line in log.splitlines():
+        m = _UCX_CFG.search(line)
+        if m is None:
+            continue
+        lanes = {
+            kind: [t.split("/")[0] for t in body.split()] for kind, body in _UCX_LANE.findall(m["lanes"])
+        }
+        out.append(Lane(scope=m["scope"], lanes=lanes))
+    return out
+
+
+def judge_transports(lanes: list[Lane]) -> tuple[Status, str]:
+    """Warn when the bulk lanes (rma, am) of the peer endpoints move bytes over tcp only."""
+    peers = [ln for ln in lanes if ln.scope != "self"]
+    if not peers:
+        return "warn", "UCX logged no endpoint configuration (UCX_LOG_LEVEL=info had no effect?)"
+    shown = "; ".join(
+        f"{ln.scope}: " + " ".join(f"{k}({' '.join(v)})" for k, v in ln.lanes.items()) for ln in peers
+    )
+    bulk = {t for ln in peers for kind, ts in ln.lanes.items() if kind.startswith(("rma", "am")) for t in ts}
+    fast = {t for t in bulk if t.startswith(ZERO_COPY)}
+    if not fast:
+        return "warn", f"tcp fallback: bulk data moves over {sorted(bulk) or 'nothing'} only ({shown})"
+    return "pass", f"{', '.join(sorted(fast))} ({shown})"
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Unlabelled samples of a Prometheus text exposition (enough for the gauges doctor reads)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, rest = line.partition(" ")
+        if "{" in name:
+            continue
+        try:
+            out[name] = float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue
+    return out
+
+
+def prefill_addresses(
+    explicit: Iterable[str], remotes: Iterable[Any], daemon_peers: Iterable[str]
+) -> list[str]:
+    """host:port of each prefill to check: given ones, config rules without wildcards, the daemon's peers."""
+    out: list[str] = []
+    for addr in [
+        *explicit,
+        *(r.match for r in remotes if not any(c in r.match for c in "*?[")),
+        *daemon_peers,
+    ]:
+        if addr not in out:
+            out.append(addr)
+    return out
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"prefill address {address!r} must be host:port")
+    return host.strip("[]"), int(port)
+
+
+# ----------------------------------------------------------------------------------------------- checks
+
+
+def load_target(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[Target | None, Check]:
+    from sidecar.ops import config as config_mod
+
+    overrides: dict[str, Any] = {} if args.gpu is None else {"gpu": args.gpu}
+    if args.socket:
+        overrides["socket"] = args.socket
+    try:
+        cfg = config_mod.load(args.config, environ=environ, overrides=overrides)
+    except config_mod.ConfigError as exc:
+        return None, Check("config", "fail", str(exc))
+    if args.metrics_url:
+        url: str | None = args.metrics_url.rstrip("/")
+    elif cfg.metrics_port < 0:
+        url = None
+    else:
+        explicit = "KV_SIDECAR_METRICS_PORT" in environ or _file_sets(
+            args.config or environ.get("KV_SIDECAR_CONFIG"), "metrics_port"
+        )
+        # kv-sidecar@N listens on 9464+N unless a port is configured (deploy/systemd).
+        port = cfg.metrics_port if explicit else 9464 + (cfg.gpu or 0)
+        host = "127.0.0.1" if cfg.metrics_host in ("0.0.0.0", "::", "") else cfg.metrics_host
+        url = f"http://{host}:{port}"
+    target = Target(socket=cfg.socket_endpoint, metrics_url=url, config=cfg)
+    where = args.config or environ.get("KV_SIDECAR_CONFIG") or "defaults and KV_SIDECAR_* variables"
+    return target, Check(
+        "config",
+        "pass",
+        f"{where}: socket {target.socket}, metrics {url or 'disabled'}, {len(cfg.remotes)} remote rule(s)",
+    )
+
+
+def _file_sets(path: str | None, key: str) -> bool:
+    if not path:
+        return False
+    from sidecar.ops import config as config_mod
+
+    try:
+        return key in config_mod.file_values(path)
+    except config_mod.ConfigError:
+        return False
+
+
+def check_daemon(socket_endpoint: str, timeout_s: float) -> tuple[list[Check], Any]:
+    """Ping → Pong over the daemon socket, then Status → StatusReply when the protocol has it."""
+    import zmq
+
+    from sidecar.wire import protocol
+
+    path = socket_endpoint.removeprefix("ipc://")
+    directory = os.path.dirname(path) or "."
+    local = socket_endpoint.startswith("ipc://")
+    if local and os.path.isdir(directory) and not os.access(directory, os.X_OK):
+        return [
+            Check(
+                "daemon",
+                "fail",
+                f"cannot enter {directory} (permission denied): run doctor as the daemon's user or root",
+            )
+        ], None
+    if local and not os.path.exists(path):
+        return [
+            Check(
+                "daemon",
+                "fail",
+                f"{path} does not exist: is kv-sidecar running for this GPU "
+                "(systemctl status kv-sidecar@N / the pod's kv-sidecar container)?",
+            )
+        ], None
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(socket_endpoint)
+        nonce = int.from_bytes(os.urandom(4), "little")
+        t0 = time.perf_counter()
+        sock.send(protocol.encode(protocol.Ping(nonce=nonce, sent_at_ns=time.monotonic_ns())))
+        reply = _recv(sock, protocol, timeout_s)
+        if not isinstance(reply, protocol.Pong) or reply.nonce != nonce:
+            return [Check("daemon", "fail", f"{socket_endpoint} answered Ping with {reply!r}")], None
+        checks = [
+            Check(
+                "daemon", "pass", f"Pong from {socket_endpoint} in {(time.perf_counter() - t0) * 1e3:.1f} ms"
+            )
+        ]
+        status = None
+        if hasattr(protocol, "Status"):
+            sock.send(protocol.encode(protocol.Status(nonce=nonce)))
+            status = _recv(sock, protocol, timeout_s)
+            if not isinstance(status, getattr(protocol, "StatusReply", ())):
+                checks.append(Check("daemon status", "fail", f"Status answered with {status!r}"))
+                status = None
+        return checks, status
+    except TimeoutError:
+        return [
+            Check(
+                "daemon",
+                "fail",
+                f"no reply from {socket_endpoint} within {timeout_s:g} s: the socket "
+                "file exists but no daemon answers (stale socket, or the daemon is stuck)",
+            )
+        ], None
+    except Exception as exc:  # noqa: BLE001 - any failure is a finding, never a crash
+        return [Check("daemon", "fail", f"{socket_endpoint}: {type(exc).__name__}: {exc}")], None
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def check_completion_socket(socket_endpoint: str, timeout_s: float) -> Check:
+    """Hello as a shim would, bind the completion socket the daemon offers, and get a Pong over it."""
+    import socket as socket_mod
+
+    import zmq
+
+    from sidecar.wire import protocol
+
+    name = "completion socket"
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    routing_id = b"doctor-" + os.urandom(6).hex().encode()
+    sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    fast = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_SEQPACKET)
+    fast.settimeout(timeout_s)
+    try:
+        sock.connect(socket_endpoint)
+        sock.send(protocol.encode(protocol.Hello(protocol_version=protocol.PROTOCOL_VERSION,
+                                                 package_version="doctor")))
+        welcome = _recv(sock, protocol, timeout_s)
+        if not isinstance(welcome, protocol.Welcome):
+            return Check(name, "fail", f"Hello answered with {welcome!r}")
+        path = welcome.completion_socket
+        if not path:
+            return Check(name, "skip", "not offered (fast_completions = false): replies go over ZMQ")
+        fast.connect(path)
+        fast.send(protocol.encode(protocol.BindCompletions(routing_id=routing_id)))
+        bound = protocol.decode_to_shim(fast.recv(65536))
+        if not isinstance(bound, protocol.CompletionsBound) or not bound.ok:
+            return Check(name, "warn", f"{path} refused the binding ({bound!r}): shims fall back to ZMQ")
+        nonce = int.from_bytes(os.urandom(4), "little")
+        t0 = time.perf_counter()
+        sock.send(protocol.encode(protocol.Ping(nonce=nonce)))
+        pong = protocol.decode_to_shim(fast.recv(65536))
+        if not isinstance(pong, protocol.Pong) or pong.nonce != nonce:
+            return Check(name, "warn", f"Ping answered over {path} with {pong!r}")
+        return Check(name, "pass", f"Pong over {path} in {(time.perf_counter() - t0) * 1e3:.2f} ms")
+    except (OSError, TimeoutError) as exc:
+        # the shim falls back to ZMQ on the same trouble: slower completions, nothing lost
+        return Check(name, "warn", f"{type(exc).__name__}: {exc}; shims fall back to ZMQ")
+    except Exception as exc:  # noqa: BLE001 - any failure is a finding, never a crash
+        return Check(name, "fail", f"{type(exc).__name__}: {exc}")
+    finally:
+        fast.close()
+        sock.close(0)
+        ctx.term()
+
+
+def _recv(sock: Any, protocol: Any, timeout_s: float) -> Any:
+    if not sock.poll(int(timeout_s * 1000)):
+        raise TimeoutError
+    return protocol.decode_to_shim(sock.recv())
+
+
+def _get(url: str, timeout_s: float) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
+def check_health(url: str | None, timeout_s: float) -> tuple[list[Check], dict[str, float]]:
+    if url is None:
+        return [Check("health", "skip", "metrics endpoint disabled (metrics_port = -1)")], {}
+    checks, gauges = [], {}
+    for path in ("/healthz", "/readyz"):
+        try:
+            code, body = _get(url + path, timeout_s)
+        except OSError as exc:
+            checks.append(Check(path, "fail", f"{url}{path}: {exc}"))
+            continue
+        checks.append(Check(path, "pass" if code == 200 else "fail", f"{code} {body.strip()}"))
+    try:
+        _, text = _get(url + "/metrics", timeout_s)
+        gauges = parse_metrics(text)
+    except OSError:
+        pass
+    return checks, gauges
+
+
+def check_caches(status: Any, gauges: dict[str, float]) -> Check:
+    if status is not None:
+        if not status.registered:
+            return Check(
+                "caches",
+                "fail",
+                "no caches registered: vLLM with the SidecarConnector has not "
+                "registered its KV cache with this daemon",
+            )
+        return Check(
+            "caches",
+            "pass",
+            f"{_size(status.registered_bytes)} in {status.num_layers} layers, {_fmt(status.page_format)}",
+            {"page_format": msgspec.to_builtins(status.page_format)},
+        )
+    if "kv_sidecar_registered_bytes" in gauges:
+        nbytes = gauges["kv_sidecar_registered_bytes"]
+        if nbytes <= 0:
+            return Check(
+                "caches", "fail", "kv_sidecar_registered_bytes is 0: vLLM has not registered its cache"
+            )
+        return Check("caches", "pass", f"{_size(nbytes)} registered (from /metrics)")
+    return Check("caches", "fail", "cannot tell: the daemon reports no status and /metrics is unreachable")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _fmt(fmt: PageFormat | None) -> str:
+    if fmt is None:
+        return "no page format"
+    return (
+        f"{fmt.kind} {fmt.layout} {fmt.dtype} heads={fmt.num_heads} block={fmt.block_size} "
+        f"head_size={fmt.head_size}"
+    )
+
+
+def check_prefill(
+    address: str,
+    cfg: Any,
+    local: PageFormat | None,
+    layers: int,
+    factors: Mapping[str, Any],
+    timeout_s: float,
+) -> list[Check]:
+    """vLLM's handshake with one prefill, then the admission the daemon would make (sidecar.nixl.agent)."""
+    from sidecar.nixl import agent as tr
+    from sidecar.wire import prefill as vllm_wire
+
+    name = f"prefill {address}"
+    try:
+        host, port = split_address(address)
+        reply = vllm_wire.fetch_handshake(host, port, [(0, 0)], timeout_s=timeout_s)[(0, 0)]
+    except (vllm_wire.HandshakeTimeout, vllm_wire.WireError, ValueError) as exc:
+        return [Check(name, "fail", f"side channel: {exc}")]
+    except Exception as exc:  # noqa: BLE001
+        return [Check(name, "fail", f"side channel: {type(exc).__name__}: {exc}")]
+    meta = reply.metadata
+    checks = [
+        Check(
+            name,
+            "pass",
+            f"engine {meta.engine_id}, {meta.attn_backend_name}, {meta.kv_cache_layout}, "
+            f"block {meta.block_size}, {meta.num_regions} regions, rtt {reply.rtt_s * 1e3:.1f} ms",
+        )
+    ]
+    neg = f"negotiation {address}"
+    if local is None:
+        return [
+            *checks,
+            Check(
+                neg,
+                "skip",
+                "the decoder's page format is unknown (no caches registered, or the "
+                "daemon reports no status; --local-format gives it)",
+            ),
+        ]
+    rule = next((r for r in cfg.remotes if fnmatch.fnmatchcase(address, r.match)), None)
+    # The same settings the daemon's handshake builds (service.Daemon._handshake).
+    settings = tr.TransferSettings(
+        remote_formats=tuple(
+            tr.RemoteFormatRule(address=r.match, format=r.page_format)
+            for r in cfg.remotes
+            if r.page_format is not None and r is rule
+        ),
+        conversion_enabled=rule.convert if rule else True,
+        remote_mem_type="DRAM" if cfg.gpu is None else "VRAM",
+    )
+    check_identity = cfg.verify_model_identity and bool(factors)
+    try:
+        plan, _ = tr.admit_remote(
+            meta,
+            address=address,
+            local_format=local,
+            layers=layers or meta.num_regions,
+            settings=settings,
+            remote_hash=reply.compatibility_hash,
+            local_factors=dict(factors) or None,
+            check_identity=check_identity,
+        )
+    except tr.RemoteRefused as exc:
+        return [
+            *checks,
+            Check(
+                neg,
+                "fail",
+                f"refused on {exc.field}: {exc.reason}",
+                {"field": exc.field, "reason": exc.reason},
+            ),
+        ]
+    what = (
+        f"convert {plan.remote.kind} {plan.remote.layout} -> {plan.local.kind} {plan.local.layout}"
+        if plan.convert
+        else f"plain read of {plan.remote.kind} {plan.remote.layout} pages"
+    )
+    note = "" if check_identity else " (model identity not checked: no local hash factors)"
+    return [
+        *checks,
+        Check(
+            neg,
+            "pass" if check_identity or not cfg.verify_model_identity else "warn",
+            what + note,
+            {"convert": plan.convert},
+        ),
+    ]
+
+
+# --------------------------------------------------------------------------------------------- test pull
+
+
+class ProbeResult(msgspec.Struct, frozen=True):
+    ok: bool
+    reason: str = ""
+    nbytes: int = 0
+    seconds: float = 0.0
+    verified: bool = False
+    freed: bool = False
+
+
+class EmulatorSpec(msgspec.Struct, frozen=True):
+    """What doctor knows of an emulator it started: enough to recompute its pages."""
+
+    seed: int
+    format: PageFormat
+
+
+def probe_pull(control: str, spec: EmulatorSpec | None, timeout_s: float, blocks: int = 4) -> ProbeResult:
+    """One request of the emulator read into our own DRAM buffer; bytes checked when its spec is known."""
+    import numpy as np
+
+    from sidecar.nixl import agent as tr
+    from sidecar.nixl.geometry import RemoteRegions
+    from sidecar.standins.emulator_control import ControlError, EmulatorClient
+    from sidecar.standins.emulator_pages import expected_pages
+    from sidecar.wire import prefill as vllm_wire
+    from sidecar.wire.formats import Plan
+
+    ctl = EmulatorClient(control, timeout_s=timeout_s)
+    try:
+        req = ctl.new_request(num_blocks=blocks)
+    except ControlError as exc:
+        return ProbeResult(False, f"emulator control {control}: {exc}")
+    params = req.kv_transfer_params
+    try:
+        reply = vllm_wire.fetch_handshake(
+            params["remote_host"], params["remote_port"], [(0, 0)], timeout_s=timeout_s
+        )[(0, 0)]
+    except (vllm_wire.HandshakeTimeout, vllm_wire.WireError) as exc:
+        return ProbeResult(False, f"emulator side channel: {exc}")
+    meta = reply.metadata
+    regions = RemoteRegions.from_metadata(meta, default_mem_type="DRAM")
+    page, kb, layers = int(regions.block_len[0]), list(req.kernel_block_ids), regions.num_regions
+    # A whole-page read needs no real format; the spec's, when known, lets us check the bytes.
+    fmt = (
+        spec.format
+        if spec is not None
+        else PageFormat(
+            kind="standard",
+            layout="LBHNC",
+            dtype="uint8",
+            num_heads=1,
+            block_size=meta.block_size,
+            head_size=max(1, page // (2 * meta.block_size)),
+        )
+    )
+    if fmt.page_bytes != page:
+        return ProbeResult(False, f"the emulator's pages are {page} bytes, its spec says {fmt.page_bytes}")
+    t = tr.Transfer(tr.TransferSettings(name_prefix="kv-sidecar-doctor", remote_mem_type="DRAM"))
+    try:
+        peer = t.add_peer(
+            engine_id=meta.engine_id,
+            tp_rank=0,
+            generation=0,
+            address=f"{params['remote_host']}:{params['remote_port']}",
+            agent_metadata=meta.agent_metadata,
+            plan=Plan(fmt, fmt, False),
+            regions=regions,
+        )
+        buf = np.zeros((layers, len(kb), page), np.uint8)
+        t.register([(buf.ctypes.data, buf.nbytes, 0)], "DRAM")
+        base = buf.ctypes.data
+        local = np.array(
+            [[base + (li * len(kb) + i) * page, page, 0] for li in range(layers) for i in range(len(kb))],
+            np.uint64,
+        )
+        remote = np.array(
+            [
+                [int(regions.base[li]) + b * int(regions.block_stride[li]), page, regions.device_id]
+                for li in range(layers)
+                for b in kb
+            ],
+            np.uint64,
+        )
+        t0 = time.perf_counter()
+        pull = t.start(peer, params["remote_request_id"], timeout_s=timeout_s)
+        t.read_descs(pull, local, remote, "DRAM")
+        t.seal(pull)
+        t.wait(pull)
+        seconds = time.perf_counter() - t0
+        verified = False
+        if spec is not None:
+            for li in range(layers):
+                want = expected_pages(spec.seed, li, kb, req.block_generations, fmt)
+                if not np.array_equal(want, buf[li]):
+                    return ProbeResult(
+                        False,
+                        f"layer {li}: the bytes read differ from the emulator's pages",
+                        buf.nbytes,
+                        seconds,
+                    )
+            verified = True
+        try:
+            freed = (
+                ctl.wait_state(params["remote_request_id"], "freed_by_notif", timeout_s).state
+                == "freed_by_notif"
+            )
+        except ControlError as exc:
+            return ProbeResult(
+                False,
+                f"completion notification not seen by the emulator: {exc}",
+                buf.nbytes,
+                seconds,
+                verified,
+            )
+        return ProbeResult(True, "", buf.nbytes, seconds, verified, freed)
+    except tr.TransferError as exc:
+        return ProbeResult(False, f"NIXL: {exc}")
+    finally:
+        t.close()
+        ctl.close()
+
+
+def _probe_main() -> None:
+    """Entry of the probe subprocess: argv = control, EmulatorSpec JSON ('' unknown), timeout_s."""
+    control, spec, timeout_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    result = probe_pull(control, msgspec.json.decode(spec, type=EmulatorSpec) if spec else None, timeout_s)
+    sys.stdout.flush()
+    print(PROBE_MARK + msgspec.json.encode(result).decode(), flush=True)
+
+
+def run_probe(
+    control: str, spec: EmulatorSpec | None, timeout_s: float, env: Mapping[str, str]
+) -> tuple[ProbeResult, str]:
+    """The probe in a subprocess with UCX_LOG_LEVEL=info (UCX reads it once, at start): result and UCX log."""
+    code = "from sidecar.ops.doctor import _probe_main; _probe_main()"
+    penv = {**env, "UCX_LOG_LEVEL": "info"}
+    try:
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                code,
+                control,
+                "" if spec is None else msgspec.json.encode(spec).decode(),
+                str(timeout_s),
+            ],
+            env=penv,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s * 6 + 60,
+        )
+    except subprocess.TimeoutExpired:
+        return ProbeResult(False, "the test pull did not finish in time"), ""
+    log = out.stdout + out.stderr
+    line = next((ln for ln in reversed(out.stdout.splitlines()) if ln.startswith(PROBE_MARK)), None)
+    if line is None:
+        return ProbeResult(False, f"probe exited rc={out.returncode}: {log.strip()[-600:]}"), log
+    return msgspec.json.decode(line[len(PROBE_MARK) :], type=ProbeResult), log
+
+
+# The emulator doctor starts: small, and with known contents so the test pull can check every byte.
+EMULATOR_SPEC = EmulatorSpec(
+    seed=20251129,
+    format=PageFormat(
+        kind="standard", layout="LBHNC", dtype="bfloat16", num_heads=2, block_size=16, head_size=128
+    ),
+)
+
+
+def check_test_pull(args: argparse.Namespace, env: Mapping[str, str]) -> list[Check]:
+    if args.no_pull:
+        return [Check("test pull", "skip", "--no-pull")]
+    emulator = None
+    control, spec = args.emulator_control, None
+    if not control:
+        from sidecar.standins.emulator_control import ControlError, spawn_emulator
+
+        f = EMULATOR_SPEC.format
+        try:
+            emulator = spawn_emulator(
+                [
+                    "--host",
+                    "127.0.0.1",
+                    "--layers",
+                    "2",
+                    "--heads",
+                    str(f.num_heads),
+                    "--head-size",
+                    str(f.head_size),
+                    "--block-size",
+                    str(f.block_size),
+                    "--dtype",
+                    f.dtype,
+                    "--num-blocks",
+                    "16",
+                    "--seed",
+                    str(EMULATOR_SPEC.seed),
+                    # no spinning progress thread: doctor runs on a busy production node
+                    "--no-progress-thread",
+                ],
+                timeout_s=60,
+                env=dict(env),
+            )
+        except ControlError as exc:
+            return [Check("test pull", "fail", f"could not start the prefill emulator: {exc}")]
+        control, spec = emulator.ready.control, EMULATOR_SPEC
+    try:
+        result, log = run_probe(control, spec, args.timeout, env)
+    finally:
+        if emulator is not None:
+            emulator.stop()
+    source = "emulator started by doctor" if emulator is not None else f"emulator at {control}"
+    if not result.ok:
+        return [Check("test pull", "fail", f"{source}: {result.reason}")]
+    rate = result.nbytes / result.seconds if result.seconds else 0.0
+    verified = "bytes verified" if result.verified else "bytes not verified (emulator's seed unknown)"
+    checks = [
+        Check(
+            "test pull",
+            "pass",
+            f"{source}: {_size(result.nbytes)} in {result.seconds * 1e3:.1f} ms "
+            f"({_size(rate)}/s), {verified}, completion notification received",
+            {"bytes": result.nbytes, "seconds": result.seconds, "verified": result.verified},
+        )
+    ]
+    status, detail = judge_transports(parse_ucx_lanes(log))
+    checks.append(Check("UCX transports", status, detail))
+    return checks
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+
+def diagnose(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Report:
+    env = dict(os.environ if environ is None else environ)
+    checks: list[Check] = []
+    for path in args.env_file or []:
+        try:
+            env.update(read_env_file(path))
+            checks.append(Check(f"env {path}", "pass", "loaded"))
+        except OSError as exc:
+            checks.append(Check(f"env {path}", "fail", str(exc)))
+    target, check = load_target(args, env)
+    checks.append(check)
+    if target is None:
+        return Report(checks)
+    daemon_checks, status = check_daemon(target.socket, args.timeout)
+    checks += daemon_checks
+    if all(c.status == "pass" for c in daemon_checks):
+        checks.append(check_completion_socket(target.socket, args.timeout))
+    health, gauges = check_health(target.metrics_url, args.timeout)
+    checks += health
+    checks.append(check_caches(status, gauges))
+    local = status.page_format if status is not None else None
+    if args.local_format:
+        local = msgspec.json.decode(args.local_format, type=PageFormat)
+    layers = status.num_layers if status is not None else 0
+    factors = getattr(status, "compat_factors", {}) if status is not None else {}
+    peers = [p.address for p in getattr(status, "peers", [])] if status is not None else []
+    addresses = prefill_addresses(args.prefill or [], target.config.remotes, peers)
+    if not addresses:
+        checks.append(
+            Check("prefills", "skip", "none to check: give --prefill HOST:PORT (config rules are patterns)")
+        )
+    for address in addresses:
+        checks += check_prefill(address, target.config, local, layers, factors, args.timeout)
+    checks += check_test_pull(args, env)
+    return Report(checks)
+
+
+DESCRIPTION = (
+    "Check a live node end to end: config, daemon socket, /healthz and /readyz, registered caches, each "
+    "prefill's side channel and the page-format negotiation with it, the UCX transports, and one test pull "
+    "from a prefill emulator. Exit code 1 when a check fails."
+)
+STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
+
+
+def render(report: Report, console: Any = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title="kv-sidecar doctor", show_lines=False)
+    table.add_column("check", no_wrap=True)
+    table.add_column("result", no_wrap=True)
+    table.add_column("detail", overflow="fold")
+    for c in report.checks:
+        table.add_row(c.name, f"[{STYLE[c.status]}]{c.status.upper()}[/]", c.detail)
+    console.print(table)
+    failed = [c.name for c in report.checks if c.status == "fail"]
+    console.print(f"[bold red]FAIL[/]: {', '.join(failed)}" if failed else "[green]all checks passed[/]")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--gpu", type=int, default=None, help="GPU whose daemon to check (socket gpuN.sock, metrics 9464+N)")
+    a(
+        "--config",
+        default=None,
+        help=f"the daemon's TOML file (default: $KV_SIDECAR_CONFIG; with --gpu, {SYSTEMD_CONFIG} if present)",
+    )
+    a(
+        "--env-file",
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="read KEY=VALUE settings as systemd does (default with --gpu N: /etc/kv-sidecar/kv-sidecar.env "
+        "and "
+        "/etc/kv-sidecar/N.env when present)",
+    )
+    a("--socket", default="", help="the daemon's socket, e.g. ipc:///run/kv-sidecar/gpu0.sock")
+    a("--metrics-url", default="", help="the daemon's HTTP endpoint, e.g. http://127.0.0.1:9464")
+    a(
+        "--prefill",
+        action="append",
+        metavar="HOST:PORT",
+        help="a prefill's side channel to check (repeatable)",
+    )
+    a(
+        "--local-format",
+        default="",
+        metavar="JSON",
+        help="the decoder's page format, when the daemon cannot report it",
+    )
+    a(
+        "--emulator-control",
+        default="",
+        metavar="ENDPOINT",
+        help="control endpoint of a running prefill emulator for the test pull (default: start one)",
+    )
+    a("--no-pull", action="store_true", help="skip the test pull")
+    a("--timeout", type=float, default=3.0, help="seconds per network step (default %(default)s)")
+    a("--json", action="store_true", help="print the report as JSON")
+
+
+def _default_env_files(gpu: int | None) -> list[str]:
+    if gpu is None:
+        return []
+    return [p.format(gpu=gpu) for p in SYSTEMD_ENV_FILES if os.path.exists(p.format(gpu=gpu))]
+
+
+def run(args: argparse.Namespace, *, out: Callable[[str], None] | None = None) -> int:
+    # With --gpu N on a systemd host, read what kv-sidecar@N reads (deploy/systemd/kv-sidecar@.service).
+    if args.env_file is None:
+        args.env_file = _default_env_files(args.gpu)
+    systemd_host = args.gpu is not None and os.path.exists(SYSTEMD_CONFIG)
+    if args.config is None and systemd_host and "KV_SIDECAR_CONFIG" not in os.environ:
+        args.config = SYSTEMD_CONFIG
+    report = diagnose(args)
+    if args.json:
+        text = json.dumps({"ok": report.ok, "checks": msgspec.to_builtins(report.checks)}, indent=2)
+        (out or print)(text)
+    else:
+        render(report)
+    return exit_code(report)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kv-sidecar doctor", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

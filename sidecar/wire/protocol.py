@@ -1,0 +1,351 @@
+"""Every message between the vLLM shim and its kv-sidecar daemon: versioned msgspec Structs, msgpack.
+
+Transport: a ZMQ DEALER (shim) to the daemon's ROUTER on a local ``ipc://`` socket; each message is one
+frame (the daemon also accepts a REQ-style empty delimiter frame and then replies with one). The ``type``
+field tags the union; an unknown type or a bad field raises :class:`DecodeError` naming the problem.
+
+Conversation: ``Hello`` → ``Welcome`` (or ``Error`` on a protocol mismatch), then ``RegisterCaches`` →
+``Registered`` / ``Error``. Each ``Pull`` is answered by exactly one ``Done`` (ok or not), at the latest
+when its deadline passes. ``Abort`` → ``Aborted`` (``safe`` True once nothing can still write into the
+request's blocks; no ``Done`` follows an Aborted). ``Heartbeat`` gets no reply. ``Ping`` → ``Pong``. A
+message the daemon cannot decode or serve gets ``Error``.
+
+Completion socket: when ``Welcome.completion_socket`` names one, the shim may connect to it (an AF_UNIX
+SOCK_SEQPACKET socket beside the ZMQ one, same permissions) and send ``BindCompletions`` with its routing id;
+the daemon answers ``CompletionsBound`` there, and from then on sends every reply to that shim over it, in
+order. A ZMQ message crosses four threads on its way, one SEQPACKET packet none: this is the completion
+signal's fast path (``bench/results/ipc-floor-*.json``). ZMQ stays the request channel and the fallback.
+
+Deadlines: a ``Pull`` carries ``timeout_s``, a duration the daemon counts from the moment it receives the
+message (on its own monotonic clock). A duration keeps the message meaningful whatever clock each side
+reads; the socket is local, so the time in flight is microseconds. ``sent_at_ns`` fields are
+``time.monotonic_ns()`` of the sender, comparable between processes of one host (one boot), used only for
+measurements.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from sidecar.wire.formats import PageFormat
+from sidecar.wire.ipc import IpcBuffer, LayerView
+
+PROTOCOL_VERSION = 2  # 2: Welcome.completion_socket, BindCompletions / CompletionsBound
+
+
+class DecodeError(ValueError):
+    """A frame that is not a valid message of the expected direction; the text says what is wrong."""
+
+
+class _Msg(msgspec.Struct, tag_field="type", tag=True, forbid_unknown_fields=True, frozen=True):
+    pass
+
+
+def _nonempty(name: str, value: str) -> None:
+    if not value:
+        raise ValueError(f"{name} must not be empty")
+
+
+def _request_id(name: str, value: str) -> None:
+    _nonempty(name, value)
+    # Prefill heartbeats join ids with "," (vLLM's "HB:" message); an id holding one would break that message.
+    if "," in value:
+        raise ValueError(f"{name} {value!r} must not contain ','")
+
+
+def _port(name: str, value: int) -> None:
+    if not 0 < value < 65536:
+        raise ValueError(f"{name} must be in 1..65535, got {value}")
+
+
+def _block_ids(name: str, ids: list[int]) -> None:
+    for b in ids:
+        if b < 0:
+            raise ValueError(f"{name} must be >= 0, got {b}")
+
+
+# ------------------------------------------------------------------------------------------ shim → daemon
+
+
+class Hello(_Msg):
+    """First message of a shim worker: who it is and which protocol it speaks."""
+
+    protocol_version: int
+    package_version: str
+    worker_rank: int = 0
+    tp_size: int = 1
+    pid: int = 0
+    engine_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if not 0 <= self.worker_rank < self.tp_size:
+            raise ValueError(f"worker_rank must be in 0..tp_size-1 ({self.tp_size - 1}), "
+                             f"got {self.worker_rank}")
+
+
+class RegisterCaches(_Msg):
+    """The decoder's KV allocation(s) as IPC buffers, each layer's view into them, and its page format.
+
+    ``compat_factors`` are the decoder's inputs to vLLM's NIXL compatibility hash (model, dtype, heads,
+    ...); the daemon recomputes the hash with each remote's backend name to check model identity.
+    """
+
+    buffers: list[IpcBuffer]
+    layers: list[LayerView]
+    page_format: PageFormat
+    compat_factors: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        if not self.buffers:
+            raise ValueError("buffers must not be empty")
+        if not self.layers:
+            raise ValueError("layers must not be empty")
+        for layer in self.layers:
+            if layer.buffer_index >= len(self.buffers):
+                raise ValueError(f"layers[{layer.name}].buffer_index {layer.buffer_index} is out of range "
+                                 f"({len(self.buffers)} buffers)")
+
+
+class Unregister(_Msg):
+    """Release the imported caches (before vLLM frees them)."""
+
+
+class HeartbeatTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One prefill engine and the requests whose lease the decoder wants kept alive there."""
+
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_request_ids: list[str]
+    remote_tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        _nonempty("remote_engine_id", self.remote_engine_id)
+        _nonempty("remote_host", self.remote_host)
+        _port("remote_port", self.remote_port)
+        if self.remote_tp_size < 1:
+            raise ValueError(f"remote_tp_size must be >= 1, got {self.remote_tp_size}")
+        for rid in self.remote_request_ids:
+            _request_id("remote_request_ids[]", rid)
+
+
+class Heartbeat(_Msg):
+    """Keep these prefill leases alive (forwarded as vLLM ``HB:`` notifications). No reply."""
+
+    targets: list[HeartbeatTarget]
+
+
+class Pull(_Msg):
+    """Read a request's pages from a prefill into ``local_block_ids`` and convert them; answered by one Done.
+
+    ``remote_block_ids`` are the prefill's logical block ids in token order; ``local_block_ids`` pair with
+    their tail (prefix-cached blocks lead). ``timeout_s`` counts from the daemon's receipt (None: the
+    daemon's ``default_timeout_s``). ``lease_started_at_ns``: ``time.monotonic_ns()`` when the shim first
+    saw the request (its prefill lease was already running), so the daemon can tell how much lease is left;
+    0: the daemon counts from the first Heartbeat or Pull naming the request. ``remote_num_tokens`` is
+    kv_transfer_params' value: with it, empty kernel blocks at the end of a logical block are not read.
+    """
+
+    req_id: str
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_request_id: str
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+    timeout_s: float | None = None
+    remote_tp_size: int = 1
+    remote_registration_generation: int = 0
+    remote_num_tokens: int | None = None
+    lease_started_at_ns: int = 0
+    sent_at_ns: int = 0
+
+    def __post_init__(self) -> None:
+        _nonempty("req_id", self.req_id)
+        _nonempty("remote_engine_id", self.remote_engine_id)
+        _nonempty("remote_host", self.remote_host)
+        _port("remote_port", self.remote_port)
+        _request_id("remote_request_id", self.remote_request_id)
+        _block_ids("remote_block_ids", self.remote_block_ids)
+        _block_ids("local_block_ids", self.local_block_ids)
+        if len(set(self.local_block_ids)) != len(self.local_block_ids):
+            raise ValueError("local_block_ids must not repeat a block")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.remote_num_tokens is not None and self.remote_num_tokens < 0:
+            raise ValueError(f"remote_num_tokens must be >= 0, got {self.remote_num_tokens}")
+        if self.lease_started_at_ns < 0:
+            raise ValueError(f"lease_started_at_ns must be >= 0, got {self.lease_started_at_ns}")
+        if self.remote_tp_size < 1:
+            raise ValueError(f"remote_tp_size must be >= 1, got {self.remote_tp_size}")
+        if self.remote_registration_generation < 0:
+            raise ValueError(f"remote_registration_generation must be >= 0, got "
+                             f"{self.remote_registration_generation}")
+
+
+class Abort(_Msg):
+    """Stop a Pull; the reply Aborted(safe=True) means nothing can still write into its blocks."""
+
+    req_id: str
+
+    def __post_init__(self) -> None:
+        _nonempty("req_id", self.req_id)
+
+
+class Ping(_Msg):
+    nonce: int = 0
+    sent_at_ns: int = 0
+
+
+class BindCompletions(_Msg):
+    """The only message on the completion socket, shim → daemon: "send my replies here". ``routing_id`` is the
+    shim's ZMQ DEALER routing id, which must have said Hello on the main socket."""
+
+    routing_id: bytes
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.routing_id) <= 255 or self.routing_id[0] == 0:
+            raise ValueError("routing_id must be 1..255 bytes, not starting with a zero byte (ZMQ's)")
+
+
+# ------------------------------------------------------------------------------------------ daemon → shim
+
+
+class Welcome(_Msg):
+    """The daemon accepts the shim: its versions and the device it serves (``"cpu"`` or ``"cuda:N"``)."""
+
+    protocol_version: int
+    package_version: str
+    device: str
+    gpu: int | None = None
+    pid: int = 0
+    completion_socket: str = ""  # a SOCK_SEQPACKET path the shim may bind for its replies; "": none
+
+
+class Registered(_Msg):
+    generation: int
+    registered_bytes: int
+    num_layers: int
+
+
+class Unregistered(_Msg):
+    pass
+
+
+class Done(_Msg):
+    """The end of one Pull: ``ok`` only once every byte is converted.
+
+    ``timings``, in seconds: the stages (queue, handshake, transfer, convert, end_to_end), and within transfer
+    "post" (staging slots taken, descriptors built, READ posted), "read" (posted until seen DONE) and, on a
+    GPU, "launch" (CPU time spent starting the conversion kernels).
+    """
+
+    req_id: str
+    ok: bool
+    reason: str | None = None
+    timings: dict[str, float] = {}
+    sent_at_ns: int = 0
+
+
+class Aborted(_Msg):
+    """``safe`` True: no transfer can still write into the request's blocks, they may be reused."""
+
+    req_id: str
+    safe: bool
+    reason: str | None = None
+
+
+class CompletionsBound(_Msg):
+    """Answer to BindCompletions, on the completion socket: from here on every reply travels there."""
+
+    ok: bool
+    reason: str | None = None
+
+
+class Pong(_Msg):
+    nonce: int = 0
+    sent_at_ns: int = 0
+
+
+class Error(_Msg):
+    """A message was rejected. ``in_reply_to`` is its type (None when it could not be decoded)."""
+
+    reason: str
+    in_reply_to: str | None = None
+    req_id: str | None = None
+
+
+ToDaemon = Union[Hello, RegisterCaches, Unregister, Heartbeat, Pull, Abort, Ping]  # noqa: UP007
+ToShim = Union[Welcome, Registered, Unregistered, Done, Aborted, Pong, Error, CompletionsBound]  # noqa: UP007
+Message = Union[ToDaemon, ToShim]  # noqa: UP007
+
+_DAEMON_TYPES = frozenset(t.__name__ for t in ToDaemon.__args__)
+_SHIM_TYPES = frozenset(t.__name__ for t in ToShim.__args__)
+_encoder = msgspec.msgpack.Encoder()
+_to_daemon = msgspec.msgpack.Decoder(ToDaemon)
+_to_shim = msgspec.msgpack.Decoder(ToShim)
+_any = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes, direction: str) -> Any:
+    try:
+        return decoder.decode(data)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        if "at `$.type`" in text or text == "Object missing required field `type`":
+            raise DecodeError(f"not a {direction} message: {_message_type_problem(data, text)}") from None
+        raise DecodeError(f"invalid {_peek_type(data) or 'message'}: {text}") from None
+    except msgspec.DecodeError as e:
+        raise DecodeError(f"malformed frame ({len(data)} bytes): {e}") from None
+
+
+def _peek_type(data: bytes) -> str | None:
+    try:
+        obj = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return None
+    t = obj.get("type") if isinstance(obj, dict) else None
+    return t if isinstance(t, str) else None
+
+
+def _message_type_problem(data: bytes, text: str) -> str:
+    t = _peek_type(data)
+    if t is None:
+        return f"missing or non-string field 'type' ({text})"
+    if t in _DAEMON_TYPES or t in _SHIM_TYPES:
+        return f"message type {t!r} travels {'shim→daemon' if t in _DAEMON_TYPES else 'daemon→shim'}"
+    return f"unknown message type {t!r}"
+
+
+def decode_to_daemon(data: bytes) -> ToDaemon:
+    """Decode a frame the daemon received; anything else raises DecodeError."""
+    return _decode(_to_daemon, data, "shim→daemon")
+
+
+def decode_to_shim(data: bytes) -> ToShim:
+    """Decode a frame the shim received; anything else raises DecodeError."""
+    return _decode(_to_shim, data, "daemon→shim")
+
+
+_bind = msgspec.msgpack.Decoder(BindCompletions)
+
+
+def decode_bind(data: bytes) -> BindCompletions:
+    """Decode the shim's packet on the completion socket."""
+    return _decode(_bind, data, "completion-socket")
+
+
+def decode_any(data: bytes) -> Message:
+    return _decode(_any, data, "kv-sidecar")
+
+
+def type_name(msg: msgspec.Struct) -> str:
+    return type(msg).__name__

@@ -1,0 +1,105 @@
+"""Config: defaults, file < variables < flags, errors that name the key, help generated from the Struct."""
+
+import msgspec
+import pytest
+
+from sidecar.ops import config as c
+from sidecar.wire.formats import PageFormat
+
+
+def test_defaults_are_the_cpu_twin_on_loopback():
+    cfg = c.load(environ={})
+    assert cfg.gpu is None and cfg.device == "cpu"
+    assert cfg.socket_endpoint == "ipc:///run/kv-sidecar/cpu.sock"
+    assert cfg.metrics_host == "127.0.0.1" and cfg.metrics_port == 9464
+    assert (cfg.max_inflight, cfg.pull_mode) == (64, "direct")
+    assert (cfg.heartbeat_interval_s, cfg.lease_s) == (5.0, 30.0)
+    assert cfg.nixl_backends == ["UCX"] and cfg.remotes == []
+    gpu = c.load(environ={"KV_SIDECAR_GPU": "3"})
+    assert gpu.device == "cuda:3" and gpu.socket_endpoint == "ipc:///run/kv-sidecar/gpu3.sock"
+
+
+def test_file_then_environment_then_flags(tmp_path):
+    path = tmp_path / "kv.toml"
+    path.write_text("""
+max_inflight = 8
+socket = "ipc:///tmp/from-file.sock"
+log_level = "DEBUG"
+nixl_backends = ["UCX", "POSIX"]
+
+[[remotes]]
+match = "10.0.0.*:5600"
+convert = false
+page_format = { kind = "standard", layout = "LBHNC", dtype = "bfloat16", num_heads = 8, block_size = 16, \
+head_size = 128 }
+""")
+    env = {"KV_SIDECAR_MAX_INFLIGHT": "16", "KV_SIDECAR_SOCKET_GROUP": "1000", "KV_SIDECAR_LOG_JSON": "yes",
+           "PATH": "/bin"}
+    cfg = c.load(str(path), environ=env, overrides={"max_inflight": 32})
+    assert cfg.max_inflight == 32  # flag over variable over file
+    assert cfg.socket == "ipc:///tmp/from-file.sock" and cfg.log_level == "DEBUG"
+    assert cfg.socket_group == "1000"  # a str key keeps digits as text
+    assert cfg.log_json is True and cfg.nixl_backends == ["UCX", "POSIX"]
+    rule = cfg.remotes[0]
+    assert rule.match == "10.0.0.*:5600" and rule.convert is False
+    assert rule.page_format == PageFormat(kind="standard", layout="LBHNC", dtype="bfloat16", num_heads=8,
+                                          block_size=16, head_size=128)
+    assert c.load(environ={"KV_SIDECAR_CONFIG": str(path)}).max_inflight == 8
+
+
+def test_json_values_in_variables():
+    cfg = c.load(environ={"KV_SIDECAR_REMOTES": '[{"match": "*:*"}]', "KV_SIDECAR_NIXL_BACKENDS": '["UCX"]',
+                          "KV_SIDECAR_DEFAULT_TIMEOUT_S": "2.5", "KV_SIDECAR_GPU": "null"})
+    assert cfg.remotes == [c.RemoteRule(match="*:*")] and cfg.default_timeout_s == 2.5 and cfg.gpu is None
+
+
+@pytest.mark.parametrize(("env", "needle"), [
+    ({"KV_SIDECAR_MAX_INFLIGHT": "0"}, "key max_inflight: Expected `int` >= 1"),
+    ({"KV_SIDECAR_MAX_INFLIGHT": "lots"}, "value 'lots' for 'max_inflight' is not valid JSON"),
+    ({"KV_SIDECAR_MAX_INFLGHT": "3"}, "variable KV_SIDECAR_MAX_INFLGHT: no config key 'max_inflght'"),
+    ({"KV_SIDECAR_SOCKET": "tcp://0.0.0.0:5555"}, "must be an ipc:// endpoint"),
+    ({"KV_SIDECAR_PULL_MODE": "fast"}, "key pull_mode: Invalid enum value 'fast'"),
+    ({"KV_SIDECAR_GPU": "-1"}, "key gpu: Expected `int` >= 0"),
+    ({"KV_SIDECAR_METRICS_PORT": "70000"}, "key metrics_port: Expected `int` <= 65535"),
+    ({"KV_SIDECAR_REMOTES": '[{"match": "nohost"}]'}, "must be host:port"),
+    ({"KV_SIDECAR_REMOTES": '[{"match": "*:*", "colour": 1}]'}, "key remotes[0]: Object contains unknown"),
+    ({"KV_SIDECAR_PULL_MODE": "staged"}, "pull_mode 'staged' needs staging_bytes > 0"),
+    ({"KV_SIDECAR_LEASE_S": "2"}, "lease_margin_s 2.0 must be below lease_s 2.0"),
+    ({"KV_SIDECAR_LOG_LEVEL": "LOUD"}, "key log_level: Invalid enum value 'LOUD'"),
+])
+def test_errors_name_the_key(env, needle):
+    with pytest.raises(c.ConfigError) as info:
+        c.load(environ=env)
+    assert needle in str(info.value)
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(c.ConfigError, match="config file .*missing.toml: No such file"):
+        c.load(str(tmp_path / "missing.toml"), environ={})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("max_inflight = \n")
+    with pytest.raises(c.ConfigError, match="invalid TOML"):
+        c.load(str(bad), environ={})
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("max_inflihgt = 3\n")
+    with pytest.raises(c.ConfigError, match="unknown field `max_inflihgt`"):
+        c.load(str(unknown), environ={})
+
+
+def test_help_covers_every_key_with_its_description():
+    text = c.help_text()
+    for field in msgspec.structs.fields(c.Config):
+        assert f"  {field.name} (" in text
+    docs = {d.name: d for d in c.key_docs()}
+    assert set(docs) == set(c.Config.__struct_fields__)
+    assert all(d.description for d in docs.values())
+    assert docs["pull_mode"].type == "auto|direct|staged" and docs["nixl_backends"].default == ["UCX"]
+
+
+def test_reload_splits_live_and_restart_keys():
+    old = c.load(environ={})
+    new = c.load(environ={"KV_SIDECAR_REMOTES": '[{"match": "*:*"}]', "KV_SIDECAR_GPU": "1",
+                          "KV_SIDECAR_LOG_LEVEL": "DEBUG"})
+    applied, restart = c.reload_changes(old, new)
+    assert sorted(applied) == ["log_level", "remotes"] and restart == ["gpu"]
+    assert c.reload_changes(old, old) == ([], [])

@@ -1,0 +1,402 @@
+"""kv-sidecar doctor: pure helpers, then the real command against a real daemon and a real prefill
+emulator."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from sidecar.ops import doctor
+from sidecar.wire import ipc
+from sidecar.wire import protocol as p
+from sidecar.wire.formats import PageFormat
+
+L, H, N, D, B = 2, 2, 16, 128, 32  # layers, KV heads, block size, head size, decoder blocks
+STANDARD = PageFormat(
+    kind="standard", layout="LBHNC", dtype="bfloat16", num_heads=H, block_size=N, head_size=D
+)
+SHUFFLED = PageFormat(
+    kind="aiter_shuffled", layout="LHBNC", dtype="bfloat16", num_heads=H, block_size=N, head_size=D
+)
+
+# What UCX 1.23 prints at UCX_LOG_LEVEL=info here (a doctor probe against the emulator, UCX_NET_DEVICES=lo).
+UCX_CPU_LOG = """\
+[1795953512.501066] [vm:14049:0]     ucp_context.c:2753 UCX  INFO  Version 1.23.0 (loaded from libucp.so)
+[1795953512.530180] [vm:14049:0]      ucp_worker.c:1997 UCX  INFO    kv-sidecar-dd921ee1 self cfg#0 \
+rma_am(tcp/lo)  amo_am(tcp/lo)  am(tcp/lo cma/memory)  ka(tcp/lo)
+[1795953512.580648] [vm:14049:0]      ucp_worker.c:1997 UCX  INFO    kv-sidecar-dd921ee1 intra-node cfg#1 \
+rma_am(tcp/lo)  amo_am(tcp/lo)  am(tcp/lo cma/memory)  ka(tcp/lo)
+"""
+
+
+# -------------------------------------------------------------------------------------------- pure helpers
+
+
+def test_ucx_lanes_are_read_from_the_info_log():
+    lanes = doctor.parse_ucx_lanes(UCX_CPU_LOG)
+    assert [ln.scope for ln in lanes] == ["self", "intra-node"]
+    assert lanes[1].lanes == {"rma_am": ["tcp"], "amo_am": ["tcp"], "am": ["tcp", "cma"], "ka": ["tcp"]}
+
+
+def test_cma_bulk_lane_passes():
+    status, detail = doctor.judge_transports(doctor.parse_ucx_lanes(UCX_CPU_LOG))
+    assert status == "pass" and detail.startswith("cma")
+
+
+def test_tcp_only_is_a_warning():
+    log = UCX_CPU_LOG.replace(" cma/memory", "")
+    status, detail = doctor.judge_transports(doctor.parse_ucx_lanes(log))
+    assert status == "warn" and "tcp fallback" in detail
+
+
+def test_rdma_and_gpu_ipc_lanes_pass():
+    log = (
+        "x UCX  INFO    agent inter-node cfg#2 rma(rc_mlx5/mlx5_0:1)  am(rc_mlx5/mlx5_0:1)\n"
+        "x UCX  INFO    agent intra-node cfg#3 rma(cuda_ipc/cuda) am(tcp/lo)\n"
+    )
+    status, detail = doctor.judge_transports(doctor.parse_ucx_lanes(log))
+    assert status == "pass" and "cuda_ipc" in detail and "rc_mlx5" in detail
+
+
+def test_no_endpoint_lines_is_a_warning():
+    assert doctor.judge_transports(doctor.parse_ucx_lanes("nothing here"))[0] == "warn"
+    only_self = "\n".join(ln for ln in UCX_CPU_LOG.splitlines() if "intra-node" not in ln)
+    assert doctor.judge_transports(doctor.parse_ucx_lanes(only_self))[0] == "warn"
+
+
+def test_env_file_reads_like_systemd(tmp_path):
+    f = tmp_path / "0.env"
+    f.write_text(
+        "# comment\n\nKV_SIDECAR_METRICS_PORT=9470\nUCX_NET_DEVICES='mlx5_0:1'\n; also a comment\n"
+        'KV_SIDECAR_LOG_LEVEL="DEBUG"\n'
+    )
+    assert doctor.read_env_file(str(f)) == {
+        "KV_SIDECAR_METRICS_PORT": "9470",
+        "UCX_NET_DEVICES": "mlx5_0:1",
+        "KV_SIDECAR_LOG_LEVEL": "DEBUG",
+    }
+
+
+def test_metrics_text_gauges():
+    text = (
+        "# HELP kv_sidecar_ready x\n# TYPE kv_sidecar_ready gauge\nkv_sidecar_ready 1.0\n"
+        'kv_sidecar_registered_bytes 4.194304e+06\nkv_sidecar_requests_total{outcome="ok"} 3.0\n'
+    )
+    assert doctor.parse_metrics(text) == {"kv_sidecar_ready": 1.0, "kv_sidecar_registered_bytes": 4194304.0}
+
+
+def test_prefill_addresses_skip_patterns_and_repeats():
+    class Rule(msgspec.Struct):
+        match: str
+
+    got = doctor.prefill_addresses(
+        ["10.0.0.1:5600"],
+        [Rule("*:5600"), Rule("10.0.0.2:5600"), Rule("10.0.0.[3]:1")],
+        ["10.0.0.1:5600", "10.0.0.4:5600"],
+    )
+    assert got == ["10.0.0.1:5600", "10.0.0.2:5600", "10.0.0.4:5600"]
+
+
+@pytest.mark.parametrize("bad", ["nohost", ":5600", "host:", "host:port"])
+def test_split_address_names_the_problem(bad):
+    with pytest.raises(ValueError, match="host:port"):
+        doctor.split_address(bad)
+
+
+def test_ipv6_address():
+    assert doctor.split_address("[fd00::1]:5600") == ("fd00::1", 5600)
+
+
+def test_exit_code_fails_only_on_fail():
+    ok = doctor.Report(
+        [doctor.Check("a", "pass", ""), doctor.Check("b", "warn", ""), doctor.Check("c", "skip", "")]
+    )
+    assert doctor.exit_code(ok) == 0
+    assert doctor.exit_code(doctor.Report([*ok.checks, doctor.Check("d", "fail", "x")])) == 1
+
+
+def test_missing_socket_is_a_clear_failure(tmp_path):
+    checks, status = doctor.check_daemon(f"ipc://{tmp_path}/gpu0.sock", 0.5)
+    assert status is None and checks[0].status == "fail" and "does not exist" in checks[0].detail
+
+
+def test_stale_socket_file_is_reported(tmp_path):
+    """A socket file nobody serves: the Ping times out with a reason, nothing hangs."""
+    path = tmp_path / "gpu0.sock"
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(f"ipc://{path}")
+    router.close(0)  # leaves no server; recreate a plain file where the socket was
+    path.touch()
+    ctx.term()
+    checks, _ = doctor.check_daemon(f"ipc://{path}", 0.5)
+    assert checks[0].status == "fail" and "no reply" in checks[0].detail
+
+
+# ------------------------------------------------------------------------------------------------ e2e
+
+
+class Decoder:
+    """A decoder's K/V planes in /dev/shm and the shim's DEALER that registers them with the daemon."""
+
+    def __init__(self, endpoint: str, factors: dict) -> None:
+        plane = N * H * D
+        self.shm = ipc.create_shm_buffer(L * B * SHUFFLED.page_bytes)
+        layers = [
+            ipc.LayerView(
+                name=f"model.layers.{i}.self_attn.attn",
+                buffer_index=0,
+                offset_bytes=i * B * SHUFFLED.page_bytes,
+                shape=[B, 2, N, H * D],
+                strides=[plane, B * plane, H * D, 1],
+                dtype="bfloat16",
+            )
+            for i in range(L)
+        ]
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        assert isinstance(
+            self._ask(p.Hello(protocol_version=p.PROTOCOL_VERSION, package_version="test")), p.Welcome
+        )
+        reply = self._ask(
+            p.RegisterCaches(
+                buffers=[self.shm.description], layers=layers, page_format=SHUFFLED, compat_factors=factors
+            )
+        )
+        assert isinstance(reply, p.Registered), reply
+
+    def _ask(self, msg):
+        self.sock.send(p.encode(msg))
+        assert self.sock.poll(30_000), f"no reply to {type(msg).__name__}"
+        return p.decode_to_shim(self.sock.recv())
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+        self.shm.close()
+
+
+def _node(tmp_path: Path):
+    """A prefill emulator, a CPU-twin daemon declaring it, and a decoder that registered its caches."""
+    from sidecar.cli import spawn_serve
+    from sidecar.standins.emulator_control import spawn_emulator
+
+    emu = spawn_emulator(
+        [
+            "--layers",
+            str(L),
+            "--heads",
+            str(H),
+            "--head-size",
+            str(D),
+            "--block-size",
+            str(N),
+            "--attn-backend",
+            "CPU_ATTN",
+            "--no-progress-thread",
+        ]
+    )
+    cfg = tmp_path / "kv-sidecar.toml"
+    rule = {"match": "127.0.0.1:*", "convert": True, "page_format": msgspec.to_builtins(STANDARD)}
+    cfg.write_text(
+        "verify_model_identity = true\n[[remotes]]\n"
+        + "".join(
+            f"{k} = {json.dumps(v) if not isinstance(v, dict) else _inline(v)}\n" for k, v in rule.items()
+        )
+    )
+    sock = f"ipc://{tmp_path}/cpu.sock"
+    try:
+        daemon = spawn_serve(
+            ["--config", str(cfg), "--socket", sock, "--metrics-port", "0"],
+            env={"KV_SIDECAR_LOG_LEVEL": "WARNING"},
+        )
+    except BaseException:
+        emu.stop()  # a daemon that failed to start must not leave the emulator running
+        raise
+    # The decoder's hash factors: the prefill's, with the decoder's own backend name.
+    decoder = Decoder(sock, {**emu.ready.compat_factors, "attn_backend_name": "ROCM_AITER_FA"})
+    info = {
+        "emulator": emu,
+        "daemon": daemon,
+        "config": str(cfg),
+        "socket": sock,
+        "metrics": daemon.metrics_url,
+        "prefill": f"127.0.0.1:{emu.ready.side_channel_port}",
+    }
+    try:
+        yield info
+    finally:
+        decoder.close()
+        daemon.stop()
+        if emu.proc.poll() is None:
+            emu.stop()
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    """Shared by the tests that leave the node as it is."""
+    yield from _node(tmp_path_factory.mktemp("node"))
+
+
+@pytest.fixture
+def own_node(tmp_path):
+    """For a test that stops a part of the node."""
+    yield from _node(tmp_path)
+
+
+def _inline(d: dict) -> str:
+    return "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in d.items()) + " }"
+
+
+def _doctor(node: dict, *extra: str) -> tuple[int, dict]:
+    """doctor in its own process (``python -m sidecar.ops.doctor``), against the node's daemon and prefill."""
+    argv = [
+        sys.executable,
+        "-m",
+        "sidecar.ops.doctor",
+        "--json",
+        "--timeout",
+        "2",
+        "--config",
+        node["config"],
+        "--socket",
+        node["socket"],
+        "--metrics-url",
+        node["metrics"],
+        "--prefill",
+        node["prefill"],
+        *extra,
+    ]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=os.environ.copy())
+    assert out.stdout.strip(), out.stderr[-3000:]
+    return out.returncode, json.loads(out.stdout)
+
+
+def _by_name(report: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in report["checks"]}
+
+
+def _local_format_args() -> list[str]:
+    """Until the daemon reports its page format (protocol Status), doctor is told it."""
+    if hasattr(p, "Status"):
+        return []
+    return ["--local-format", msgspec.json.encode(SHUFFLED).decode()]
+
+
+@pytest.mark.e2e
+def test_doctor_passes_on_a_healthy_node(node):
+    rc, report = _doctor(node, "--emulator-control", node["emulator"].ready.control, *_local_format_args())
+    checks = _by_name(report)
+    assert rc == 0 and report["ok"], json.dumps(report, indent=1)
+    for name in (
+        "config",
+        "daemon",
+        "/healthz",
+        "/readyz",
+        "caches",
+        f"prefill {node['prefill']}",
+        f"negotiation {node['prefill']}",
+        "test pull",
+        "UCX transports",
+    ):
+        assert checks[name]["status"] in ("pass", "warn"), (name, checks[name])
+    assert checks["daemon"]["status"] == "pass" and checks["caches"]["status"] == "pass"
+    assert checks["completion socket"]["status"] == "pass", checks["completion socket"]
+    assert checks["completion socket"]["detail"].startswith(f"Pong over {node['socket'][6:]}.done")
+    assert (
+        "convert standard LBHNC -> aiter_shuffled LHBNC" in checks[f"negotiation {node['prefill']}"]["detail"]
+    )
+    assert "completion notification received" in checks["test pull"]["detail"]
+    assert checks["UCX transports"]["status"] == "pass"  # tcp + cma on loopback here
+
+
+@pytest.mark.e2e
+def test_a_missing_completion_socket_is_a_warning_not_a_failure(own_node):
+    os.unlink(own_node["socket"].removeprefix("ipc://") + ".done")  # shims fall back to ZMQ
+    check = doctor.check_completion_socket(own_node["socket"], 2.0)
+    assert check.status == "warn" and "fall back to ZMQ" in check.detail, check
+
+
+@pytest.mark.e2e
+def test_doctor_fails_with_reasons_when_the_emulator_is_stopped(own_node):
+    node = own_node
+    control = node["emulator"].ready.control
+    node["emulator"].stop()
+    rc, report = _doctor(node, "--emulator-control", control, *_local_format_args())
+    checks = _by_name(report)
+    assert rc == 1 and not report["ok"]
+    prefill = checks[f"prefill {node['prefill']}"]
+    assert prefill["status"] == "fail"
+    assert f"no handshake reply from tcp://{node['prefill']}" in prefill["detail"]
+    assert (
+        checks["test pull"]["status"] == "fail"
+        and f"emulator control {control}" in checks["test pull"]["detail"]
+    )
+    assert checks["daemon"]["status"] == "pass"  # the rest of the node is still reported healthy
+
+
+@pytest.mark.e2e
+def test_doctor_refusal_names_the_field(node, tmp_path):
+    """A prefill declared with another block size: negotiation fails with the field and the reason."""
+    cfg = Path(node["config"]).read_text().replace("block_size = 16", "block_size = 32")
+    other = tmp_path / "other.toml"
+    other.write_text(cfg)
+    rc, report = _doctor({**node, "config": str(other)}, "--no-pull", *_local_format_args())
+    neg = _by_name(report)[f"negotiation {node['prefill']}"]
+    assert rc == 1 and neg["status"] == "fail"
+    assert neg["detail"].startswith("refused on block_size:")
+
+
+@pytest.mark.e2e
+def test_doctor_starts_its_own_emulator_and_checks_every_byte(node):
+    rc, report = _doctor(node, *_local_format_args())
+    pull = _by_name(report)["test pull"]
+    assert pull["status"] == "pass" and "emulator started by doctor" in pull["detail"]
+    assert pull["data"]["verified"] is True and pull["data"]["bytes"] > 0
+
+
+@pytest.mark.e2e
+def test_kv_sidecar_doctor_without_a_daemon_fails_and_says_where_it_looked(tmp_path):
+    """Through the console script, as an operator types it."""
+    argv = [
+        str(Path(sys.executable).parent / "kv-sidecar"),
+        "doctor",
+        "--json",
+        "--no-pull",
+        "--timeout",
+        "1",
+        "--socket",
+        f"ipc://{tmp_path}/gpu3.sock",
+        "--metrics-url",
+        "http://127.0.0.1:9",
+    ]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip(), out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    checks = _by_name(report)
+    assert out.returncode == 1
+    assert (
+        checks["daemon"]["status"] == "fail"
+        and f"{tmp_path}/gpu3.sock does not exist" in checks["daemon"]["detail"]
+    )
+    assert checks["/healthz"]["status"] == "fail"
+
+
+def test_table_output_names_the_failed_checks():
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    doctor.render(
+        doctor.Report([doctor.Check("daemon", "fail", "gone"), doctor.Check("config", "pass", "ok")]), console
+    )
+    text = console.export_text()
+    assert "FAIL" in text and "PASS" in text and "FAIL: daemon" in text

@@ -1,0 +1,90 @@
+"""Metric names and the HTTP endpoint (a real server on a free loopback port)."""
+
+import urllib.error
+import urllib.request
+
+import pytest
+
+from sidecar import __version__
+from sidecar.ops.metrics import OUTCOMES, STAGES, Health, Metrics, start_http_server
+
+NAMES = ["kv_sidecar_requests_total", "kv_sidecar_bytes_pulled_total", "kv_sidecar_stage_seconds_bucket",
+         "kv_sidecar_requests_in_flight", "kv_sidecar_refusals_total", "kv_sidecar_heartbeats_sent_total",
+         "kv_sidecar_registered_bytes", "kv_sidecar_handshakes_total", "kv_sidecar_invalid_messages_total",
+         "kv_sidecar_ready", "kv_sidecar_build_info"]
+
+
+def value(text: str, name: str) -> float:
+    for line in text.splitlines():
+        key, _, v = line.rpartition(" ")
+        if key == name:
+            return float(v)
+    raise AssertionError(f"{name} not in exposition")
+
+
+def test_names_and_helpers():
+    m = Metrics()
+    m.answered("ok", {"queue": 0.001, "transfer": 0.02, "end_to_end": 0.03, "mystery": 1.0})
+    m.answered("expired")
+    m.refused("block_size")
+    m.handshake(True, 0.04)
+    m.handshake(False)
+    m.bytes_pulled.inc(4096)
+    text = m.expose().decode()
+    for name in NAMES:
+        assert name in text, name
+    for outcome in OUTCOMES:  # every series exists from the start
+        assert f'kv_sidecar_requests_total{{outcome="{outcome}"}}' in text
+    for stage in STAGES:
+        assert f'kv_sidecar_stage_seconds_count{{stage="{stage}"}}' in text
+    assert value(text, 'kv_sidecar_requests_total{outcome="ok"}') == 1
+    assert value(text, 'kv_sidecar_requests_total{outcome="expired"}') == 1
+    assert value(text, 'kv_sidecar_stage_seconds_count{stage="transfer"}') == 1
+    assert value(text, 'kv_sidecar_stage_seconds_count{stage="handshake"}') == 1
+    assert value(text, 'kv_sidecar_refusals_total{field="block_size"}') == 1
+    assert value(text, 'kv_sidecar_handshakes_total{outcome="failed"}') == 1
+    assert value(text, "kv_sidecar_bytes_pulled_total") == 4096
+    assert value(text, f'kv_sidecar_build_info{{version="{__version__}"}}') == 1
+    assert "mystery" not in text
+    with pytest.raises(ValueError, match="outcome 'great'"):
+        m.answered("great")
+
+
+def test_two_daemons_in_one_process_do_not_share_a_registry():
+    a, b = Metrics(), Metrics()
+    a.answered("ok")
+    assert value(b.expose().decode(), 'kv_sidecar_requests_total{outcome="ok"}') == 0
+
+
+def get(url: str) -> tuple[int, str, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.headers["Content-Type"], r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers["Content-Type"], e.read().decode()
+
+
+def test_http_endpoint_health_and_readiness():
+    m, health = Metrics(), Health(stall_s=5.0)
+    server = start_http_server(m, health, "127.0.0.1", 0)
+    try:
+        assert server.host == "127.0.0.1" and server.port > 0
+        status, ctype, body = get(server.url + "/metrics")
+        assert status == 200 and ctype.startswith("text/plain") and "kv_sidecar_ready" in body
+        assert get(server.url + "/healthz")[::2] == (200, "ok\n")
+        status, _, body = get(server.url + "/readyz")
+        assert status == 503 and body == "not ready: socket bound, NIXL agent up, caches registered\n"
+        health.socket_bound = health.agent_up = True
+        assert get(server.url + "/readyz")[::2] == (503, "not ready: caches registered\n")
+        health.caches_registered = True
+        assert get(server.url + "/readyz")[::2] == (200, "ok\n")
+        health.last_tick -= 10  # the loop has not ticked for 10 s
+        status, _, body = get(server.url + "/healthz")
+        assert status == 503 and body.startswith("event loop stalled")
+        health.tick()
+        assert get(server.url + "/healthz")[0] == 200
+        health.stopping = True
+        assert get(server.url + "/readyz")[2].startswith("not ready: shutting down")
+        assert get(server.url + "/other")[0] == 404
+    finally:
+        server.close()

@@ -1,0 +1,60 @@
+"""sd_notify datagrams reach a real AF_UNIX socket, by path and in the abstract namespace."""
+
+import os
+import socket
+import uuid
+
+import pytest
+
+from sidecar.ops import sdnotify
+
+
+def _receiver(address: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(address)
+    sock.settimeout(5)
+    return sock
+
+
+def test_ready_reaches_a_path_socket(tmp_path, monkeypatch):
+    path = str(tmp_path / "notify.sock")
+    with _receiver(path) as rx:
+        monkeypatch.setenv("NOTIFY_SOCKET", path)
+        assert sdnotify.ready() is True
+        assert rx.recv(4096) == b"READY=1"
+
+
+def test_abstract_namespace_socket(monkeypatch):
+    name = f"kv-sidecar-test-{uuid.uuid4().hex}"
+    with _receiver("\0" + name) as rx:
+        monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
+        assert sdnotify.stopping("draining 2 pulls") is True
+        assert rx.recv(4096) == b"STOPPING=1\nSTATUS=draining 2 pulls"
+
+
+def test_status_and_ready_with_status(tmp_path, monkeypatch):
+    path = str(tmp_path / "n.sock")
+    with _receiver(path) as rx:
+        monkeypatch.setenv("NOTIFY_SOCKET", path)
+        assert sdnotify.ready("socket bound, NIXL agent up")
+        assert rx.recv(4096) == b"READY=1\nSTATUS=socket bound, NIXL agent up"
+        assert sdnotify.status("3 requests in flight")
+        assert rx.recv(4096) == b"STATUS=3 requests in flight"
+
+
+def test_not_under_systemd_is_a_no_op(monkeypatch):
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    assert sdnotify.ready() is False
+    assert sdnotify.notify("READY=1", environ={}) is False
+
+
+def test_relative_notify_socket_is_rejected_with_a_reason():
+    with pytest.raises(ValueError, match="NOTIFY_SOCKET"):
+        sdnotify.notify("READY=1", environ={"NOTIFY_SOCKET": "relative.sock"})
+
+
+def test_missing_socket_raises_instead_of_claiming_success(tmp_path):
+    missing = str(tmp_path / "gone.sock")
+    assert not os.path.exists(missing)
+    with pytest.raises(OSError):
+        sdnotify.notify("READY=1", environ={"NOTIFY_SOCKET": missing})

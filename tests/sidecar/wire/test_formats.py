@@ -1,0 +1,118 @@
+"""Every in-scope and out-of-scope pairing rule of page-formats.md, as a table."""
+
+import msgspec
+import pytest
+
+from sidecar.wire.formats import AITER_SHUFFLED, STANDARD, PageFormat, Plan, Refusal, negotiate
+
+
+def std(**kw) -> PageFormat:
+    base = dict(kind=STANDARD, layout="LBHNC", dtype="bfloat16", num_heads=8, block_size=16, head_size=128)
+    return PageFormat(**{**base, **kw})
+
+
+def shuf(**kw) -> PageFormat:
+    base = dict(
+        kind=AITER_SHUFFLED, layout="LHBNC", dtype="bfloat16", num_heads=8, block_size=16, head_size=128
+    )
+    return PageFormat(**{**base, **kw})
+
+
+ACCEPT = [
+    # (id, remote, local, convert)
+    ("std-to-shuffled-bf16", std(), shuf(), True),
+    ("std-to-shuffled-fp16", std(dtype="float16"), shuf(dtype="float16"), True),
+    *[
+        (f"N{n}-D{d}", std(block_size=n, head_size=d), shuf(block_size=n, head_size=d), True)
+        for n in (16, 32)
+        for d in (64, 128, 256)
+    ],
+    *[(f"H{h}", std(num_heads=h), shuf(num_heads=h), True) for h in (1, 2, 3, 5, 7)],
+    ("same-standard", std(), std(), False),
+    ("same-shuffled", shuf(), shuf(), False),
+    ("same-opaque-cpu", std(kind="cpu_attn", block_size=128), std(kind="cpu_attn", block_size=128), False),
+    ("same-fp8", std(dtype="float8_e4m3fn"), std(dtype="float8_e4m3fn"), False),
+    ("same-standard-LBNHC", std(layout="LBNHC"), std(layout="LBNHC"), False),
+]
+
+
+@pytest.mark.parametrize("remote,local,convert", [a[1:] for a in ACCEPT], ids=[a[0] for a in ACCEPT])
+def test_accepted_pairings(remote, local, convert):
+    plan = negotiate(remote, local)
+    assert isinstance(plan, Plan), plan
+    assert plan.convert is convert
+    assert plan.remote == remote and plan.local == local
+
+
+REFUSE = [
+    # (id, remote, local, conversion_enabled, field)
+    ("reverse-direction", shuf(), std(), True, "remote.kind"),
+    ("fp8-e4m3fnuz", std(dtype="float8_e4m3fnuz"), shuf(dtype="float8_e4m3fnuz"), True, "dtype"),
+    ("fp8-flavours-differ", std(dtype="float8_e4m3fn"), shuf(dtype="float8_e4m3fnuz"), True, "dtype"),
+    ("bf16-vs-fp16", std(), shuf(dtype="float16"), True, "dtype"),
+    ("unequal-block-size", std(block_size=32), shuf(block_size=16), True, "block_size"),
+    ("heterogeneous-tp", std(num_heads=4), shuf(num_heads=8), True, "num_heads"),
+    ("unequal-head-size", std(head_size=64), shuf(head_size=128), True, "head_size"),
+    ("block-size-64", std(block_size=64), shuf(block_size=64), True, "block_size"),
+    ("head-size-96", std(head_size=96), shuf(head_size=96), True, "head_size"),
+    ("remote-LBNHC", std(layout="LBNHC"), shuf(), True, "remote.layout"),
+    ("remote-LHBNC", std(layout="LHBNC"), shuf(), True, "remote.layout"),
+    ("local-LBHNC-shuffled", std(), shuf(layout="LBHNC"), True, "local.layout"),
+    ("opaque-remote", std(kind="cpu_attn"), shuf(), True, "remote.kind"),
+    ("opaque-local", std(), std(kind="cpu_attn"), True, "local.kind"),
+    ("conversion-disabled", std(), shuf(), False, "remote.kind"),
+    ("same-kind-other-layout", std(layout="LBNHC"), std(), True, "layout"),
+]
+
+
+@pytest.mark.parametrize("remote,local,enabled,field", [r[1:] for r in REFUSE], ids=[r[0] for r in REFUSE])
+def test_refused_pairings_name_the_field(remote, local, enabled, field):
+    out = negotiate(remote, local, conversion_enabled=enabled)
+    assert isinstance(out, Refusal), out
+    assert out.field == field
+    assert out.reason and str(out).startswith(field + ":")
+
+
+def test_conversion_switch_does_not_block_plain_reads():
+    assert negotiate(std(), std(), conversion_enabled=False) == Plan(std(), std(), convert=False)
+
+
+@pytest.mark.parametrize("dtype,e,x", [("bfloat16", 2, 8), ("float16", 2, 8), ("float8_e4m3fnuz", 1, 16)])
+def test_derived_sizes(dtype, e, x):
+    f = std(dtype=dtype, num_heads=8, block_size=16, head_size=128)
+    assert (f.elem_bytes, f.x) == (e, x)
+    assert f.page_bytes == 2 * 8 * 16 * 128 * e
+    assert f.plane_block_bytes * 2 == f.page_bytes
+
+
+def test_qwen3_8b_page_is_64_kib():
+    assert std().page_bytes == 64 * 1024
+
+
+@pytest.mark.parametrize(
+    "bad,word",
+    [
+        (dict(dtype="bf16"), "dtype"),
+        (dict(num_heads=0), "num_heads"),
+        (dict(block_size=-16), "block_size"),
+        (dict(kind=""), "kind"),
+        (dict(kind="a b"), "kind"),
+    ],
+)
+def test_invalid_formats_rejected_on_decode(bad, word):
+    raw = msgspec.json.encode({**msgspec.structs.asdict(std()), **bad})
+    with pytest.raises(msgspec.ValidationError, match=word):
+        msgspec.json.decode(raw, type=PageFormat)
+
+
+def test_unknown_layout_and_fields_rejected():
+    good = msgspec.structs.asdict(std())
+    with pytest.raises(msgspec.ValidationError, match="layout"):
+        msgspec.json.decode(msgspec.json.encode({**good, "layout": "HND"}), type=PageFormat)
+    with pytest.raises(msgspec.ValidationError, match="extra"):
+        msgspec.json.decode(msgspec.json.encode({**good, "extra": 1}), type=PageFormat)
+
+
+def test_roundtrip_msgpack():
+    f = shuf(num_heads=3, block_size=32, head_size=64)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(f), type=PageFormat) == f

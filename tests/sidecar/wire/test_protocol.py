@@ -1,0 +1,132 @@
+"""Round trips of every shim↔daemon message and every way a frame is rejected."""
+
+import msgspec
+import pytest
+
+from sidecar.wire import protocol as p
+from sidecar.wire.formats import PageFormat
+from sidecar.wire.ipc import IpcBuffer, LayerView, ShmFile
+
+FMT = PageFormat(kind="aiter_shuffled", layout="LHBNC", dtype="bfloat16", num_heads=2, block_size=16,
+                 head_size=128)
+BUF = IpcBuffer(kind="shm", nbytes=4096, device="cpu", shm=ShmFile(path="/dev/shm/x", data_offset=64))
+LAYER = LayerView(name="model.layers.0.attn", buffer_index=0, offset_bytes=0, shape=[2, 4, 16, 256],
+                  strides=[16384, 4096, 256, 1], dtype="bfloat16")
+
+
+def pull(**kw):
+    fields = dict(req_id="r1", remote_engine_id="eng", remote_host="127.0.0.1", remote_port=5600,
+                  remote_request_id="cmpl-1-abcd", remote_block_ids=[7, 8, 9], local_block_ids=[4, 3],
+                  timeout_s=5.0)
+    fields.update(kw)
+    return p.Pull(**fields)
+
+
+TO_DAEMON = [
+    p.Hello(protocol_version=p.PROTOCOL_VERSION, package_version="0.1.0", worker_rank=1, tp_size=2, pid=42),
+    p.RegisterCaches(buffers=[BUF], layers=[LAYER], page_format=FMT,
+                     compat_factors={"model": "m", "num_kv_heads": 8, "speculative_config": None}),
+    p.Unregister(),
+    p.Heartbeat(targets=[p.HeartbeatTarget(remote_engine_id="e", remote_host="h", remote_port=1,
+                                           remote_request_ids=["a", "b"], remote_tp_size=2)]),
+    pull(remote_tp_size=2, remote_registration_generation=1, sent_at_ns=123, lease_started_at_ns=100),
+    pull(timeout_s=None),
+    p.Abort(req_id="r1"),
+    p.Ping(nonce=7, sent_at_ns=1),
+]
+TO_SHIM = [
+    p.Welcome(protocol_version=1, package_version="0.1.0", device="cuda:3", gpu=3, pid=9),
+    p.Registered(generation=2, registered_bytes=4096, num_layers=1),
+    p.Unregistered(),
+    p.Done(req_id="r1", ok=True, timings={"transfer": 0.01, "convert": 0.002}, sent_at_ns=99),
+    p.Done(req_id="r1", ok=False, reason="deadline 5.0 s passed"),
+    p.Aborted(req_id="r1", safe=True),
+    p.Pong(nonce=7, sent_at_ns=2),
+    p.Error(reason="bad", in_reply_to="Pull", req_id="r1"),
+]
+
+
+@pytest.mark.parametrize("msg", TO_DAEMON, ids=lambda m: type(m).__name__)
+def test_to_daemon_round_trip(msg):
+    data = p.encode(msg)
+    assert p.decode_to_daemon(data) == msg
+    assert p.decode_any(data) == msg
+    assert msgspec.msgpack.decode(data)["type"] == type(msg).__name__
+
+
+@pytest.mark.parametrize("msg", TO_SHIM, ids=lambda m: type(m).__name__)
+def test_to_shim_round_trip(msg):
+    data = p.encode(msg)
+    assert p.decode_to_shim(data) == msg
+    assert p.decode_any(data) == msg
+
+
+def test_directions_are_not_mixed():
+    with pytest.raises(p.DecodeError, match="'Done' travels daemon→shim"):
+        p.decode_to_daemon(p.encode(TO_SHIM[3]))
+    with pytest.raises(p.DecodeError, match="'Pull' travels shim→daemon"):
+        p.decode_to_shim(p.encode(pull()))
+
+
+def enc(obj):
+    return msgspec.msgpack.encode(obj)
+
+
+def pull_dict(**kw):
+    d = msgspec.to_builtins(pull())
+    d.update(kw)
+    return d
+
+
+@pytest.mark.parametrize(("frame", "needle"), [
+    (b"\xc1", "malformed frame"),
+    (b"", "malformed frame"),
+    (enc([1, 2]), "Expected `object`, got `array`"),
+    (enc({"req_id": "x"}), "missing or non-string field 'type'"),
+    (enc({"type": 3}), "missing or non-string field 'type'"),
+    (enc({"type": "Frobnicate"}), "unknown message type 'Frobnicate'"),
+    (enc({"type": "Ping", "extra": 1}), "unknown field `extra`"),
+    (enc(pull_dict(req_id="")), "req_id must not be empty"),
+    (enc(pull_dict(remote_port=0)), "remote_port must be in 1..65535"),
+    (enc(pull_dict(remote_port="5600")), "Expected `int`, got `str` - at `$.remote_port`"),
+    (enc(pull_dict(remote_request_id="a,b")), "must not contain ','"),
+    (enc(pull_dict(remote_block_ids=[-1, 2, 3])), "remote_block_ids must be >= 0"),
+    (enc(pull_dict(remote_num_tokens=-1)), "remote_num_tokens must be >= 0"),
+    (enc(pull_dict(local_block_ids=[2, 2])), "must not repeat"),
+    (enc(pull_dict(timeout_s=0)), "timeout_s must be > 0"),
+    (enc(pull_dict(remote_tp_size=0)), "remote_tp_size must be >= 1"),
+    (enc(pull_dict(remote_registration_generation=-1)), "remote_registration_generation must be >= 0"),
+    (enc({k: v for k, v in pull_dict().items() if k != "req_id"}), "missing required field `req_id`"),
+    (enc(pull_dict(lease_started_at_ns=-5)), "lease_started_at_ns must be >= 0"),
+    (enc(pull_dict(timeout_s=None, local_block_ids="1,2")), "Expected `array`, got `str`"),
+    (enc({"type": "Hello", "protocol_version": 1, "package_version": "x", "worker_rank": 2, "tp_size": 2}),
+     "worker_rank must be in 0..tp_size-1"),
+    (enc({"type": "Abort", "req_id": ""}), "req_id must not be empty"),
+    (enc({"type": "Heartbeat", "targets": [{"remote_engine_id": "e", "remote_host": "h", "remote_port": 1,
+                                            "remote_request_ids": ["a,b"]}]}), "must not contain ','"),
+    (enc({"type": "RegisterCaches", "buffers": [], "layers": [], "page_format": msgspec.to_builtins(FMT)}),
+     "buffers must not be empty"),
+    (enc({"type": "RegisterCaches", "buffers": [msgspec.to_builtins(BUF)],
+          "layers": [msgspec.to_builtins(LAYER) | {"buffer_index": 1}],
+          "page_format": msgspec.to_builtins(FMT)}),
+     "buffer_index 1 is out of range"),
+    (enc({"type": "RegisterCaches", "buffers": [msgspec.to_builtins(BUF)],
+          "layers": [msgspec.to_builtins(LAYER)], "page_format": msgspec.to_builtins(FMT) | {"dtype": "f7"}}),
+     "dtype 'f7' is not one of"),
+    (enc({"type": "RegisterCaches", "buffers": [msgspec.to_builtins(BUF) | {"device": "cuda:0"}],
+          "layers": [msgspec.to_builtins(LAYER)], "page_format": msgspec.to_builtins(FMT)}),
+     "kind 'shm' lives on device 'cpu'"),
+])
+def test_daemon_rejects(frame, needle):
+    with pytest.raises(p.DecodeError) as info:
+        p.decode_to_daemon(frame)
+    assert needle in str(info.value)
+
+
+def test_shim_rejects_unknown_fields():
+    with pytest.raises(p.DecodeError, match="unknown field `surprise`"):
+        p.decode_to_shim(enc({"type": "Done", "req_id": "r", "ok": True, "surprise": 1}))
+
+
+def test_decode_error_is_a_value_error():
+    assert issubclass(p.DecodeError, ValueError)
