@@ -163,19 +163,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvloop
 
-    from sidecar.daemon import service
+    from sidecar.daemon import app
     from sidecar.daemon.errors import Refused
 
     def reload() -> Any:
         return config_mod.load(args.config, overrides=overrides)
 
-    def announce(daemon: service.Daemon) -> None:
+    def announce(daemon: app.Daemon) -> None:
         port = daemon.metrics_server.port if daemon.metrics_server is not None else None
         print(json.dumps({"event": "ready", "pid": os.getpid(), "socket": cfg.socket_endpoint,
                           "device": cfg.device, "metrics_port": port}), flush=True)
 
     try:
-        return uvloop.run(service.run(cfg, reload=reload, on_started=announce))
+        return uvloop.run(app.run(cfg, reload=reload, on_started=announce))
     except Refused as exc:
         raise CliError(str(exc)) from None
     except RuntimeError as exc:

@@ -532,7 +532,8 @@ class BareReader:
         layer_groups: int,
         sleep_s: float,
     ) -> None:
-        from sidecar.nixl.agent import RemoteFormatRule, Transfer, TransferSettings, admit_remote
+        from sidecar.nixl.admission import RemoteFormatRule, admit_remote
+        from sidecar.nixl.agent import NixlTransfer, TransferSettings
         from sidecar.nixl.geometry import LocalRegions, StagingPool
         from sidecar.wire import prefill as vllm_wire
 
@@ -549,7 +550,7 @@ class BareReader:
             cuda_device=gpu,
         )
         t0 = time.perf_counter()
-        self.tx = Transfer(settings)
+        self.tx = NixlTransfer(settings)
         self.agent_s = time.perf_counter() - t0
         host, port = ready.side_channel_host, ready.side_channel_port
         reply = vllm_wire.fetch_handshake(

@@ -6,7 +6,7 @@ Three parts, one run:
    for staged ones) for a model's layers × one request's blocks (default 36 × 256, Qwen3-8B at 4k tokens).
 2. NIXL's one-time preparation of the remote and local descriptor lists (per remote, not per request).
 3. Throughput of each pull mode, measured interleaved between this process and one target process (a bare
-   NIXL agent standing in for the prefill): ``ours`` (``Transfer.pull``: descriptors built per request,
+   NIXL agent standing in for the prefill): ``ours`` (``NixlTransfer.pull``: descriptors built per request,
    posted, polled, notification sent), ``bare`` (NIXL called directly with the very same descriptors and
    the same polling), and ``single`` (one descriptor covering the same number of bytes). Reported as
    ``ours/bare`` (our overhead; must be ≥ 0.9) and ``ours/single`` (what splitting into pages costs).
@@ -339,7 +339,7 @@ class _Target:
 
 
 def _wait_handles(agent: Any, handles: list[Any], sleep_s: float) -> None:
-    """The bare loop: poll every handle until all are DONE, with the same sleep as ``Transfer.wait``."""
+    """The bare loop: poll every handle until all are DONE, with the same sleep as ``NixlTransfer.wait``."""
     pending = list(handles)
     while pending:
         pending = [h for h in pending if agent.check_xfer_state(h) != "DONE"]
@@ -348,7 +348,8 @@ def _wait_handles(agent: Any, handles: list[Any], sleep_s: float) -> None:
 
 
 def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
-    from sidecar.nixl.agent import Transfer, TransferSettings, admit_remote
+    from sidecar.nixl.admission import admit_remote
+    from sidecar.nixl.agent import NixlTransfer, TransferSettings
 
     std, shuf, _ = _formats(args)
     page, half, layers = std.page_bytes, std.page_bytes // 2, args.layers
@@ -369,7 +370,7 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
     target = _Target(args, page, remote_blocks, env)
     tx = None
     try:
-        from sidecar.nixl.agent import RemoteFormatRule
+        from sidecar.nixl.admission import RemoteFormatRule
 
         settings = TransferSettings(
             remote_formats=(RemoteFormatRule(address="*:*", format=std),),
@@ -377,7 +378,7 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
             cuda_device=args.gpu if args.device == "cuda" else None,
         )
         t0 = time.perf_counter()
-        tx = Transfer(settings)
+        tx = NixlTransfer(settings)
         agent_s = time.perf_counter() - t0
         plan, regions = admit_remote(
             target.meta,

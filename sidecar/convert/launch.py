@@ -6,12 +6,24 @@ from typing import Any
 
 import numpy as np
 
-from sidecar.daemon.caches import Caches, conversion_planes
 from sidecar.wire.formats import PageFormat
 
 
+def conversion_planes(caches: Any, fmt: PageFormat) -> Any:
+    """The caches' planes as a checked ``PlaneSet``: each conversion then checks only its ids and source."""
+    from sidecar.convert import PlaneSet
+
+    return PlaneSet(
+        caches.k_planes,
+        caches.v_planes,
+        num_heads=fmt.num_heads,
+        block_size=fmt.block_size,
+        head_size=fmt.head_size,
+    )
+
+
 def convert_blocks(
-    caches: Caches, block_ids: np.ndarray, fmt: PageFormat, src: Any, layers: tuple[int, int] | None = None
+    caches: Any, block_ids: np.ndarray, fmt: PageFormat, src: Any, layers: tuple[int, int] | None = None
 ) -> None:
     """Convert a request's blocks in layers ``[first, last)`` (default all) on the current stream or the CPU.
     ``src``: None to convert in place, else the staged pages of exactly those layers."""
@@ -26,7 +38,7 @@ def convert_blocks(
 
 def launch_gpu(
     stream: Any,
-    caches: Caches,
+    caches: Any,
     block_ids: np.ndarray,
     fmt: PageFormat,
     src: Any,

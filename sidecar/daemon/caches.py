@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.daemon.cache_layout import local_regions, ordered_layers
+from sidecar.convert.launch import conversion_planes
+from sidecar.daemon.layer_regions import local_regions, ordered_layers
 from sidecar.nixl.geometry import LocalRegions, regions_per_layer
 from sidecar.wire import ipc as ipc_mod
 from sidecar.wire import protocol as p
@@ -91,28 +94,15 @@ def map_caches(
         raise
 
 
-def conversion_planes(caches: Caches, fmt: PageFormat) -> Any:
-    """The caches' planes as a checked ``PlaneSet``: each conversion then checks only its ids and source."""
-    from sidecar.convert import PlaneSet
-
-    return PlaneSet(
-        caches.k_planes,
-        caches.v_planes,
-        num_heads=fmt.num_heads,
-        block_size=fmt.block_size,
-        head_size=fmt.head_size,
-    )
-
-
-def register_caches(transfer: Any, caches: Caches) -> None:
+def register_caches(port: Any, caches: Caches) -> None:
     """Register the mapped buffers with NIXL and make them a pull destination (call on the loop thread)."""
     regions = caches.regions
     ranges = [(b.data_ptr(), b.nbytes, regions.device_id) for b in caches.imported if b.nbytes]
-    caches.registration = transfer.register(ranges, regions.mem_type)
+    caches.registration = port.register(ranges, regions.mem_type)
     try:
-        caches.destination = transfer.destination(caches.registration, regions)
+        caches.destination = port.destination(caches.registration, regions)
     except Exception:
-        transfer.deregister(caches.registration)
+        port.deregister(caches.registration)
         raise
 
 
@@ -122,3 +112,47 @@ def close_caches(caches: Caches) -> None:
     caches.v_planes.clear()
     if not all([b.close() for b in caches.imported]):
         log.warning("some cache mappings are still referenced; they unmap when the last view goes")
+
+
+class CacheRegistry:
+    """The decoder's caches as currently registered (one registration at a time), and their generation."""
+
+    def __init__(self, port: Any, device: str, gpu: int | None) -> None:
+        self._port = port
+        self._device = device
+        self._gpu = gpu
+        self._generation = 0
+        self.current: Caches | None = None
+
+    def _next_generation(self) -> int:
+        self._generation += 1
+        return self._generation
+
+    async def map(self, owner: bytes, msg: p.RegisterCaches) -> Caches:
+        """Import and check a registration's buffers in a worker thread (no NIXL yet)."""
+        return await asyncio.to_thread(
+            map_caches, owner, msg, device=self._device, gpu=self._gpu, next_generation=self._next_generation
+        )
+
+    def install(self, caches: Caches) -> None:
+        """Register mapped caches with NIXL (on the loop thread) and make them current; the caller has
+        released the previous ones. On failure the mapping is closed and the error raised."""
+        try:
+            register_caches(self._port, caches)
+        except Exception:
+            close_caches(caches)
+            raise
+        self.current = caches
+
+    async def release(self) -> Caches | None:
+        """Release the current caches once no job holds them; returns what was released."""
+        caches, self.current = self.current, None
+        if caches is None:
+            return None
+        while caches.users:  # a job still finishing (it holds views into the buffers)
+            await asyncio.sleep(0.001)
+        with contextlib.suppress(Exception):
+            self._port.deregister(caches.registration)
+        close_caches(caches)
+        log.info("released cache generation %d", caches.generation)
+        return caches

@@ -14,3 +14,12 @@ class Refused(Exception):
 
 class Failed(Exception):
     """A Pull that went wrong on the way (transfer, lease, conversion)."""
+
+
+def reason_of(exc: BaseException) -> str:
+    """An exception as a one-line reason (its type when it has no message)."""
+    return str(exc) or type(exc).__name__
+
+
+class PeerLost(Failed):
+    """A read found the prefill gone (restarted?): the next request to it handshakes again."""

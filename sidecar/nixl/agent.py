@@ -1,4 +1,4 @@
-"""The NIXL side of a pull: admit a remote prefill, register local memory, read, poll, notify, heartbeat.
+"""The NIXL agent: register local memory, load remote prefills, read, poll, notify, heartbeat.
 
 Synchronous and non-blocking: every call returns at once and the service polls from its asyncio loop.
 The wire formats (notification, heartbeat, metadata) come from ``sidecar.wire.prefill``; the byte geometry
@@ -14,18 +14,26 @@ that abort and full-prefix-hit requests use, so there is one path for all three.
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import os
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from sidecar.nixl.admission import RemoteFormatRule
+from sidecar.nixl.errors import (
+    RemoteRefused,
+    RequestRefused,
+    TransferError,
+    TransferFailed,
+    TransferTimeout,
+    map_nixl_error,
+)
 from sidecar.nixl.geometry import (
     DescIndices,
     Descs,
@@ -35,58 +43,13 @@ from sidecar.nixl.geometry import (
     PairGeometry,
     RemoteRegions,
     StagingPool,
-    check_remote,
 )
 from sidecar.wire import prefill as vllm_wire
-from sidecar.wire.formats import PageFormat, Plan, Refusal, negotiate
+from sidecar.wire.formats import Plan
 
 log = logging.getLogger(__name__)
 
 LOCAL_AGENT = "NIXL_INIT_AGENT"
-
-
-# -- typed errors ----------------------------------------------------------------------------------
-
-
-class TransferError(RuntimeError):
-    """Base of every failure of the transfer layer; ``field`` names the culprit when there is one."""
-
-    def __init__(self, reason: str, field: str | None = None) -> None:
-        super().__init__(f"{field}: {reason}" if field else reason)
-        self.field = field
-        self.reason = reason
-
-
-class RemoteRefused(TransferError):
-    """The remote cannot be read: its metadata, format, identity or geometry disagree (at handshake)."""
-
-
-class RemoteDisconnected(TransferError):
-    """The remote agent is gone (NIXL_ERR_REMOTE_DISCONNECT)."""
-
-
-class TransferFailed(TransferError):
-    """NIXL reported an error for a transfer or a call."""
-
-
-class TransferTimeout(TransferError):
-    """A pull did not finish before its deadline."""
-
-
-class RequestRefused(TransferError):
-    """A request's block ids do not fit the checked geometry (out of range, duplicates, too many)."""
-
-
-def _map_nixl_error(exc: BaseException, what: str) -> TransferError:
-    """NIXL raises its own exception classes (from whichever of nixl_cu12/cu13/rocm); map them by name."""
-    name = type(exc).__name__
-    if name == "nixlRemoteDisconnectError":
-        return RemoteDisconnected(f"{what}: remote agent disconnected ({exc})")
-    if name == "nixlNotFoundError":
-        return TransferFailed(f"{what}: not found — unknown remote or unregistered memory ({exc})")
-    if name == "nixlInvalidParamError":
-        return TransferFailed(f"{what}: invalid parameter ({exc})")
-    return TransferFailed(f"{what}: {name}: {exc}")
 
 
 def _encode(encoder, *args) -> bytes:
@@ -103,22 +66,7 @@ def _nixl_call(what: str, fn, *args, **kwargs):
     except TransferError:
         raise
     except Exception as exc:  # noqa: BLE001 - every NIXL failure becomes a typed error
-        raise _map_nixl_error(exc, what) from exc
-
-
-# -- configuration ---------------------------------------------------------------------------------
-
-
-class RemoteFormatRule(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The operator's declaration: prefills whose side channel matches ``address`` (``host:port``, fnmatch
-    wildcards, e.g. ``"10.0.0.*:5600"`` or ``"*:*"``) publish pages in ``format``."""
-
-    address: str
-    format: PageFormat
-
-    def __post_init__(self) -> None:
-        if self.address.count(":") < 1:
-            raise ValueError(f"address pattern {self.address!r} must be host:port (wildcards allowed)")
+        raise map_nixl_error(exc, what) from exc
 
 
 class TransferSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -135,166 +83,6 @@ class TransferSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # GPU whose memory this agent registers; None on the CPU twin.
     cuda_device: int | None = None
 
-
-# -- admission (pure) ------------------------------------------------------------------------------
-
-
-def resolve_remote_format(address: str, rules: Sequence[RemoteFormatRule], tag: Any = None) -> PageFormat:
-    """The remote page format: its own tag when a (future) vLLM publishes one, else the first declaration
-    whose pattern matches ``host:port``; with neither, refuse — the format is never guessed."""
-    if tag is not None:
-        try:
-            return msgspec.convert(tag, PageFormat)
-        except (msgspec.ValidationError, ValueError) as exc:
-            raise RemoteRefused(
-                f"the published page-format tag is invalid: {exc}", "remote page format"
-            ) from exc
-    for rule in rules:
-        if fnmatch.fnmatchcase(address, rule.address):
-            return rule.format
-    raise RemoteRefused(
-        f"prefill {address} publishes no page-format tag and no declaration in the config "
-        f"matches it (remote_formats: {[r.address for r in rules]})",
-        "remote page format",
-    )
-
-
-def check_model_identity(
-    remote_hash: str, remote_backend: str, local_factors: Mapping[str, Any] | None
-) -> None:
-    """Refuse a remote serving another model: its compatibility hash must equal the decoder's own, recomputed
-    with the remote's attention backend name (the only factor allowed to differ)."""
-    if local_factors is None:
-        raise RemoteRefused(
-            "no local model identity (hash factors) to check the remote against", "compatibility_hash"
-        )
-    try:
-        vllm_wire.check_model_identity(remote_hash, local_factors, remote_backend)
-    except vllm_wire.WireError as exc:
-        raise RemoteRefused(exc.reason, exc.field) from exc
-
-
-# Metadata fields whose non-default values mean a feature out of scope (MLA packing, PP/HMA members, DCP).
-_OUT_OF_SCOPE = {
-    "dcp_size": 1,
-    "pcp_size": 1,
-}
-
-
-def admit_remote(
-    meta: Any,
-    *,
-    address: str,
-    local_format: PageFormat,
-    layers: int,
-    settings: TransferSettings,
-    remote_hash: str | None = None,
-    local_factors: Mapping[str, Any] | None = None,
-    check_identity: bool = True,
-    expected_engine_id: str | None = None,
-) -> tuple[Plan, RemoteRegions]:
-    """Every handshake-time check of one prefill rank, in order; the first failure refused by field name."""
-    if expected_engine_id is not None and meta.engine_id != expected_engine_id:
-        raise RemoteRefused(
-            f"metadata is for engine {meta.engine_id!r}, the request names {expected_engine_id!r}",
-            "engine_id",
-        )
-    for name, want in _OUT_OF_SCOPE.items():
-        got = getattr(meta, name, want)
-        if got != want:
-            raise RemoteRefused(f"{got} != {want}: out of scope", name)
-    if tuple(getattr(meta, "ssm_sizes", (0, 0)) or (0, 0)) != (0, 0):
-        raise RemoteRefused("Mamba/SSM state is out of scope", "ssm_sizes")
-    if getattr(meta, "region_members", None):
-        raise RemoteRefused("per-region layer members (push/PP/HMA) are out of scope", "region_members")
-    if getattr(meta, "packed_member_layouts", None):
-        raise RemoteRefused("packed MLA layouts are out of scope", "packed_member_layouts")
-    remote_format = resolve_remote_format(
-        address, settings.remote_formats, getattr(meta, "page_format", None)
-    )
-    if check_identity:
-        if remote_hash is None:
-            raise RemoteRefused("the handshake carried no compatibility hash", "compatibility_hash")
-        check_model_identity(remote_hash, meta.attn_backend_name, local_factors)
-    plan = negotiate(remote_format, local_format, conversion_enabled=settings.conversion_enabled)
-    if isinstance(plan, Refusal):
-        raise RemoteRefused(plan.reason, plan.field)
-    try:
-        regions = RemoteRegions.from_metadata(meta, default_mem_type=settings.remote_mem_type)
-        check_remote(regions, remote_format, layers)
-    except GeometryError as exc:
-        raise RemoteRefused(exc.reason, exc.field) from exc
-    return plan, regions
-
-
-# -- lease bookkeeping (pure) ----------------------------------------------------------------------
-
-
-class LeaseTracker:
-    """Which requests' prefill leases we can still vouch for.
-
-    A prefill frees (and reuses) a request's blocks ``lease_s`` after it finished unless heartbeats arrive;
-    a heartbeat that arrives at ``t`` extends the lease to at least ``t + extension_s`` (vLLM: lease*2//3).
-    The prefill's clock started before we first saw the request, so we count from ``first_seen`` minus a
-    ``margin_s`` for the proxy hop and clock skew. A heartbeat sent after the lease may have lapsed proves
-    nothing (the blocks may already be reused), so such a request stays lost. Times are monotonic seconds.
-    """
-
-    def __init__(
-        self,
-        lease_s: float = 30.0,
-        *,
-        extension_s: float | None = None,
-        margin_s: float = 2.0,
-        heartbeat_interval_s: float = 5.0,
-    ) -> None:
-        if lease_s <= margin_s:
-            raise ValueError(f"lease_s {lease_s} must exceed margin_s {margin_s}")
-        self.lease_s = lease_s
-        self.extension_s = float(int(lease_s) * 2 // 3) if extension_s is None else extension_s
-        self.margin_s = margin_s
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self._until: dict[str, float] = {}
-        self._last_beat: dict[str, float] = {}
-
-    def seen(self, req_id: str, now: float) -> None:
-        """Start tracking ``req_id`` (idempotent: the first sighting is what counts)."""
-        if req_id not in self._until:
-            self._until[req_id] = now + self.lease_s - self.margin_s
-            self._last_beat[req_id] = now
-
-    def heartbeat_sent(self, req_ids: Iterable[str], now: float) -> None:
-        for req_id in req_ids:
-            until = self._until.get(req_id)
-            if until is None or now >= until:
-                continue  # unknown, or too late to count
-            self._until[req_id] = max(until, now + self.extension_s - self.margin_s)
-            self._last_beat[req_id] = now
-
-    def vouched_until(self, req_id: str) -> float:
-        return self._until.get(req_id, float("-inf"))
-
-    def check(self, req_id: str, now: float) -> bool:
-        """True while the prefill still holds ``req_id``'s blocks for sure."""
-        return now < self.vouched_until(req_id)
-
-    def due(self, now: float) -> list[str]:
-        """Requests that need a heartbeat now (still vouched, last one older than the interval)."""
-        return [
-            r
-            for r, last in self._last_beat.items()
-            if now - last >= self.heartbeat_interval_s and now < self._until[r]
-        ]
-
-    def forget(self, req_id: str) -> None:
-        self._until.pop(req_id, None)
-        self._last_beat.pop(req_id, None)
-
-    def __contains__(self, req_id: object) -> bool:
-        return req_id in self._until
-
-    def __len__(self) -> int:
-        return len(self._until)
 
 
 # -- the agent -------------------------------------------------------------------------------------
@@ -346,7 +134,7 @@ class Peer:
 
 
 @dataclass(eq=False)
-class Pull:
+class ReadOp:
     """One request's reads from one prefill rank, and the single completion notification owed to it."""
 
     peer: Peer
@@ -381,7 +169,7 @@ def init_cuda_context(device: int) -> None:
     torch.zeros(1, device=f"cuda:{device}")
 
 
-class Transfer:
+class NixlTransfer:
     """A NIXL agent used to pull KV pages from prefills. Single-threaded use (the service's loop)."""
 
     def __init__(self, settings: TransferSettings | None = None) -> None:
@@ -573,17 +361,17 @@ class Transfer:
 
     # -- reads --
 
-    def start(self, peer: Peer, remote_request_id: str, *, readers: int = 1, timeout_s: float = 30.0) -> Pull:
+    def start(self, peer: Peer, remote_request_id: str, *, readers: int = 1, timeout_s: float = 30.0) -> ReadOp:
         """A pull of one request from one prefill rank; add transfers, then ``seal`` and ``poll``."""
         _encode(vllm_wire.encode_notification, remote_request_id, readers)  # refuse now, not when owed
-        return Pull(
+        return ReadOp(
             peer=peer,
             remote_request_id=remote_request_id,
             readers=readers,
             deadline=time.monotonic() + timeout_s,
         )
 
-    def _post(self, pull: Pull, make, what: str, count: int, nbytes: int) -> None:
+    def _post(self, pull: ReadOp, make, what: str, count: int, nbytes: int) -> None:
         if pull.sealed or pull.finished:
             raise TransferFailed("the pull is sealed; no more transfers", "pull")
         try:
@@ -599,7 +387,7 @@ class Transfer:
 
     def read_indices(
         self,
-        pull: Pull,
+        pull: ReadOp,
         dest: Destination,
         mode: Mode,
         local_idx: np.ndarray,
@@ -619,7 +407,7 @@ class Transfer:
             nbytes,
         )
 
-    def read_descs(self, pull: Pull, local: np.ndarray, remote: np.ndarray, local_mem_type: str) -> None:
+    def read_descs(self, pull: ReadOp, local: np.ndarray, remote: np.ndarray, local_mem_type: str) -> None:
         """Post one READ of explicit Nx3 descriptors (staged or merged runs)."""
         if local.shape[0] == 0:
             return
@@ -649,7 +437,7 @@ class Transfer:
         remote_num_tokens: int | None = None,
         pool: StagingPool | None = None,
         slots: np.ndarray | None = None,
-    ) -> Pull:
+    ) -> ReadOp:
         """Build the request's descriptors and post them in ``layer_groups`` READs; returns the sealed pull.
 
         Staged mode reads into ``pool`` (see ``staging``) at ``slots[layer, i]``. With no block to read (a
@@ -693,11 +481,11 @@ class Transfer:
         unit = int(geo.local.block_len[0])
         return unit * count
 
-    def seal(self, pull: Pull) -> None:
+    def seal(self, pull: ReadOp) -> None:
         """No more transfers for this pull: once all are done, its notification may go."""
         pull.sealed = True
 
-    def _state(self, pull: Pull, what: str, call: Any, handle: Any) -> bool:
+    def _state(self, pull: ReadOp, what: str, call: Any, handle: Any) -> bool:
         """Post or check one transfer; True when it is DONE. A NIXL error fails the whole pull."""
         try:
             state = _nixl_call(what, call, handle)
@@ -710,7 +498,7 @@ class Transfer:
             raise exc
         return state == "DONE"
 
-    def poll(self, pull: Pull, now: float | None = None) -> bool:
+    def poll(self, pull: ReadOp, now: float | None = None) -> bool:
         """Non-blocking: True once every transfer is DONE and the one notification has been sent.
 
         The DONE handles stay with the pull until :meth:`release`: releasing a handle of thousands of
@@ -743,7 +531,7 @@ class Transfer:
             raise exc
         return False
 
-    def wait(self, pull: Pull, *, sleep_s: float = 0.0005, release: bool = True) -> Pull:
+    def wait(self, pull: ReadOp, *, sleep_s: float = 0.0005, release: bool = True) -> ReadOp:
         """Blocking helper for benches and tests: poll with a short sleep (no hot spin on small hosts), then
         release the handles unless told not to."""
         while not self.poll(pull):
@@ -752,12 +540,12 @@ class Transfer:
             self.release(pull)
         return pull
 
-    def release(self, pull: Pull) -> bool:
+    def release(self, pull: ReadOp) -> bool:
         """Release a pull's transfer handles (DONE ones after :meth:`poll`, or cancel them). True when none is
         left, i.e. nothing can still write into the destination."""
         return self._release(pull)
 
-    def abort(self, pull: Pull) -> bool:
+    def abort(self, pull: ReadOp) -> bool:
         """Stop a pull: release (cancel) its transfers, then send its notification so the prefill frees the
         blocks. Returns True when nothing can still write into local memory (every handle released)."""
         if not pull.finished:
@@ -779,7 +567,7 @@ class Transfer:
         msg = _encode(vllm_wire.encode_heartbeat, list(remote_request_ids))
         _nixl_call("send_notif", self.agent.send_notif, peer.agent_name, msg)
 
-    def _release(self, pull: Pull) -> bool:
+    def _release(self, pull: ReadOp) -> bool:
         safe = True
         kept = []
         for handle in pull.handles:
@@ -793,7 +581,7 @@ class Transfer:
         pull.done_flags = [False] * len(kept)
         return safe
 
-    def _notify_once(self, pull: Pull) -> None:
+    def _notify_once(self, pull: ReadOp) -> None:
         if pull.notified:
             return
         pull.notified = True  # exactly once, even if the send fails
@@ -808,7 +596,7 @@ class Transfer:
                 exc,
             )
 
-    def _fail(self, pull: Pull, exc: TransferError) -> None:
+    def _fail(self, pull: ReadOp, exc: TransferError) -> None:
         pull.error = exc
         pull.finished = True
         self._release(pull)

@@ -124,6 +124,14 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     default_timeout_s: Annotated[
         float, _doc("deadline of a Pull that carries none (seconds from its arrival)", gt=0)
     ] = 30.0
+    max_timeout_s: Annotated[
+        float,
+        _doc(
+            "longest deadline a Pull may ask for (seconds); longer ones are cut to it, so a stalled "
+            "prefill can hold a request (and its blocks) no longer than this",
+            gt=0,
+        ),
+    ] = 600.0
     handshake_timeout_s: Annotated[float, _doc("side-channel handshake timeout per prefill rank", gt=0)] = 5.0
     pull_mode: Annotated[
         PullMode,

@@ -423,6 +423,7 @@ def check_prefill(
     timeout_s: float,
 ) -> list[Check]:
     """vLLM's handshake with one prefill, then the admission the daemon would make (sidecar.nixl.agent)."""
+    from sidecar.nixl import admission, errors
     from sidecar.nixl import agent as tr
     from sidecar.wire import prefill as vllm_wire
 
@@ -458,7 +459,7 @@ def check_prefill(
     # The same settings the daemon's handshake builds (service.Daemon._handshake).
     settings = tr.TransferSettings(
         remote_formats=tuple(
-            tr.RemoteFormatRule(address=r.match, format=r.page_format)
+            admission.RemoteFormatRule(address=r.match, format=r.page_format)
             for r in cfg.remotes
             if r.page_format is not None and r is rule
         ),
@@ -467,7 +468,7 @@ def check_prefill(
     )
     check_identity = cfg.verify_model_identity and bool(factors)
     try:
-        plan, _ = tr.admit_remote(
+        plan, _ = admission.admit_remote(
             meta,
             address=address,
             local_format=local,
@@ -477,7 +478,7 @@ def check_prefill(
             local_factors=dict(factors) or None,
             check_identity=check_identity,
         )
-    except tr.RemoteRefused as exc:
+    except errors.RemoteRefused as exc:
         return [
             *checks,
             Check(
@@ -528,6 +529,7 @@ def probe_pull(control: str, spec: EmulatorSpec | None, timeout_s: float, blocks
     import numpy as np
 
     from sidecar.nixl import agent as tr
+    from sidecar.nixl import errors
     from sidecar.nixl.geometry import RemoteRegions
     from sidecar.standins.emulator_control import ControlError, EmulatorClient
     from sidecar.standins.emulator_pages import expected_pages
@@ -564,7 +566,7 @@ def probe_pull(control: str, spec: EmulatorSpec | None, timeout_s: float, blocks
     )
     if fmt.page_bytes != page:
         return ProbeResult(False, f"the emulator's pages are {page} bytes, its spec says {fmt.page_bytes}")
-    t = tr.Transfer(tr.TransferSettings(name_prefix="kv-sidecar-doctor", remote_mem_type="DRAM"))
+    t = tr.NixlTransfer(tr.TransferSettings(name_prefix="kv-sidecar-doctor", remote_mem_type="DRAM"))
     try:
         peer = t.add_peer(
             engine_id=meta.engine_id,
@@ -622,7 +624,7 @@ def probe_pull(control: str, spec: EmulatorSpec | None, timeout_s: float, blocks
                 verified,
             )
         return ProbeResult(True, "", buf.nbytes, seconds, verified, freed)
-    except tr.TransferError as exc:
+    except errors.TransferError as exc:
         return ProbeResult(False, f"NIXL: {exc}")
     finally:
         t.close()

@@ -59,9 +59,9 @@ def wait_usage(prefill: Engine, pred, timeout_s: float) -> float:
 
 @pytest.fixture(scope="module")
 def transfer():
-    from sidecar.nixl.agent import Transfer
+    from sidecar.nixl.agent import NixlTransfer
 
-    t = Transfer()
+    t = NixlTransfer()
     yield t
     t.close()
 

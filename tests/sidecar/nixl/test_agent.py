@@ -13,21 +13,17 @@ import msgspec
 import numpy as np
 import pytest
 
-from sidecar.nixl.agent import (
-    LeaseTracker,
+from sidecar.daemon.leases import LeaseTracker
+from sidecar.nixl.admission import RemoteFormatRule, admit_remote
+from sidecar.nixl.agent import NixlTransfer, TransferSettings
+from sidecar.nixl.errors import (
     RemoteDisconnected,
-    RemoteFormatRule,
     RemoteRefused,
     RequestRefused,
-    Transfer,
     TransferError,
     TransferFailed,
-    TransferSettings,
     TransferTimeout,
-    _map_nixl_error,
-    admit_remote,
-    check_model_identity,
-    resolve_remote_format,
+    map_nixl_error,
 )
 from sidecar.nixl.geometry import LocalRegions, StagingPool, contiguous_slots
 from sidecar.standins.emulator_control import spawn_emulator
@@ -91,7 +87,7 @@ def emu():
 
 @pytest.fixture(scope="module")
 def tx():
-    t = Transfer(SETTINGS)
+    t = NixlTransfer(SETTINGS)
     yield t
     t.close()
 
@@ -153,7 +149,7 @@ def local_factors(e, backend: str = "ROCM_AITER_FA") -> dict:
     return {**e.ready.compat_factors, "attn_backend_name": backend}
 
 
-def connect(t: Transfer, e, rank: int = 0, local_format: PageFormat = SHUF, layers: int = LAYERS):
+def connect(t: NixlTransfer, e, rank: int = 0, local_format: PageFormat = SHUF, layers: int = LAYERS):
     reply = wire.fetch_handshake(
         e.ready.side_channel_host,
         e.ready.side_channel_port,
@@ -211,36 +207,6 @@ def check_planes(arr: np.ndarray, reply, local: list[int], rank: int = 0) -> Non
 # -- pure: format declaration, identity, admission, lease ------------------------------------------
 
 
-def test_remote_format_declaration_by_address():
-    other = PageFormat(
-        kind=STANDARD, layout="LBHNC", dtype="float16", num_heads=4, block_size=32, head_size=64
-    )
-    rules = (
-        RemoteFormatRule(address="10.0.0.*:5600", format=other),
-        RemoteFormatRule(address="*:*", format=STD),
-    )
-    assert resolve_remote_format("10.0.0.7:5600", rules) == other
-    assert resolve_remote_format("10.0.0.7:5601", rules) == STD
-    assert (
-        resolve_remote_format("prefill-0:5600", rules[:1] + (RemoteFormatRule("prefill-*:56??", other),))
-        == other
-    )
-    with pytest.raises(RemoteRefused) as e:
-        resolve_remote_format("10.0.1.7:5600", rules[:1])
-    assert e.value.field == "remote page format"
-    with pytest.raises(RemoteRefused) as e:
-        resolve_remote_format("10.0.0.7:5600", ())
-    assert e.value.field == "remote page format"
-
-
-def test_a_published_tag_wins_and_is_checked():
-    tag = msgspec.to_builtins(SHUF)
-    assert resolve_remote_format("h:1", (RemoteFormatRule("*:*", STD),), tag) == SHUF
-    with pytest.raises(RemoteRefused) as e:
-        resolve_remote_format("h:1", (), {**tag, "dtype": "complex"})
-    assert e.value.field == "remote page format"
-
-
 def test_settings_decode_from_config():
     raw = {
         "backends": ["UCX"],
@@ -257,76 +223,14 @@ def test_settings_decode_from_config():
         msgspec.convert({"bogus": 1}, TransferSettings)
 
 
-FACTORS = {
-    "vllm_version": "0.33.0",
-    "nixl_connector_version": 15,
-    "model": "m",
-    "dtype": "torch.bfloat16",
-    "num_kv_heads": 8,
-    "head_size": 128,
-    "num_hidden_layers": 36,
-    "attn_backend_name": "FLASH_ATTN",
-    "cache_dtype": "auto",
-    "is_hma_enabled": False,
-    "speculative_config": None,
-    "transfer_mode": "pull",
-}
-
-
-def test_model_identity_sets_the_backend_name_aside():
-    remote_hash = wire.compatibility_hash(FACTORS)
-    check_model_identity(remote_hash, "FLASH_ATTN", {**FACTORS, "attn_backend_name": "ROCM_AITER_FA"})
-    for change in ({"model": "other"}, {"num_hidden_layers": 35}, {"dtype": "torch.float16"}):
-        with pytest.raises(RemoteRefused) as e:
-            check_model_identity(remote_hash, "FLASH_ATTN", {**FACTORS, **change})
-        assert e.value.field == "compatibility_hash"
-    with pytest.raises(RemoteRefused) as e:
-        check_model_identity(remote_hash, "FLASH_ATTN", None)
-    assert e.value.field == "compatibility_hash"
-
-
 def test_nixl_errors_map_to_typed_errors():
     def err(name):
         return type(name, (Exception,), {})("boom")
 
-    assert isinstance(_map_nixl_error(err("nixlRemoteDisconnectError"), "x"), RemoteDisconnected)
+    assert isinstance(map_nixl_error(err("nixlRemoteDisconnectError"), "x"), RemoteDisconnected)
     for name in ("nixlNotFoundError", "nixlInvalidParamError", "nixlBackendError", "RuntimeError"):
-        mapped = _map_nixl_error(err(name), "x")
+        mapped = map_nixl_error(err(name), "x")
         assert type(mapped) is TransferFailed and "x" in str(mapped)
-
-
-def test_lease_tracker_rule():
-    lt = LeaseTracker(30.0, margin_s=2.0, heartbeat_interval_s=5.0)
-    assert lt.extension_s == 20.0  # vLLM: kv_lease_duration * 2 // 3
-    lt.seen("a", 100.0)
-    lt.seen("a", 120.0)  # the first sighting counts
-    assert lt.check("a", 127.9) and not lt.check("a", 128.0)
-    assert lt.due(104.0) == [] and lt.due(105.0) == ["a"]
-    lt.heartbeat_sent(["a"], 110.0)  # extends to 110 + 20 - 2 = 128: no gain yet
-    assert lt.vouched_until("a") == 128.0
-    lt.heartbeat_sent(["a"], 125.0)
-    assert lt.vouched_until("a") == 143.0 and lt.check("a", 142.0)
-    lt.heartbeat_sent(["a"], 150.0)  # after it lapsed: proves nothing
-    assert not lt.check("a", 150.0) and lt.vouched_until("a") == 143.0
-    assert lt.due(151.0) == []  # a lost request is not heartbeated
-    assert not lt.check("never-seen", 0.0)
-    lt.heartbeat_sent(["never-seen"], 0.0)
-    assert "never-seen" not in lt
-    lt.forget("a")
-    assert len(lt) == 0 and not lt.check("a", 100.0)
-    with pytest.raises(ValueError):
-        LeaseTracker(1.0, margin_s=1.0)
-
-
-def test_lease_tracker_chains_heartbeats_indefinitely():
-    lt = LeaseTracker(30.0, margin_s=2.0, heartbeat_interval_s=5.0)
-    lt.seen("r", 0.0)
-    t = 0.0
-    while t < 300.0:
-        t += 5.0
-        assert lt.due(t) == ["r"] and lt.check("r", t)
-        lt.heartbeat_sent(lt.due(t), t)
-    assert lt.check("r", t + 17.9) and not lt.check("r", t + 18.0)
 
 
 def _admit(meta, **kw):
@@ -557,7 +461,7 @@ def test_staged_pull_every_byte(emu, tx, planes):
 
 def test_plain_pull_same_format_whole_blocks(emu):
     """A standard decoder (no conversion): one region per layer, whole pages."""
-    t = Transfer(SETTINGS)
+    t = NixlTransfer(SETTINGS)
     dst = ShmPlanes(nb=16, block=PAGE, per_layer=1)
     try:
         peer = connect(t, emu, local_format=STD)
@@ -802,7 +706,7 @@ def test_without_heartbeats_the_request_is_failed_not_read(emu, tx, planes):
 @pytest.mark.e2e
 def test_one_notification_per_rank_after_all_its_transfers():
     e = _spawn("--tp", "2", "--num-blocks", "32")
-    t = Transfer(SETTINGS)
+    t = NixlTransfer(SETTINGS)
     dsts = [ShmPlanes(nb=16), ShmPlanes(nb=16)]
     try:
         regs = [t.register([(d.base, d.arr.nbytes, 0)], "DRAM") for d in dsts]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from sidecar.daemon.cache_layout import local_regions, natural_key
 from sidecar.daemon.errors import Refused
+from sidecar.daemon.layer_regions import local_regions, natural_key
 from sidecar.wire import ipc
 from sidecar.wire.formats import PageFormat
 

@@ -1,0 +1,112 @@
+"""Conversion: a job's landed layer groups rewritten into the decoder's format, off the event loop.
+
+On a GPU each group is queued on the daemon's own stream (never the decoder's) and the job waits for the
+event after its last group. On the CPU twin each group runs in one worker thread, the twin's "stream".
+Either way a job is answered only once every conversion it started is over, failed ones included: a group
+that failed must not end the wait while another still writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar.convert.launch import convert_blocks, launch_gpu
+from sidecar.daemon.errors import Failed, reason_of
+from sidecar.daemon.jobs import Job
+
+
+@dataclass(eq=False)
+class JobConversion:
+    """What one job's conversion has started."""
+
+    src: Any  # staged: the job's slots as [layers, blocks, page]; None: convert in place
+    groups: list[asyncio.Future] = field(default_factory=list)  # CPU twin: one per layer group
+    last_event: Any = None  # GPU: the event after the latest group (one stream, in order)
+    layers: int = 0  # layers started
+    all_done: asyncio.Future | None = None
+
+
+class Conversions:
+    """The daemon's conversion stream (GPU) or worker thread (CPU)."""
+
+    def __init__(self, gpu: int | None) -> None:
+        self._gpu = gpu
+        self._stream: Any = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kv-sidecar-convert")
+
+    def make_stream(self) -> None:
+        """Create the GPU stream (call in a worker thread at start; nothing to do on the CPU twin)."""
+        if self._gpu is not None:
+            import torch
+
+            self._stream = torch.cuda.Stream(device=self._gpu)
+
+    def begin(self, job: Job, src: Any) -> None:
+        """The job will convert what it reads (call before its first layer group can land)."""
+        job.conversion = JobConversion(src=src)
+
+    def convert_group(self, job: Job, first: int, last: int) -> None:
+        """Start converting layers [first, last) of a job whose reads of them are DONE."""
+        conv: JobConversion | None = job.conversion
+        if conv is None or job.caches is None:
+            return
+        caches = job.caches
+        fmt = caches.page_format
+        src = None if conv.src is None else conv.src[first:last]
+        loop = asyncio.get_running_loop()
+        try:
+            if self._stream is None:
+                conv.groups.append(
+                    loop.run_in_executor(
+                        self._executor, convert_blocks, caches, job.blocks, fmt, src, (first, last)
+                    )
+                )
+            else:
+                t0 = time.perf_counter()
+                conv.last_event = launch_gpu(self._stream, caches, job.blocks, fmt, src, (first, last))
+                job.timings["launch"] = job.timings.get("launch", 0.0) + time.perf_counter() - t0
+        except Exception as exc:  # noqa: BLE001 - a launch that fails fails the request, not the loop
+            failed = loop.create_future()
+            failed.set_exception(exc)
+            conv.groups.append(failed)
+            return
+        conv.layers += last - first
+
+    def done(self, job: Job) -> asyncio.Future | None:
+        """One future for every conversion the job started (None if none); it never fails early."""
+        conv: JobConversion | None = job.conversion
+        if conv is None:
+            return None
+        if conv.all_done is None and (conv.groups or conv.last_event is not None):
+            waits = list(conv.groups)
+            if conv.last_event is not None:
+                loop = asyncio.get_running_loop()
+                waits.append(loop.run_in_executor(self._executor, conv.last_event.synchronize))
+            conv.all_done = asyncio.gather(*waits, return_exceptions=True)
+        return conv.all_done
+
+    async def finish(self, job: Job, layers: int) -> None:
+        """Wait for the job's conversion; fail unless every one of ``layers`` was converted."""
+        done = self.done(job)
+        results = await asyncio.shield(done) if done is not None else []
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise Failed(f"convert: {reason_of(errors[0])}") from errors[0]
+        converted = job.conversion.layers if job.conversion is not None else 0
+        if converted != layers:
+            raise Failed(f"convert: {converted} of {layers} layers were converted")
+
+    async def settle(self, job: Job) -> None:
+        """Wait until nothing the job started converting can still write (errors ignored)."""
+        done = self.done(job)
+        if done is not None and not done.done():
+            with contextlib.suppress(Exception):  # only the wait matters here
+                await asyncio.shield(done)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)

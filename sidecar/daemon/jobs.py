@@ -1,0 +1,217 @@
+"""Jobs: one accepted Pull each, its explicit ``Stage``, and the table that admits, cancels and retires them.
+
+``JobTable`` owns the in-flight set: the limit on pulls worked at once (``max_inflight``) and waiting
+(``max_queued``), each job's deadline timer, and the single way a job is stopped early (``cancel``: a
+deadline, an Abort, shutdown or a re-registration). It does not know what a job does; ``pipeline`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar.wire import protocol as p
+
+# Reasons that start a Done(ok=False); the shim may match on the leading word.
+OVERLOADED = "overloaded"
+SHUTTING_DOWN = "shutting down"
+
+
+class Stage(enum.Enum):
+    """Where a job is. The value is the name its time is reported under (``Done.timings``, metrics)."""
+
+    QUEUE = "queue"  # waiting for an in-flight slot
+    HANDSHAKE = "handshake"  # waiting for the prefill rank's handshake (cached after the first)
+    TRANSFER = "transfer"  # staging slots, posting and reading; layer groups convert as they land
+    CONVERT = "convert"  # what is left of the conversion once the last byte has landed
+    DONE = "done"
+
+
+class Outcome(enum.Enum):
+    """How a job ended; the value is the ``outcome`` label of ``kv_sidecar_requests_total``."""
+
+    OK = "ok"
+    FAILED = "failed"
+    REFUSED = "refused"
+    ABORTED = "aborted"
+    EXPIRED = "expired"
+
+
+@dataclass
+class Ending:
+    """A job's outcome, why, and whether its blocks are safe (nothing can still write into them)."""
+
+    outcome: Outcome
+    reason: str | None = None
+    field: str | None = None
+    safe: bool = True
+
+
+@dataclass(eq=False)
+class Session:
+    """One shim worker, known by its ROUTER identity."""
+
+    identity: bytes
+    hello: p.Hello | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.hello.worker_rank if self.hello else 0
+
+    @property
+    def tp_size(self) -> int:
+        return self.hello.tp_size if self.hello else 1
+
+
+@dataclass(eq=False)
+class Job:
+    """One accepted Pull. Each part keeps what it holds for the job in its own field."""
+
+    msg: p.Pull
+    envelope: list[bytes]
+    session: Session
+    received: float
+    deadline: float
+    timeout_s: float
+    stage: Stage = Stage.QUEUE
+    stage_started: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+    task: asyncio.Task | None = None
+    stop: Ending | None = None  # why it was cancelled (deadline, abort, shutdown), once it was
+    abort_envelope: list[bytes] | None = None  # an Abort arrived: answer it with Aborted, not Done
+    settled: bool = False  # the pipeline ended; only quiescing and the answer remain (no more cancels)
+    running: bool = False  # holds one of the max_inflight slots
+    caches: Any = None  # the Caches it reads into (counted in caches.users while held)
+    peer: Any = None  # the admitted prefill rank, once the handshake is through
+    peer_entry: Any = None  # peers.PeerEntry: the handshake it waits on or used
+    read: Any = None  # the port's read handle once posted
+    blocks: Any = None  # local kernel block ids read (numpy int64): what gets converted
+    slots: tuple[int, int] | None = None  # staging: (first slot, count)
+    conversion: Any = None  # conversion.JobConversion
+
+    @property
+    def req_id(self) -> str:
+        return self.msg.req_id
+
+    def enter(self, stage: Stage, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if self.stage_started and self.stage.value not in self.timings:
+            self.timings[self.stage.value] = now - self.stage_started
+        self.stage, self.stage_started = stage, now
+
+    @property
+    def cancellable(self) -> bool:
+        return self.stop is None and not self.settled and self.task is not None and not self.task.done()
+
+
+class JobTable:
+    """The jobs in flight (queued or running), their limits and deadlines."""
+
+    def __init__(self, max_inflight: int, max_queued: int, max_timeout_s: float) -> None:
+        self.max_inflight = max_inflight
+        self.max_queued = max_queued
+        self.max_timeout_s = max_timeout_s
+        self._jobs: dict[str, Job] = {}
+        self._running = asyncio.Semaphore(max_inflight)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._jobs
+
+    def get(self, req_id: str) -> Job | None:
+        return self._jobs.get(req_id)
+
+    def jobs(self) -> list[Job]:
+        return list(self._jobs.values())
+
+    def is_current(self, job: Job) -> bool:
+        return self._jobs.get(job.req_id) is job
+
+    def full(self) -> str | None:
+        """Why one more Pull cannot be accepted, or None."""
+        if len(self._jobs) >= self.max_inflight + self.max_queued:
+            return (
+                f"{OVERLOADED}: {len(self._jobs)} pulls in flight or queued "
+                f"(max_inflight {self.max_inflight} + max_queued {self.max_queued})"
+            )
+        return None
+
+    def timeout_for(self, msg: p.Pull, default_s: float) -> float:
+        """The Pull's own deadline, else the default, never beyond ``max_timeout_s``."""
+        timeout = msg.timeout_s if msg.timeout_s is not None else default_s
+        return min(timeout, self.max_timeout_s)
+
+    def add(
+        self,
+        msg: p.Pull,
+        envelope: list[bytes],
+        session: Session,
+        received: float,
+        timeout_s: float,
+        run: Callable[[Job], Any],
+    ) -> Job:
+        """Accept a Pull: start ``run(job)`` as its task and arm its deadline."""
+        job = Job(
+            msg=msg,
+            envelope=envelope,
+            session=session,
+            received=received,
+            deadline=received + timeout_s,
+            timeout_s=timeout_s,
+            stage_started=received,
+        )
+        self._jobs[msg.req_id] = job
+        loop = asyncio.get_running_loop()
+        # Fire a little early, so the Done leaves before the deadline even after stopping the transfer.
+        margin = min(0.02, 0.1 * timeout_s)
+        delay = max(0.0, timeout_s - margin - (time.monotonic() - received))
+        timer = loop.call_at(loop.time() + delay, self._expire, job)
+        job.task = asyncio.ensure_future(run(job))
+        job.task.add_done_callback(lambda _t: timer.cancel())
+        return job
+
+    def cancel(self, job: Job, ending: Ending) -> bool:
+        """Stop a job early (it answers with ``ending`` once quiet); False if it is already ending."""
+        if not job.cancellable:
+            return False
+        job.stop = ending
+        assert job.task is not None
+        job.task.cancel()
+        return True
+
+    def _expire(self, job: Job) -> None:
+        self.cancel(
+            job, Ending(Outcome.EXPIRED, f"deadline: {job.timeout_s:g} s passed during {job.stage.value}")
+        )
+
+    async def wait_turn(self, job: Job) -> None:
+        """Wait until fewer than ``max_inflight`` jobs run (the queue stage)."""
+        await self._running.acquire()
+        job.running = True
+
+    def retire(self, job: Job) -> bool:
+        """Take a job out of the table and let the next queued one run; False if it was not in."""
+        if self._jobs.get(job.req_id) is not job:
+            return False
+        del self._jobs[job.req_id]
+        if job.running:
+            self._running.release()
+            job.running = False
+        return True
+
+    async def cancel_all(self, ending: Ending) -> None:
+        """Cancel every job and wait until each has been answered."""
+        jobs = self.jobs()
+        for job in jobs:
+            self.cancel(job, Ending(ending.outcome, ending.reason))
+        tasks = [j.task for j in jobs if j.task is not None]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        while any(self.is_current(j) for j in jobs):  # answered by a follow-up task (cancelled early)
+            await asyncio.sleep(0.001)

@@ -1,0 +1,140 @@
+"""Prefill leases: which requests' blocks a prefill still holds for us, and the heartbeats that renew them."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+log = logging.getLogger("kv_sidecar.leases")
+
+
+class LeaseTracker:
+    """Which requests' prefill leases we can still vouch for.
+
+    A prefill frees (and reuses) a request's blocks ``lease_s`` after it finished unless heartbeats arrive;
+    a heartbeat that arrives at ``t`` extends the lease to at least ``t + extension_s`` (vLLM: lease*2//3).
+    The prefill's clock started before we first saw the request, so we count from ``first_seen`` minus a
+    ``margin_s`` for the proxy hop and clock skew. A heartbeat sent after the lease may have lapsed proves
+    nothing (the blocks may already be reused), so such a request stays lost. Times are monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        lease_s: float = 30.0,
+        *,
+        extension_s: float | None = None,
+        margin_s: float = 2.0,
+        heartbeat_interval_s: float = 5.0,
+    ) -> None:
+        if lease_s <= margin_s:
+            raise ValueError(f"lease_s {lease_s} must exceed margin_s {margin_s}")
+        self.lease_s = lease_s
+        self.extension_s = float(int(lease_s) * 2 // 3) if extension_s is None else extension_s
+        self.margin_s = margin_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self._until: dict[str, float] = {}
+        self._last_beat: dict[str, float] = {}
+
+    def seen(self, req_id: str, now: float) -> None:
+        """Start tracking ``req_id`` (idempotent: the first sighting is what counts)."""
+        if req_id not in self._until:
+            self._until[req_id] = now + self.lease_s - self.margin_s
+            self._last_beat[req_id] = now
+
+    def heartbeat_sent(self, req_ids: Iterable[str], now: float) -> None:
+        for req_id in req_ids:
+            until = self._until.get(req_id)
+            if until is None or now >= until:
+                continue  # unknown, or too late to count
+            self._until[req_id] = max(until, now + self.extension_s - self.margin_s)
+            self._last_beat[req_id] = now
+
+    def vouched_until(self, req_id: str) -> float:
+        return self._until.get(req_id, float("-inf"))
+
+    def check(self, req_id: str, now: float) -> bool:
+        """True while the prefill still holds ``req_id``'s blocks for sure."""
+        return now < self.vouched_until(req_id)
+
+    def due(self, now: float) -> list[str]:
+        """Requests that need a heartbeat now (still vouched, last one older than the interval)."""
+        return [
+            r
+            for r, last in self._last_beat.items()
+            if now - last >= self.heartbeat_interval_s and now < self._until[r]
+        ]
+
+    def forget(self, req_id: str) -> None:
+        self._until.pop(req_id, None)
+        self._last_beat.pop(req_id, None)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._until
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+
+class Leases:
+    """The daemon's side of the prefill lease: what the shim heartbeats, and renewing what we hold.
+
+    The shim heartbeats every request whose prefill lease is running (also while it waits for blocks);
+    we forward those heartbeats to the prefill rank, and renew on our own the leases of requests we hold
+    (queued or reading) when they fall due.
+    """
+
+    def __init__(self, tracker: LeaseTracker, port: Any, metrics: Any, sent: Callable[[], None]) -> None:
+        self.tracker = tracker
+        self._sent = sent
+        self._port = port
+        self._metrics = metrics
+        # remote_request_id -> the prefill rank the shim heartbeats it for (engine id, rank)
+        self._heartbeated: dict[str, tuple[str, int]] = {}
+
+    def seen(self, remote_request_id: str, at: float) -> None:
+        self.tracker.seen(remote_request_id, at)
+
+    def check(self, remote_request_id: str, now: float) -> bool:
+        return self.tracker.check(remote_request_id, now)
+
+    def vouched_until(self, remote_request_id: str) -> float:
+        return self.tracker.vouched_until(remote_request_id)
+
+    def shim_heartbeat(self, key: tuple[str, int], remote_request_ids: list[str], now: float) -> None:
+        """The shim heartbeated these requests for prefill rank ``key``."""
+        for rid in remote_request_ids:
+            self.tracker.seen(rid, now)
+            self._heartbeated[rid] = key
+
+    def heartbeated_for(self, key: tuple[str, int]) -> list[str]:
+        """Requests the shim heartbeats for ``key`` (sent on once its handshake is through)."""
+        return [rid for rid, k in self._heartbeated.items() if k == key]
+
+    def send(self, peer: Any, remote_request_ids: list[str]) -> None:
+        """Heartbeat those of ``remote_request_ids`` we can still vouch for (a late one proves nothing)."""
+        now = time.monotonic()
+        live = [rid for rid in remote_request_ids if self.tracker.check(rid, now)]
+        if not live:
+            return
+        self._sent()
+        try:
+            self._port.heartbeat(peer, live)
+        except Exception as exc:  # noqa: BLE001 - a failed heartbeat only shortens what we can vouch for
+            log.info("heartbeat to %s failed: %s", getattr(peer, "address", peer), exc)
+            return
+        self.tracker.heartbeat_sent(live, now)
+        self._metrics.heartbeats_sent.inc()
+
+    def due(self, now: float) -> list[str]:
+        return self.tracker.due(now)
+
+    def forget(self, remote_request_id: str) -> None:
+        self.tracker.forget(remote_request_id)
+        self._heartbeated.pop(remote_request_id, None)
+
+    def forget_lapsed(self, held: set[str], now: float) -> None:
+        """Drop shim-heartbeated ids whose lease lapsed and that no job holds."""
+        for rid in [r for r in self._heartbeated if r not in held and not self.tracker.check(r, now)]:
+            self.forget(rid)

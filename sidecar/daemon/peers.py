@@ -1,0 +1,212 @@
+"""Prefill ranks: one handshake per (engine id, rank), shared by every request to it, and notifications.
+
+A handshake is cached until the prefill restarts (a newer registration generation or a new engine at the
+same address), the configuration changes what it was admitted under, or a read finds the peer gone. A
+failed handshake is never cached: the next request tries again. A request we will not read still gets its
+notification, so the prefill frees its blocks now instead of at its lease's end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sidecar.daemon.errors import Failed, Refused, reason_of
+from sidecar.daemon.port import Admission, PeerTarget, TransferPort
+from sidecar.nixl.admission import RemoteFormatRule
+from sidecar.nixl.errors import RemoteRefused
+from sidecar.ops.config import Config
+from sidecar.ops.metrics import Metrics
+from sidecar.wire import prefill as vllm_wire
+
+log = logging.getLogger("kv_sidecar.peers")
+
+Key = tuple[str, int]  # (engine id, prefill TP rank)
+
+
+@dataclass(eq=False)
+class PeerEntry:
+    """A handshake (shared by every request to that prefill rank) and the peer it produced."""
+
+    task: asyncio.Task
+    config_gen: int
+    users: int = 0
+
+    @property
+    def peer(self) -> Any:
+        """The handshake's peer once it has succeeded, else None (running, failed or cancelled)."""
+        t = self.task
+        return t.result() if t.done() and not t.cancelled() and t.exception() is None else None
+
+    @property
+    def failed(self) -> bool:
+        t = self.task
+        return t.done() and (t.cancelled() or t.exception() is not None)
+
+
+class Peers:
+    """The prefill ranks this daemon has handshaken with, keyed by (engine id, rank)."""
+
+    def __init__(
+        self,
+        port: TransferPort,
+        config: Callable[[], Config],
+        metrics: Metrics,
+        on_admitted: Callable[[Key, Any], None],
+        spawn: Callable[[Any], asyncio.Task],
+        sent: Callable[[], None],
+    ) -> None:
+        self._port = port
+        self._config = config
+        self._metrics = metrics
+        self._on_admitted = on_admitted
+        self._spawn = spawn
+        self._sent = sent  # something went out on NIXL: keep it moving (see Reads.progress_loop)
+        self._entries: dict[Key, PeerEntry] = {}
+        self._generation = 0  # bumped when what peers were admitted under changes
+
+    def invalidate(self) -> None:
+        """Re-admit every cached prefill once idle (new caches, or a reload changed the rules)."""
+        self._generation += 1
+
+    def admitted(self, key: Key) -> Any:
+        """The admitted peer for ``key``, or None."""
+        entry = self._entries.get(key)
+        return entry.peer if entry is not None else None
+
+    def known(self, key: Key) -> bool:
+        return key in self._entries
+
+    def acquire(self, target: PeerTarget, caches: Any) -> tuple[PeerEntry, asyncio.Task]:
+        """The admitted peer for a request (handshaking if needed); the entry is held until ``release``."""
+        key = (target.engine_id, target.tp_rank)
+        entry = self._entries.get(key)
+        if entry is not None and entry.task.done():
+            peer = entry.peer
+            stale = (
+                peer is None
+                or entry.config_gen != self._generation
+                or (target.generation > peer.generation > 0)
+            )
+            if peer is not None and peer.generation == 0 and target.generation:
+                peer.generation = target.generation  # the handshake came from a heartbeat
+            if stale and (peer is None or entry.users == 0):
+                if peer is not None:
+                    self._port.remove_peer(peer)
+                entry = None
+        if entry is None:
+            entry = self.start(target, caches)
+        entry.users += 1
+        return entry, entry.task
+
+    def release(self, entry: PeerEntry) -> None:
+        entry.users -= 1
+
+    def start(self, target: PeerTarget, caches: Any) -> PeerEntry:
+        """Start a handshake with ``target`` (replacing any entry for its key)."""
+        key = (target.engine_id, target.tp_rank)
+        task = asyncio.ensure_future(self._handshake(target, caches))
+        entry = PeerEntry(task=task, config_gen=self._generation)
+        self._entries[key] = entry
+
+        def forget_failure(t: asyncio.Task) -> None:
+            if (t.cancelled() or t.exception() is not None) and self._entries.get(key) is entry:
+                if entry.users == 0:
+                    del self._entries[key]
+                else:
+                    entry.config_gen = -1  # stale: the next request handshakes again
+
+        task.add_done_callback(forget_failure)
+        return entry
+
+    def drop(self, entry: PeerEntry | None) -> None:
+        """The prefill is gone (restarted?): the next request handshakes again."""
+        if entry is not None:
+            entry.config_gen = -1
+
+    def _admission(self, address: str, caches: Any) -> Admission:
+        cfg = self._config()
+        rule = next((r for r in cfg.remotes if fnmatch.fnmatchcase(address, r.match)), None)
+        rules = (
+            (RemoteFormatRule(address=rule.match, format=rule.page_format),)
+            if rule is not None and rule.page_format is not None
+            else ()
+        )
+        return Admission(
+            local_format=caches.page_format,
+            layers=len(caches.layers),
+            compat_factors=dict(caches.compat_factors),
+            rules=rules,
+            conversion_enabled=rule.convert if rule else True,
+            check_identity=cfg.verify_model_identity,
+            timeout_s=cfg.handshake_timeout_s,
+        )
+
+    async def _handshake(self, target: PeerTarget, caches: Any) -> Any:
+        t0 = time.monotonic()
+        try:
+            peer = await self._port.connect(target, self._admission(target.address, caches))
+        except RemoteRefused as exc:
+            self._metrics.handshake(False)
+            raise Refused(exc.field or "remote", exc.reason) from None
+        except vllm_wire.HandshakeRefused as exc:
+            self._metrics.handshake(False)
+            raise Refused(exc.field, exc.reason) from None
+        except vllm_wire.HandshakeTimeout as exc:
+            self._metrics.handshake(False)
+            raise Failed(f"handshake: {exc}") from None
+        except Exception as exc:
+            self._metrics.handshake(False)
+            raise Failed(f"handshake with {target.address}: {reason_of(exc)}") from None
+        self._metrics.handshake(True, time.monotonic() - t0)
+        log.info(
+            "prefill %s rank %d at %s admitted: %s",
+            target.engine_id,
+            target.tp_rank,
+            target.address,
+            "convert" if peer.plan.convert else "plain read",
+        )
+        self._on_admitted((target.engine_id, target.tp_rank), peer)
+        return peer
+
+    # -- notifications
+
+    def notify(self, peer: Any, remote_request_id: str) -> None:
+        """Tell the prefill to free a request's blocks (best effort: its lease frees them anyway)."""
+        self._sent()
+        try:
+            self._port.notify(peer, remote_request_id)
+        except Exception as exc:  # noqa: BLE001
+            log.info("notification for %s failed: %s", remote_request_id, exc)
+
+    def notify_when_admitted(self, handshake: asyncio.Task, remote_request_id: str) -> None:
+        """Notify once a running handshake is through, without holding anyone up."""
+
+        async def later() -> None:
+            try:
+                peer = await asyncio.shield(handshake)
+            except Exception:  # noqa: BLE001 - no prefill to tell; its lease frees the blocks
+                return
+            self.notify(peer, remote_request_id)
+
+        self._spawn(later())
+
+    def notify_unread(self, target: PeerTarget, caches: Any, remote_request_id: str) -> None:
+        """A request stopped before its handshake began: handshake (or reuse one) just to notify."""
+        if caches is None:
+            return
+        key = (target.engine_id, target.tp_rank)
+        entry = self._entries.get(key)
+        if entry is None or entry.failed:
+            entry = self.start(target, caches)
+        self.notify_when_admitted(entry.task, remote_request_id)
+
+    def close(self) -> None:
+        for entry in self._entries.values():
+            entry.task.cancel()
+        self._entries.clear()

@@ -1,0 +1,290 @@
+"""A Pull's path: queue → handshake → lease check → read (converting groups as they land) → Done.
+
+``Pipeline._path`` is the whole happy path in one short function; everything that can go wrong raises
+(``Refused``, ``Failed``) or cancels the job's task (deadline, Abort, shutdown), and ``_run`` turns that into
+the one answer every accepted Pull gets. Before answering, ``_quiesce`` makes sure nothing can still write
+into the job's blocks, and that a prefill whose blocks we will not read is told so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sidecar.daemon.caches import CacheRegistry, Caches
+from sidecar.daemon.conversion import Conversions
+from sidecar.daemon.errors import Failed, PeerLost, Refused, reason_of
+from sidecar.daemon.jobs import SHUTTING_DOWN, Ending, Job, JobTable, Outcome, Session, Stage
+from sidecar.daemon.leases import Leases
+from sidecar.daemon.peers import Peers
+from sidecar.daemon.port import PeerTarget, ReadMode
+from sidecar.daemon.reads import Reads
+from sidecar.daemon.staging import Staging
+from sidecar.ops.config import Config
+from sidecar.ops.metrics import Metrics
+from sidecar.wire import protocol as p
+
+log = logging.getLogger("kv_sidecar.pipeline")
+
+
+class Pipeline:
+    """Accepts Pulls and Aborts, runs each job through the parts, and answers it exactly once."""
+
+    def __init__(
+        self,
+        *,
+        config: Callable[[], Config],
+        jobs: JobTable,
+        caches: CacheRegistry,
+        peers: Peers,
+        leases: Leases,
+        reads: Reads,
+        staging: Staging | None,
+        conversions: Conversions,
+        send: Callable[[list[bytes], p.ToShim], None],
+        metrics: Metrics,
+        spawn: Callable[[Any], asyncio.Task],
+        stopping: Callable[[], bool],
+    ) -> None:
+        self._config = config
+        self._jobs = jobs
+        self._caches = caches
+        self._peers = peers
+        self._leases = leases
+        self._reads = reads
+        self._staging = staging
+        self._conversions = conversions
+        self._send = send
+        self._metrics = metrics
+        self._spawn = spawn
+        self._stopping = stopping
+
+    # -- the way in
+
+    def on_pull(self, envelope: list[bytes], session: Session, msg: p.Pull, received: float) -> None:
+        if msg.req_id in self._jobs:
+            self._metrics.invalid_messages.inc()
+            reason = f"req_id {msg.req_id!r} is already in flight"
+            self._send(envelope, p.Error(reason=reason, in_reply_to="Pull", req_id=msg.req_id))
+            return
+        if self._stopping():
+            self._answer_now(envelope, msg, Outcome.FAILED, f"{SHUTTING_DOWN}: not accepting pulls")
+            return
+        full = self._jobs.full()
+        if full is not None:
+            self._answer_now(envelope, msg, Outcome.REFUSED, full)
+            return
+        timeout = self._jobs.timeout_for(msg, self._config().default_timeout_s)
+        job = self._jobs.add(msg, envelope, session, received, timeout, self._run)
+        assert job.task is not None
+        job.task.add_done_callback(lambda task: self._cancelled_before_start(job, task))
+        self._metrics.in_flight.set(len(self._jobs))
+        started = msg.lease_started_at_ns / 1e9 if msg.lease_started_at_ns else received
+        self._leases.seen(msg.remote_request_id, min(started, received))
+
+    def on_abort(self, envelope: list[bytes], session: Session, msg: p.Abort, received: float) -> None:
+        job = self._jobs.get(msg.req_id)
+        if job is None:
+            reason = "not in flight (already answered or never seen)"
+            self._send(envelope, p.Aborted(req_id=msg.req_id, safe=True, reason=reason))
+            return
+        job.abort_envelope = envelope  # answered with Aborted (not Done) once the job is quiet
+        self._jobs.cancel(job, Ending(Outcome.ABORTED, "aborted by the shim"))
+
+    def _answer_now(self, envelope: list[bytes], msg: p.Pull, outcome: Outcome, reason: str) -> None:
+        self._metrics.answered(outcome.value)
+        self._send(envelope, p.Done(req_id=msg.req_id, ok=False, reason=reason))
+
+    # -- the path
+
+    async def _path(self, job: Job) -> Ending:
+        msg, cfg = job.msg, self._config()
+        await self._jobs.wait_turn(job)
+        caches = self._hold_caches(job)
+        if msg.remote_tp_size != job.session.tp_size:
+            raise Refused(
+                "remote_tp_size",
+                f"prefill TP {msg.remote_tp_size} != decoder TP "
+                f"{job.session.tp_size}: heterogeneous TP is not supported",
+            )
+        job.enter(Stage.HANDSHAKE)
+        job.peer_entry, handshake = self._peers.acquire(_target(job), caches)
+        job.peer = await asyncio.shield(handshake)
+        if not self._leases.check(msg.remote_request_id, time.monotonic()):
+            raise Failed(
+                f"lease: cannot vouch for {msg.remote_request_id!r} any more (lease {cfg.lease_s:g} s, "
+                "no heartbeat in time); not reading blocks the prefill may have reused"
+            )
+        job.enter(Stage.TRANSFER)
+        converting = await self._post(job, caches, self._mode(job.peer.plan.convert), cfg.layer_groups)
+        posted = time.monotonic()
+        job.timings["post"] = posted - job.stage_started
+        await self._reads.wait(job)  # layer groups convert as they land, while later ones still read
+        done_at = job.read.done_at or time.monotonic()
+        job.timings["read"] = done_at - posted
+        if done_at >= self._leases.vouched_until(msg.remote_request_id):
+            raise Failed(
+                f"lease: the read of {msg.remote_request_id!r} ended after its lease could have "
+                "lapsed; its bytes cannot be trusted"
+            )
+        if converting:
+            job.enter(Stage.CONVERT)  # what is left of the conversion once the last byte has landed
+            await self._conversions.finish(job, len(caches.layers))
+        return Ending(Outcome.OK)
+
+    def _hold_caches(self, job: Job) -> Caches:
+        caches = self._caches.current
+        if caches is None:
+            raise Refused("caches", "no caches registered (RegisterCaches first)")
+        caches.users += 1
+        job.caches = caches
+        return caches
+
+    def _mode(self, convert: bool) -> ReadMode:
+        if not convert:
+            return "plain"
+        mode = self._config().pull_mode
+        if mode == "auto":
+            return "staged" if self._staging is not None else "direct"
+        return mode
+
+    async def _post(self, job: Job, caches: Caches, mode: ReadMode, layer_groups: int) -> bool:
+        """Take staging slots if staged, prepare the conversion, post the reads; True if it converts."""
+        job.blocks = self._reads.blocks(job, mode)
+        pool = slots = src = None
+        layers, blocks = len(caches.layers), int(job.blocks.size)
+        if mode == "staged":
+            if self._staging is None:
+                raise Refused("pull_mode", "staged reads need a staging pool (staging_bytes = 0)")
+            fmt = job.peer.plan.remote
+            pool, slots, job.slots = await self._staging.take(fmt, layers, blocks)
+            src = self._staging.source(job.slots, caches.page_format, layers, blocks)
+        converting = bool(job.peer.plan.convert and blocks)
+        if converting:
+            self._conversions.begin(job, src)
+        self._reads.post(job, mode, layer_groups, pool, slots)
+        return converting
+
+    # -- the way out
+
+    async def _run(self, job: Job) -> None:
+        try:
+            ending = await self._path(job)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            ending = job.stop or Ending(Outcome.FAILED, "cancelled")
+        except Refused as exc:
+            ending = Ending(Outcome.REFUSED, str(exc), exc.field)
+        except PeerLost as exc:
+            self._peers.drop(job.peer_entry)
+            ending = Ending(Outcome.FAILED, str(exc))
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a Done(ok=False)
+            if not isinstance(exc, Failed):
+                log.warning("pull %s failed: %s: %s", job.req_id, type(exc).__name__, exc)
+            ending = Ending(Outcome.FAILED, reason_of(exc), getattr(exc, "field", None))
+        finally:
+            job.settled = True
+        ending.safe = await self._quiesce(job)
+        self._answer(job, ending)
+
+    def _cancelled_before_start(self, job: Job, task: asyncio.Task) -> None:
+        """A task cancelled before its first step never ran ``_run``: answer its job here."""
+        if task.cancelled() and self._jobs.is_current(job) and not job.settled:
+            job.settled = True
+            ending = job.stop or Ending(Outcome.FAILED, "cancelled")
+
+            async def settle() -> None:
+                ending.safe = await self._quiesce(job)
+                self._answer(job, ending)
+
+            self._spawn(settle())
+
+    async def _quiesce(self, job: Job) -> bool:
+        """Make sure nothing can still write into the job's blocks; tell the prefill what we will not read."""
+        safe = True
+        rid = job.msg.remote_request_id
+        if job.read is not None:
+            safe = await self._reads.stop(job)
+        elif job.peer is not None:
+            self._peers.notify(job.peer, rid)  # read never posted: still let the prefill free the blocks
+        elif job.peer_entry is not None:
+            # stopped during the handshake, or after it ended but before this job resumed from it
+            self._peers.notify_when_admitted(job.peer_entry.task, rid)
+        elif self._stopped_while_queued(job):
+            # the prefill holds the blocks for its lease: handshake (or reuse one) just to notify
+            self._peers.notify_unread(_target(job), self._caches.current, rid)
+        await self._conversions.settle(job)
+        return safe
+
+    def _stopped_while_queued(self, job: Job) -> bool:
+        stop = job.stop
+        stopped = stop is not None and stop.outcome in (Outcome.ABORTED, Outcome.EXPIRED)
+        return stopped and not self._stopping()
+
+    def _answer(self, job: Job, ending: Ending) -> None:
+        """Answer the job exactly once and release what it held."""
+        if not self._jobs.retire(job):
+            return
+        self._metrics.in_flight.set(len(self._jobs))
+        now = time.monotonic()
+        job.enter(Stage.DONE, now)
+        if job.slots is not None and self._staging is not None:
+            self._staging.give(job.slots)
+            job.slots = None
+        if job.caches is not None:
+            job.caches.users -= 1
+            job.caches = None
+        if job.peer_entry is not None:
+            self._peers.release(job.peer_entry)
+            job.peer_entry = None
+        self._leases.forget(job.msg.remote_request_id)
+        timings = {k: v for k, v in job.timings.items() if k != Stage.DONE.value}
+        timings["end_to_end"] = now - job.received
+        if job.abort_envelope is not None:
+            ending.outcome = Outcome.ABORTED
+        # Counted before the answer goes out, so whoever holds the answer sees it counted.
+        if ending.field:
+            self._metrics.refused(ending.field)
+        self._metrics.answered(ending.outcome.value)
+        if ending.outcome is Outcome.OK and job.read is not None:
+            self._metrics.bytes_pulled.inc(getattr(job.read, "nbytes", 0))
+        if job.abort_envelope is not None:
+            self._send(
+                job.abort_envelope,
+                p.Aborted(
+                    req_id=job.req_id,
+                    safe=ending.safe,
+                    reason=None if ending.safe else "transfers not released",
+                ),
+            )
+        else:
+            ok = ending.outcome is Outcome.OK
+            reason = ending.reason
+            if not ending.safe:
+                reason = f"{reason}; blocks unsafe: a transfer could not be stopped"
+            t0 = time.monotonic()
+            self._send(
+                job.envelope,
+                p.Done(req_id=job.req_id, ok=ok, reason=None if ok else reason, timings=timings),
+            )
+            timings["signal"] = time.monotonic() - t0
+        if job.read is not None:
+            self._reads.release(job)
+        self._metrics.observe(timings)
+        log.debug("pull %s: %s %s %s", job.req_id, ending.outcome.value, ending.reason or "", timings)
+
+
+def _target(job: Job) -> PeerTarget:
+    msg = job.msg
+    return PeerTarget(
+        engine_id=msg.remote_engine_id,
+        tp_rank=job.session.rank,
+        host=msg.remote_host,
+        port=msg.remote_port,
+        generation=msg.remote_registration_generation,
+    )

@@ -1,0 +1,129 @@
+"""``TransferPort``: every call the daemon makes on the prefill side (side channel and NIXL), in one place.
+
+The daemon's parts talk to prefills only through this contract. ``sidecar.nixl.port.NixlPort`` is the real
+one (vLLM's side channel + a NIXL agent); ``sidecar.standins.fake_transfer.FakePort`` is an in-process fake
+that can be told to be slow, fail a READ, lose a peer or complete out of order, so the daemon's logic can be
+unit-tested without processes. All methods except ``connect`` are synchronous and return at once: they run
+on the daemon's event loop thread.
+
+What the daemon reads off the objects the port returns:
+
+- a peer (``connect``): ``plan`` (``sidecar.wire.formats.Plan``: ``.convert``, ``.remote``), ``generation``
+  (settable: a handshake started by a heartbeat learns it from the first Pull), ``address``;
+- a read (``read``): ``finished``, ``done_at``, ``nbytes``, ``handles`` (truthy while some are held) and
+  ``landed``, a list of ``(first, last)`` layer ranges seen DONE that the daemon pops to convert them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol
+
+import msgspec
+import numpy as np
+
+from sidecar.nixl.admission import RemoteFormatRule
+from sidecar.nixl.geometry import LocalRegions, StagingPool
+from sidecar.wire.formats import PageFormat
+
+ReadMode = Literal["direct", "staged", "plain"]
+
+
+class PeerTarget(msgspec.Struct, frozen=True):
+    """One prefill rank to handshake with, as a Pull or a Heartbeat names it."""
+
+    engine_id: str
+    tp_rank: int
+    host: str
+    port: int
+    generation: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class Admission(msgspec.Struct, frozen=True):
+    """What a prefill rank is checked against at handshake (the decoder's caches and the operator's rules)."""
+
+    local_format: PageFormat
+    layers: int
+    compat_factors: dict[str, Any]
+    rules: tuple[RemoteFormatRule, ...]
+    conversion_enabled: bool = True
+    check_identity: bool = True
+    timeout_s: float = 5.0
+
+
+class TransferPort(Protocol):
+    """The prefill side, as the daemon uses it. Errors are ``sidecar.nixl.errors.TransferError`` subclasses
+    (``connect`` may also raise ``sidecar.wire.prefill.HandshakeRefused`` / ``HandshakeTimeout``)."""
+
+    local_mem_type: str  # "DRAM" (the CPU twin) or "VRAM"
+
+    # -- local memory (at registration and start-up)
+    def register(self, ranges: Sequence[tuple[int, int, int]], mem_type: str) -> Any: ...
+    def deregister(self, registration: Any) -> None: ...
+    def destination(self, registration: Any, regions: LocalRegions) -> Any: ...
+    def staging(self, registration: Any, pool: StagingPool) -> StagingPool: ...
+
+    # -- prefills
+    async def connect(self, target: PeerTarget, admission: Admission) -> Any:
+        """Handshake with one prefill rank, admit it (format, identity, geometry) and load it."""
+        ...
+
+    def remove_peer(self, peer: Any) -> None: ...
+
+    # -- one request's reads
+    def blocks(
+        self,
+        peer: Any,
+        dest: Any,
+        mode: ReadMode,
+        local_ids: Sequence[int],
+        remote_ids: Sequence[int],
+        remote_num_tokens: int | None,
+    ) -> np.ndarray:
+        """The local kernel block ids a read of these ids writes (padding trimmed): what gets converted."""
+        ...
+
+    def read(
+        self,
+        peer: Any,
+        dest: Any,
+        mode: ReadMode,
+        local_ids: Sequence[int],
+        remote_ids: Sequence[int],
+        remote_request_id: str,
+        *,
+        layer_groups: int,
+        timeout_s: float,
+        remote_num_tokens: int | None,
+        pool: StagingPool | None = None,
+        slots: np.ndarray | None = None,
+    ) -> Any:
+        """Post the request's READs (one per layer group); the prefill is notified once all are DONE."""
+        ...
+
+    def poll(self, read: Any, now: float) -> bool:
+        """True once every READ is DONE and the notification sent; raises on failure or deadline."""
+        ...
+
+    def abort(self, read: Any) -> bool:
+        """Cancel a read and notify the prefill; True when nothing can still write into local memory."""
+        ...
+
+    def release(self, read: Any) -> bool:
+        """Release a finished read's handles (after the answer went out); True when none is left."""
+        ...
+
+    def notify(self, peer: Any, remote_request_id: str) -> None:
+        """Tell the prefill to free a request's blocks without reading them."""
+        ...
+
+    def heartbeat(self, peer: Any, remote_request_ids: Sequence[str]) -> None: ...
+    def progress(self) -> None:
+        """Let the transport move queued messages (when no progress thread does)."""
+        ...
+
+    def close(self) -> None: ...

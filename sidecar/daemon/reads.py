@@ -1,0 +1,167 @@
+"""Reads: posting a job's READs through the port, and the loop that polls them until they land.
+
+One poll loop serves every read in flight: while any is, it polls them every ``poll_interval_s``; when
+none is, it sleeps until the next one is posted. A layer group seen DONE is handed to the conversion at
+once (``on_landed``), so it converts while later groups still read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from sidecar.daemon.errors import Failed, PeerLost, Refused
+from sidecar.daemon.jobs import Job
+from sidecar.daemon.port import ReadMode, TransferPort
+from sidecar.nixl.errors import RemoteDisconnected, RemoteRefused, TransferError
+from sidecar.nixl.geometry import GeometryError, StagingPool
+
+log = logging.getLogger("kv_sidecar.reads")
+
+# How long to keep asking NIXL to release a read's transfers before calling its blocks unsafe.
+RELEASE_GIVE_UP_S = 5.0
+
+
+class Reads:
+    """The reads in flight, and NIXL's progress when no progress thread drives it."""
+
+    def __init__(
+        self,
+        port: TransferPort,
+        poll_interval_s: Callable[[], float],
+        on_landed: Callable[[Job, int, int], None],
+    ) -> None:
+        self._port = port
+        self._poll_interval_s = poll_interval_s
+        self._on_landed = on_landed
+        self._waiting: dict[Any, tuple[asyncio.Future, Job]] = {}  # read handle -> (its wait, its job)
+        self._wakeup = asyncio.Event()
+        self._last_sent = 0.0
+
+    def sent(self) -> None:
+        """Something went out on NIXL (a notification, a heartbeat): keep UCX moving for a while."""
+        self._last_sent = time.monotonic()
+
+    def blocks(self, job: Job, mode: ReadMode) -> np.ndarray:
+        """The local kernel blocks the job's read writes (tail pairing, padding trimmed)."""
+        msg = job.msg
+        try:
+            return self._port.blocks(
+                job.peer,
+                job.caches.destination,
+                mode,
+                msg.local_block_ids,
+                msg.remote_block_ids,
+                msg.remote_num_tokens,
+            )
+        except GeometryError as exc:
+            raise Refused(exc.field, exc.reason) from None
+        except RemoteRefused as exc:
+            raise Refused(exc.field or "remote", exc.reason) from None
+
+    def post(
+        self, job: Job, mode: ReadMode, layer_groups: int, pool: StagingPool | None, slots: np.ndarray | None
+    ) -> None:
+        """Post the job's READs (it must have its peer, caches and, when staged, its slots)."""
+        msg = job.msg
+        remaining = max(0.001, job.deadline - time.monotonic())
+        try:
+            job.read = self._port.read(
+                job.peer,
+                job.caches.destination,
+                mode,
+                msg.local_block_ids,
+                msg.remote_block_ids,
+                msg.remote_request_id,
+                layer_groups=layer_groups,
+                timeout_s=remaining + 1.0,
+                remote_num_tokens=msg.remote_num_tokens,
+                pool=pool,
+                slots=slots,
+            )
+        except GeometryError as exc:
+            raise Refused(exc.field, exc.reason) from None
+        except RemoteRefused as exc:
+            raise Refused(exc.field or "remote", exc.reason) from None
+        except RemoteDisconnected as exc:
+            raise PeerLost(f"transfer: {exc}") from None
+        except TransferError as exc:
+            raise Failed(f"transfer: {exc}") from None
+
+    async def wait(self, job: Job) -> None:
+        """Until every READ of the job is DONE (and the prefill notified)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[job.read] = (fut, job)
+        self._wakeup.set()
+        try:
+            await fut
+        except RemoteDisconnected as exc:
+            raise PeerLost(f"transfer: {exc}") from None
+        except TransferError as exc:
+            raise Failed(f"transfer: {exc}") from None
+
+    async def stop(self, job: Job) -> bool:
+        """Make sure the job's reads can no longer write; True when they cannot (else its blocks are unsafe).
+
+        An unfinished read is cancelled (and the prefill notified); a finished one's handles are released
+        after the answer, in ``release``."""
+        fut, _ = self._waiting.pop(job.read, (None, None))
+        if fut is not None and not fut.done():
+            fut.cancel()
+        if job.read.finished:
+            return True
+        safe = self._port.abort(job.read)
+        give_up = time.monotonic() + RELEASE_GIVE_UP_S
+        while not safe and time.monotonic() < give_up:
+            await asyncio.sleep(0.01)
+            safe = self._port.abort(job.read)
+        if not safe:
+            log.error("pull %s: NIXL would not release its transfers; its blocks are unsafe", job.req_id)
+        return safe
+
+    def release(self, job: Job) -> None:
+        """Release a finished read's handles (its notification went out with the last poll)."""
+        self.sent()
+        if job.read.handles and not self._port.release(job.read):
+            log.warning("pull %s: some DONE transfers could not be released", job.req_id)
+
+    async def poll_loop(self) -> None:
+        while True:
+            if not self._waiting:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            now = time.monotonic()
+            for read, (fut, job) in list(self._waiting.items()):
+                if fut.done():
+                    self._waiting.pop(read, None)
+                    continue
+                try:
+                    finished = self._port.poll(read, now)
+                except TransferError as exc:
+                    self._waiting.pop(read, None)
+                    fut.set_exception(exc)
+                    continue
+                while read.landed:
+                    self._on_landed(job, *read.landed.pop(0))
+                if finished:
+                    self._waiting.pop(read, None)
+                    fut.set_result(None)
+            if self._waiting:
+                await asyncio.sleep(self._poll_interval_s())
+
+    async def progress_loop(self) -> None:
+        """Without NIXL's progress thread, UCX moves only when we call in: for a while after the last
+        notification or heartbeat, call in every few ms so nothing we sent waits in a queue."""
+        while True:
+            await asyncio.sleep(0.005)
+            if time.monotonic() - self._last_sent > 2.0:
+                continue
+            try:
+                self._port.progress()
+            except Exception as exc:  # noqa: BLE001 - progress is best effort; errors surface on transfers
+                log.debug("progress: %s", exc)

@@ -1,0 +1,178 @@
+"""The router: the shims' ZMQ ROUTER socket and completion socket, their sessions, and a handler table.
+
+Every frame is decoded into a typed message (``sidecar.wire.protocol``) or answered with an ``Error``;
+a valid message goes to the handler registered for its type. A handler that raises is answered with an
+``Error`` too: one bad message never stops the daemon. Replies to a shim go over its completion socket
+when it bound one (``completions.py``), else over ZMQ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from sidecar.daemon.completions import CompletionSocket, completion_path
+from sidecar.daemon.jobs import Session
+from sidecar.ops.metrics import Metrics
+from sidecar.ops.socket_files import MAX_UNIX_PATH, bind_socket_file, refuse_if_served
+from sidecar.wire import protocol as p
+
+log = logging.getLogger("kv_sidecar.router")
+
+Handler = Callable[[list[bytes], Session, Any, float], None]
+
+
+class Router:
+    """Sockets, sessions and dispatch. ``on(MessageType, handler)`` before ``bind``."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+        self._handlers: dict[type, Handler] = {}
+        self._sessions: dict[bytes, Session] = {}
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._path = ""
+        self.completions: CompletionSocket | None = None
+
+    def on(self, kind: type, handler: Handler) -> None:
+        self._handlers[kind] = handler
+
+    def session(self, identity: bytes) -> Session | None:
+        return self._sessions.get(identity)
+
+    def bind(self, endpoint: str, path: str, gid: int | None, fast_completions: bool) -> None:
+        refuse_if_served(endpoint, path)  # again: one may have started meanwhile
+        self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        bind_socket_file(lambda: sock.bind(endpoint), path, gid)
+        self._sock, self._path = sock, path
+        if fast_completions:
+            done_path = completion_path(path)
+            if len(done_path.encode()) > MAX_UNIX_PATH:
+                log.warning(
+                    "completion socket disabled: %s is longer than a unix socket path may be", done_path
+                )
+                return
+            self.completions = CompletionSocket(
+                done_path,
+                asyncio.get_running_loop(),
+                self._may_bind_completions,
+                self._send_over_zmq,
+                group_gid=gid,
+            )
+
+    def _may_bind_completions(self, routing_id: bytes) -> str | None:
+        session = self._sessions.get(routing_id)
+        if session is None or session.hello is None:
+            return "routing_id: no shim with this routing id has said Hello on the main socket"
+        return None
+
+    async def receive_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart()
+            received = time.monotonic()
+            if len(frames) == 2:
+                envelope, payload = frames[:1], frames[1]
+            elif len(frames) == 3 and frames[1] == b"":
+                envelope, payload = frames[:2], frames[2]
+            else:
+                self._metrics.invalid_messages.inc()
+                self.send(
+                    frames[:1],
+                    p.Error(reason=f"expected one message frame after the identity, got {len(frames) - 1}"),
+                )
+                continue
+            try:
+                msg = p.decode_to_daemon(payload)
+            except p.DecodeError as exc:
+                self._metrics.invalid_messages.inc()
+                kind, req_id = _peek(payload)
+                log.warning("invalid message (%s): %s", kind or "?", exc)
+                self.send(envelope, p.Error(reason=str(exc), in_reply_to=kind, req_id=req_id))
+                continue
+            self.dispatch(envelope, msg, received)
+
+    def dispatch(self, envelope: list[bytes], msg: p.ToDaemon, received: float) -> None:
+        """Hand one decoded message to its handler (the receive loop's second half; tests call it too)."""
+        session = self._sessions.get(envelope[0])
+        if session is None:
+            session = self._sessions[envelope[0]] = Session(envelope[0])
+        try:
+            self._handlers[type(msg)](envelope, session, msg, received)
+        except Exception as exc:  # noqa: BLE001 - one bad message never stops the daemon
+            log.exception("handling %s", type(msg).__name__)
+            self.send(
+                envelope,
+                p.Error(
+                    reason=f"internal error: {exc}",
+                    in_reply_to=type(msg).__name__,
+                    req_id=getattr(msg, "req_id", None),
+                ),
+            )
+
+    def send(self, envelope: list[bytes], msg: p.ToShim) -> None:
+        if self._sock is None:
+            return
+        if isinstance(msg, p.Done):
+            msg = msgspec.structs.replace(msg, sent_at_ns=time.monotonic_ns())
+        data = p.encode(msg)
+        if len(envelope) == 1 and self.completions is not None and self.completions.send(envelope[0], data):
+            return
+        self._send_frames([*envelope, data])
+
+    def _send_over_zmq(self, routing_id: bytes, data: bytes) -> None:
+        self._send_frames([routing_id, data])
+
+    def _send_frames(self, frames: list[bytes]) -> None:
+        if self._sock is None:
+            return
+        try:
+            fut = self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("could not send a reply: %s", exc)
+            return
+        if isinstance(fut, asyncio.Future):
+            fut.add_done_callback(_log_send_failure)
+
+    def close(self) -> None:
+        if self.completions is not None:
+            self.completions.close()
+            self.completions = None
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path)
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+
+def _peek(payload: bytes) -> tuple[str | None, str | None]:
+    """Best effort: the type and req_id of an invalid message, so the Error can name the request."""
+    try:
+        obj = msgspec.msgpack.decode(payload)
+    except Exception:  # noqa: BLE001
+        return None, None
+    if not isinstance(obj, dict):
+        return None, None
+    kind, req_id = obj.get("type"), obj.get("req_id")
+    return (kind if isinstance(kind, str) else None), (req_id if isinstance(req_id, str) else None)
+
+
+def _log_send_failure(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("could not send a reply: %s", fut.exception())

@@ -1,0 +1,115 @@
+"""The staging pool: one registered buffer, cut into page-sized slots, lent to staged pulls in runs.
+
+A staged pull reads whole remote pages into a run of adjacent slots (adjacent slots let NIXL merge
+descriptors), then converts out of place into the decoder's planes. The pool is cut for one page size at a
+time; when a request with another page size comes and the pool is idle, it is re-cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sidecar.daemon.errors import Refused
+from sidecar.daemon.port import TransferPort
+from sidecar.daemon.slots import SlotAllocator
+from sidecar.nixl.geometry import StagingPool, contiguous_slots
+from sidecar.wire import ipc as ipc_mod
+from sidecar.wire.formats import PageFormat
+
+
+@dataclass(eq=False)
+class _Cut:
+    """The pool as slots of one page size."""
+
+    slot_bytes: int
+    pool: StagingPool  # what the port reads into
+    allocator: SlotAllocator
+
+
+class Staging:
+    """The daemon's staging pool (``staging_bytes`` of device memory, registered with NIXL)."""
+
+    def __init__(self, port: TransferPort, nbytes: int, device: str, device_id: int) -> None:
+        import torch
+
+        self._port = port
+        self.nbytes = nbytes
+        self._tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self._device_id = device_id
+        self._mem_type = port.local_mem_type
+        self._registration = port.register([(self._tensor.data_ptr(), nbytes, device_id)], self._mem_type)
+        self._cut: _Cut | None = None
+        self._changed = asyncio.Condition()
+        self._wakes: set[asyncio.Task] = set()
+
+    def _cut_for(self, page_bytes: int) -> _Cut:
+        cut = self._cut
+        if cut is not None and cut.slot_bytes == page_bytes:
+            return cut
+        num = self.nbytes // page_bytes
+        if num == 0:
+            raise Refused("staging_bytes", f"{self.nbytes} bytes hold no {page_bytes}-byte page")
+        if cut is not None and cut.allocator.free != cut.allocator.num_slots:
+            raise Refused("staging", "the pool is in use with another page size")
+        pool = StagingPool(
+            base=self._tensor.data_ptr(),
+            slot_bytes=page_bytes,
+            num_slots=num,
+            device_id=self._device_id,
+            mem_type=self._mem_type,
+        )
+        self._cut = _Cut(page_bytes, self._port.staging(self._registration, pool), SlotAllocator(num))
+        return self._cut
+
+    async def take(
+        self, fmt: PageFormat, layers: int, blocks: int
+    ) -> tuple[StagingPool, np.ndarray, tuple[int, int]]:
+        """Wait for ``layers * blocks`` adjacent slots of ``fmt``'s page size.
+
+        Returns the pool to read into, the slot of each (layer, block), and the run to give back."""
+        while True:
+            cut = self._cut_for(fmt.page_bytes)
+            need = layers * blocks
+            if need > cut.allocator.num_slots:
+                raise Refused(
+                    "staging_bytes",
+                    f"the request needs {need} slots of {fmt.page_bytes} bytes, "
+                    f"the pool has {cut.allocator.num_slots}",
+                )
+            async with self._changed:
+                while (first := cut.allocator.take(need)) is None and self._cut is cut:
+                    await self._changed.wait()
+            if first is not None:
+                return cut.pool, contiguous_slots(first, layers, blocks), (first, need)
+            # re-cut for another page size while we waited: start over on the new cut
+
+    def give(self, run: tuple[int, int]) -> None:
+        """Give a run back (the job's reads and conversion are over) and wake waiting pulls."""
+        assert self._cut is not None
+        self._cut.allocator.give(*run)
+
+        async def wake() -> None:
+            async with self._changed:
+                self._changed.notify_all()
+
+        task = asyncio.ensure_future(wake())
+        self._wakes.add(task)
+        task.add_done_callback(self._wakes.discard)
+
+    def source(self, run: tuple[int, int], fmt: PageFormat, layers: int, blocks: int) -> Any:
+        """A run's pages as one [layers, blocks, page elements] tensor of the page dtype."""
+        assert self._cut is not None
+        first, n = run
+        slot = self._cut.slot_bytes
+        return (
+            self._tensor[first * slot : (first + n) * slot]
+            .view(ipc_mod.torch_dtype(fmt.dtype))
+            .view(layers, blocks, -1)
+        )
+
+    def close(self) -> None:
+        self._port.deregister(self._registration)

@@ -1,0 +1,122 @@
+"""Admitting a prefill rank at handshake (pure): its declared page format, model identity and geometry.
+
+Every check runs in order and the first failure is refused by field name; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from sidecar.nixl.errors import RemoteRefused
+from sidecar.nixl.geometry import GeometryError, RemoteRegions, check_remote
+from sidecar.wire import prefill as vllm_wire
+from sidecar.wire.formats import PageFormat, Plan, Refusal, negotiate
+
+# -- configuration ---------------------------------------------------------------------------------
+
+
+class RemoteFormatRule(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The operator's declaration: prefills whose side channel matches ``address`` (``host:port``, fnmatch
+    wildcards, e.g. ``"10.0.0.*:5600"`` or ``"*:*"``) publish pages in ``format``."""
+
+    address: str
+    format: PageFormat
+
+    def __post_init__(self) -> None:
+        if self.address.count(":") < 1:
+            raise ValueError(f"address pattern {self.address!r} must be host:port (wildcards allowed)")
+
+
+# -- admission (pure) ------------------------------------------------------------------------------
+
+
+def resolve_remote_format(address: str, rules: Sequence[RemoteFormatRule], tag: Any = None) -> PageFormat:
+    """The remote page format: its own tag when a (future) vLLM publishes one, else the first declaration
+    whose pattern matches ``host:port``; with neither, refuse — the format is never guessed."""
+    if tag is not None:
+        try:
+            return msgspec.convert(tag, PageFormat)
+        except (msgspec.ValidationError, ValueError) as exc:
+            raise RemoteRefused(
+                f"the published page-format tag is invalid: {exc}", "remote page format"
+            ) from exc
+    for rule in rules:
+        if fnmatch.fnmatchcase(address, rule.address):
+            return rule.format
+    raise RemoteRefused(
+        f"prefill {address} publishes no page-format tag and no declaration in the config "
+        f"matches it (remote_formats: {[r.address for r in rules]})",
+        "remote page format",
+    )
+
+
+def check_model_identity(
+    remote_hash: str, remote_backend: str, local_factors: Mapping[str, Any] | None
+) -> None:
+    """Refuse a remote serving another model: its compatibility hash must equal the decoder's own, recomputed
+    with the remote's attention backend name (the only factor allowed to differ)."""
+    if local_factors is None:
+        raise RemoteRefused(
+            "no local model identity (hash factors) to check the remote against", "compatibility_hash"
+        )
+    try:
+        vllm_wire.check_model_identity(remote_hash, local_factors, remote_backend)
+    except vllm_wire.WireError as exc:
+        raise RemoteRefused(exc.reason, exc.field) from exc
+
+
+# Metadata fields whose non-default values mean a feature out of scope (MLA packing, PP/HMA members, DCP).
+_OUT_OF_SCOPE = {
+    "dcp_size": 1,
+    "pcp_size": 1,
+}
+
+
+def admit_remote(
+    meta: Any,
+    *,
+    address: str,
+    local_format: PageFormat,
+    layers: int,
+    settings: Any,
+    remote_hash: str | None = None,
+    local_factors: Mapping[str, Any] | None = None,
+    check_identity: bool = True,
+    expected_engine_id: str | None = None,
+) -> tuple[Plan, RemoteRegions]:
+    """Every handshake-time check of one prefill rank, in order; the first failure refused by field name."""
+    if expected_engine_id is not None and meta.engine_id != expected_engine_id:
+        raise RemoteRefused(
+            f"metadata is for engine {meta.engine_id!r}, the request names {expected_engine_id!r}",
+            "engine_id",
+        )
+    for name, want in _OUT_OF_SCOPE.items():
+        got = getattr(meta, name, want)
+        if got != want:
+            raise RemoteRefused(f"{got} != {want}: out of scope", name)
+    if tuple(getattr(meta, "ssm_sizes", (0, 0)) or (0, 0)) != (0, 0):
+        raise RemoteRefused("Mamba/SSM state is out of scope", "ssm_sizes")
+    if getattr(meta, "region_members", None):
+        raise RemoteRefused("per-region layer members (push/PP/HMA) are out of scope", "region_members")
+    if getattr(meta, "packed_member_layouts", None):
+        raise RemoteRefused("packed MLA layouts are out of scope", "packed_member_layouts")
+    remote_format = resolve_remote_format(
+        address, settings.remote_formats, getattr(meta, "page_format", None)
+    )
+    if check_identity:
+        if remote_hash is None:
+            raise RemoteRefused("the handshake carried no compatibility hash", "compatibility_hash")
+        check_model_identity(remote_hash, meta.attn_backend_name, local_factors)
+    plan = negotiate(remote_format, local_format, conversion_enabled=settings.conversion_enabled)
+    if isinstance(plan, Refusal):
+        raise RemoteRefused(plan.reason, plan.field)
+    try:
+        regions = RemoteRegions.from_metadata(meta, default_mem_type=settings.remote_mem_type)
+        check_remote(regions, remote_format, layers)
+    except GeometryError as exc:
+        raise RemoteRefused(exc.reason, exc.field) from exc
+    return plan, regions

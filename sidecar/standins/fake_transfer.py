@@ -1,0 +1,213 @@
+"""``FakePort``: an in-process ``TransferPort`` for unit tests of the daemon's logic (no NIXL, no sockets).
+
+It keeps the real port's contract (the objects it returns carry the fields the daemon reads) and lets a
+test decide what the prefill side does: hold handshakes, refuse or time them out, land a read's layer groups
+one at a time and in any order, fail a read, lose a peer, or answer at once. It moves no bytes: a test that
+needs real bytes uses the real port (tests/e2e, tests/sidecar/daemon/test_service.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sidecar.daemon.port import Admission, PeerTarget, ReadMode
+from sidecar.nixl.errors import RemoteDisconnected, RemoteRefused, TransferFailed, TransferTimeout
+from sidecar.nixl.geometry import LocalRegions, StagingPool, regions_per_layer
+from sidecar.wire.formats import STANDARD, Plan, negotiate
+
+
+@dataclass(eq=False)
+class FakePeer:
+    engine_id: str
+    tp_rank: int
+    address: str
+    generation: int
+    plan: Plan
+    removed: bool = False
+
+
+@dataclass(eq=False)
+class FakeRead:
+    """One request's reads: ``groups`` not yet landed, in the order the test will land them."""
+
+    peer: FakePeer
+    remote_request_id: str
+    deadline: float
+    groups: list[tuple[int, int]]
+    mode: str
+    slots: Any = None
+    landed: list[tuple[int, int]] = field(default_factory=list)
+    finished: bool = False
+    done_at: float | None = None
+    handles: list[Any] = field(default_factory=list)
+    nbytes: int = 0
+    error: Exception | None = None
+    aborted: bool = False
+
+
+class FakePort:
+    """A scriptable prefill side. By default handshakes pass and reads land whole on the first poll."""
+
+    def __init__(self, remote_format: Any = None) -> None:
+        self.local_mem_type = "DRAM"
+        self.remote_format = remote_format  # None: the decoder's own format with STANDARD kind
+        self.auto_land = True  # land every group on the first poll; False: the test calls land()
+        self.reverse = False  # auto-land groups last first (out of order)
+        self.handshake_gate: asyncio.Event | None = None  # set: handshakes wait for it
+        self.refuse_handshake: str | None = None  # a field name: connect refuses naming it
+        self.fail_reads = False  # poll raises TransferFailed
+        self.disconnect_reads = False  # poll raises RemoteDisconnected
+        self.stuck_abort = 0  # abort() reports unsafe this many times first
+        self.connects = 0
+        self.peers: list[FakePeer] = []
+        self.reads: list[FakeRead] = []
+        self.notified: list[str] = []
+        self.heartbeats: list[list[str]] = []
+        self.registrations = 0
+
+    # -- local memory
+    def register(self, ranges: Sequence[tuple[int, int, int]], mem_type: str) -> Any:
+        self.registrations += 1
+        return ("registration", tuple(ranges), mem_type)
+
+    def deregister(self, registration: Any) -> None:
+        self.registrations -= 1
+
+    def destination(self, registration: Any, regions: LocalRegions) -> Any:
+        return ("destination", regions)
+
+    def staging(self, registration: Any, pool: StagingPool) -> StagingPool:
+        return pool
+
+    # -- prefills
+    async def connect(self, target: PeerTarget, admission: Admission) -> FakePeer:
+        self.connects += 1
+        if self.handshake_gate is not None:
+            await self.handshake_gate.wait()
+        if self.refuse_handshake is not None:
+            raise RemoteRefused("refused by the fake prefill", self.refuse_handshake)
+        local = admission.local_format
+        remote = self.remote_format or (
+            local if local.kind != "aiter_shuffled" else _with_kind(local, STANDARD)
+        )
+        plan = negotiate(remote, local, conversion_enabled=admission.conversion_enabled)
+        if not isinstance(plan, Plan):
+            raise RemoteRefused(plan.reason, plan.field)
+        peer = FakePeer(target.engine_id, target.tp_rank, target.address, target.generation, plan)
+        self.peers.append(peer)
+        return peer
+
+    def remove_peer(self, peer: FakePeer) -> None:
+        peer.removed = True
+
+    # -- reads
+    def blocks(
+        self,
+        peer: Any,
+        dest: Any,
+        mode: ReadMode,
+        local_ids: Sequence[int],
+        remote_ids: Sequence[int],
+        remote_num_tokens: int | None,
+    ) -> np.ndarray:
+        n = min(len(local_ids), len(remote_ids))
+        return np.asarray(list(local_ids)[len(local_ids) - n :], dtype=np.int64)
+
+    def read(
+        self,
+        peer: Any,
+        dest: Any,
+        mode: ReadMode,
+        local_ids: Sequence[int],
+        remote_ids: Sequence[int],
+        remote_request_id: str,
+        *,
+        layer_groups: int,
+        timeout_s: float,
+        remote_num_tokens: int | None,
+        pool: StagingPool | None = None,
+        slots: np.ndarray | None = None,
+    ) -> FakeRead:
+        if slots is not None:
+            layers = int(slots.shape[0])
+        else:
+            layers = dest[1].num_regions // regions_per_layer(peer.plan.local)
+        bounds = np.linspace(0, layers, max(1, min(layer_groups, layers)) + 1).astype(int)
+        groups = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        if self.reverse:
+            groups.reverse()
+        read = FakeRead(peer, remote_request_id, time.monotonic() + timeout_s, groups, mode, slots)
+        read.handles = [object() for _ in groups]
+        self.reads.append(read)
+        return read
+
+    def land(self, read: FakeRead, index: int = 0) -> None:
+        """Land one pending layer group (by its position among those still pending)."""
+        read.landed.append(read.groups.pop(index))
+
+    def poll(self, read: FakeRead, now: float) -> bool:
+        if read.finished:
+            if read.error is not None:
+                raise read.error
+            return True
+        if self.fail_reads or self.disconnect_reads:
+            if self.disconnect_reads:
+                read.error = RemoteDisconnected("check_xfer_state: remote agent disconnected")
+            else:
+                read.error = TransferFailed("the fake prefill failed the READ")
+            self._end(read)
+            raise read.error
+        if self.auto_land:
+            while read.groups:
+                self.land(read)
+        if not read.groups:
+            read.done_at = now
+            self._end(read)
+            return True
+        if now > read.deadline:
+            read.error = TransferTimeout("the fake read missed its deadline")
+            self._end(read)
+            raise read.error
+        return False
+
+    def _end(self, read: FakeRead) -> None:
+        read.finished = True
+        self.notified.append(read.remote_request_id)
+
+    def abort(self, read: FakeRead) -> bool:
+        if self.stuck_abort > 0:
+            self.stuck_abort -= 1
+            return False
+        read.aborted = True
+        read.handles = []
+        if not read.finished:
+            self._end(read)
+        return True
+
+    def release(self, read: FakeRead) -> bool:
+        read.handles = []
+        return True
+
+    def notify(self, peer: Any, remote_request_id: str) -> None:
+        self.notified.append(remote_request_id)
+
+    def heartbeat(self, peer: Any, remote_request_ids: Sequence[str]) -> None:
+        self.heartbeats.append(list(remote_request_ids))
+
+    def progress(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _with_kind(fmt: Any, kind: str) -> Any:
+    import msgspec
+
+    return msgspec.structs.replace(fmt, kind=kind, layout="LBHNC")

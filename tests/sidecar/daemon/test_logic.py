@@ -1,0 +1,462 @@
+"""The daemon's logic in-process, on ``FakePort``: every stage aborted and expired, staging waits and
+exhaustion, reloads, lost peers, failing and out-of-order reads. No process, no NIXL, no socket; the
+caches are real shared memory and the conversion runs on them (the CPU twin's converter)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from sidecar.daemon import conversion as conversion_mod
+from sidecar.daemon.app import Daemon
+from sidecar.ops.config import Config
+from sidecar.standins.fake_transfer import FakePort
+from sidecar.wire import ipc
+from sidecar.wire import protocol as p
+from sidecar.wire.formats import PageFormat
+
+H, N, D, B, LAYERS = 2, 16, 64, 8, 4
+PLANE = N * H * D
+FMT = PageFormat(kind="aiter_shuffled", layout="LHBNC", dtype="bfloat16", num_heads=H, block_size=N, head_size=D)
+PAGE_BYTES = 2 * PLANE * 2
+
+
+class Harness:
+    """A daemon on a FakePort, its replies collected instead of sent."""
+
+    def __init__(self, **overrides) -> None:
+        self.port = FakePort()
+        values = {"socket": "ipc:///nonexistent/kvs.sock", "metrics_port": -1, **overrides}
+        self.config = Config(**values)
+        self.reloaded: Config | None = None
+        self.daemon = Daemon(self.config, make_port=lambda _c: self.port, bind=False, reload=self._reload)
+        self.sent: list[tuple[list[bytes], object]] = []
+        self.daemon.router.send = lambda env, msg: self.sent.append((env, msg))
+        self.shm = ipc.create_shm_buffer(LAYERS * 2 * B * PLANE * 2)
+
+    def _reload(self) -> Config:
+        assert self.reloaded is not None
+        return self.reloaded
+
+    async def start(self) -> None:
+        await self.daemon.start()
+        self.send(p.Hello(protocol_version=p.PROTOCOL_VERSION, package_version="test"))
+        layers = [
+            ipc.LayerView(
+                name=f"model.layers.{i}.self_attn.attn",
+                buffer_index=0,
+                offset_bytes=i * 2 * B * PLANE * 2,
+                shape=[B, 2, N, H * D],
+                strides=[PLANE, B * PLANE, H * D, 1],
+                dtype="bfloat16",
+            )
+            for i in range(LAYERS)
+        ]
+        self.send(p.RegisterCaches(buffers=[self.shm.description], layers=layers, page_format=FMT))
+        assert isinstance(await self.reply(p.Registered), p.Registered)
+
+    async def stop(self) -> None:
+        await self.daemon.shutdown(0)
+        self.shm.close()
+
+    def send(self, msg: object, who: bytes = b"shim") -> None:
+        self.daemon.router.dispatch([who], msg, time.monotonic())
+
+    def pull(self, req_id: str, blocks: list[int] | None = None, **kw) -> None:
+        blocks = [1, 2, 3] if blocks is None else blocks
+        self.send(
+            p.Pull(
+                req_id=req_id,
+                remote_engine_id="prefill-0",
+                remote_host="127.0.0.1",
+                remote_port=5600,
+                remote_request_id=f"r-{req_id}",
+                remote_block_ids=blocks,
+                local_block_ids=blocks,
+                **kw,
+            )
+        )
+
+    async def reply(self, kind: type, req_id: str | None = None, timeout: float = 2.0):
+        """The first reply of ``kind`` (for ``req_id``), waiting for it; fails the test if none comes."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for _env, msg in self.sent:
+                if isinstance(msg, kind) and (req_id is None or getattr(msg, "req_id", None) == req_id):
+                    return msg
+            await asyncio.sleep(0.002)
+        raise AssertionError(f"no {kind.__name__} for {req_id}; sent: {[m for _, m in self.sent]}")
+
+    def answers(self, req_id: str) -> list[object]:
+        return [m for _, m in self.sent if isinstance(m, p.Done | p.Aborted) and m.req_id == req_id]
+
+    def job_stage(self, req_id: str) -> str | None:
+        job = self.daemon.jobs.get(req_id)
+        return job.stage.value if job is not None else None
+
+    async def until_stage(self, req_id: str, stage: str, timeout: float = 2.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.job_stage(req_id) != stage:
+            assert time.monotonic() < deadline, f"{req_id} stayed in {self.job_stage(req_id)}, not {stage}"
+            await asyncio.sleep(0.002)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+@pytest.fixture
+def blocked_conversion(monkeypatch):
+    """Conversions wait for ``gate`` (set it to let them finish): holds a job in its convert stage."""
+    gate = threading.Event()
+    started = threading.Event()
+    real = conversion_mod.convert_blocks
+
+    def slow(*args, **kw):
+        started.set()
+        gate.wait(5)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(conversion_mod, "convert_blocks", slow)
+    yield gate, started
+    gate.set()
+
+
+# -- the happy paths ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_a_pull_is_read_converted_and_answered_once(mode):
+    async def main():
+        h = Harness(pull_mode=mode, staging_bytes=64 * PAGE_BYTES if mode == "staged" else 0)
+        await h.start()
+        try:
+            h.pull("a")
+            done = await h.reply(p.Done, "a")
+            assert done.ok, done
+            assert {"queue", "handshake", "transfer", "convert", "end_to_end"} <= set(done.timings)
+            assert h.port.notified == ["r-a"]  # exactly one notification, after the reads
+            assert h.port.reads[0].mode == mode and h.port.reads[0].handles == []  # released after Done
+            await asyncio.sleep(0.01)
+            assert len(h.answers("a")) == 1 and len(h.daemon.jobs) == 0
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+def test_layer_groups_landing_out_of_order_are_all_converted():
+    async def main():
+        h = Harness(layer_groups=4)
+        await h.start()
+        h.port.auto_land = False
+        try:
+            h.pull("a")
+            await h.until_stage("a", "transfer")
+            while not h.port.reads:
+                await asyncio.sleep(0.001)
+            read = h.port.reads[0]
+            assert len(read.groups) == 4
+            for index in (2, 0, 1, 0):  # positions among those still pending: groups 2, 0, 1, 3
+                h.port.land(read, index)
+                await asyncio.sleep(0.005)
+            done = await h.reply(p.Done, "a")
+            assert done.ok, done
+            assert h.daemon.jobs.get("a") is None
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+def test_a_group_that_never_lands_fails_the_pull_even_if_the_others_converted():
+    async def main():
+        h = Harness(layer_groups=2)
+        await h.start()
+        h.port.auto_land = False
+        try:
+            h.pull("a", timeout_s=0.3)
+            while not h.port.reads:
+                await asyncio.sleep(0.001)
+            h.port.land(h.port.reads[0], 1)
+            done = await h.reply(p.Done, "a")
+            assert not done.ok and done.reason.startswith("deadline") and "transfer" in done.reason
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+# -- abort and deadline in every stage -----------------------------------------------------------------
+
+
+async def _hold_in(h: Harness, stage: str, gate_started=None) -> None:
+    """Start pull "x" and hold it in ``stage``."""
+    if stage == "queue":
+        h.port.auto_land = False
+        h.pull("blocker", timeout_s=5.0)  # max_inflight 1: "x" waits behind it
+        await h.until_stage("blocker", "transfer")
+    elif stage == "handshake":
+        h.port.handshake_gate = asyncio.Event()
+    elif stage == "transfer":
+        h.port.auto_land = False
+    h.pull("x")
+    if stage == "convert":
+        while not gate_started.is_set():
+            await asyncio.sleep(0.002)
+    await h.until_stage("x", stage)
+
+
+@pytest.mark.parametrize("stage", ["queue", "handshake", "transfer", "convert"])
+def test_abort_in_every_stage_is_answered_aborted_safe_and_the_prefill_freed(stage, blocked_conversion):
+    gate, started = blocked_conversion
+
+    async def main():
+        h = Harness(max_inflight=1)
+        await h.start()
+        if stage != "convert":
+            gate.set()
+        try:
+            await _hold_in(h, stage, started)
+            h.send(p.Abort(req_id="x"))
+            if stage == "convert":
+                await asyncio.sleep(0.05)
+                assert h.answers("x") == []  # not while the conversion still writes
+                gate.set()
+            if stage == "handshake":
+                h.port.handshake_gate.set()
+            aborted = await h.reply(p.Aborted, "x")
+            assert aborted.safe, aborted
+            assert not [m for m in h.answers("x") if isinstance(m, p.Done)]
+            deadline = time.monotonic() + 2
+            while "r-x" not in h.port.notified:  # the prefill frees the blocks now, not at its lease's end
+                assert time.monotonic() < deadline, h.port.notified
+                await asyncio.sleep(0.005)
+            assert h.daemon.metrics.requests.labels(outcome="aborted")._value.get() == 1
+        finally:
+            h.port.handshake_gate = None
+            await h.stop()
+
+    run(main())
+
+
+@pytest.mark.parametrize("stage", ["queue", "handshake", "transfer", "convert"])
+def test_deadline_in_every_stage_answers_failed_before_it(stage, blocked_conversion):
+    gate, started = blocked_conversion
+
+    async def main():
+        h = Harness(max_inflight=1, default_timeout_s=0.25)
+        await h.start()
+        if stage != "convert":
+            gate.set()
+        try:
+            t0 = time.monotonic()
+            await _hold_in(h, stage, started)
+            if stage == "convert":
+                await asyncio.sleep(0.3)
+                assert h.answers("x") == []  # the deadline waits for the conversion that writes
+                gate.set()
+                done = await h.reply(p.Done, "x")
+                assert not done.ok and "convert" in done.reason
+            else:
+                done = await h.reply(p.Done, "x")
+                assert time.monotonic() - t0 < 0.25 + 0.1
+                assert not done.ok and done.reason == f"deadline: 0.25 s passed during {stage}", done
+            assert h.daemon.metrics.requests.labels(outcome="expired")._value.get() >= 1
+        finally:
+            if h.port.handshake_gate is not None:
+                h.port.handshake_gate.set()
+            await h.stop()
+
+    run(main())
+
+
+def test_a_deadline_beyond_max_timeout_is_cut_to_it():
+    async def main():
+        h = Harness(max_timeout_s=0.2)
+        await h.start()
+        h.port.auto_land = False
+        try:
+            h.pull("x", timeout_s=1e300)
+            done = await h.reply(p.Done, "x")
+            assert not done.ok and done.reason.startswith("deadline: 0.2 s"), done
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+def test_an_abort_of_a_read_nixl_will_not_release_at_once_waits_until_it_does():
+    async def main():
+        h = Harness()
+        await h.start()
+        h.port.auto_land = False
+        h.port.stuck_abort = 3
+        try:
+            h.pull("x")
+            await h.until_stage("x", "transfer")
+            h.send(p.Abort(req_id="x"))
+            aborted = await h.reply(p.Aborted, "x")
+            assert aborted.safe and h.port.stuck_abort == 0
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+# -- staging -------------------------------------------------------------------------------------------
+
+
+def test_a_staged_pull_waits_for_slots_and_goes_on_when_they_are_given_back():
+    async def main():
+        h = Harness(pull_mode="staged", staging_bytes=LAYERS * 3 * PAGE_BYTES)  # room for one 3-block pull
+        await h.start()
+        h.port.auto_land = False
+        try:
+            h.pull("a")
+            await h.until_stage("a", "transfer")
+            h.pull("b")
+            await h.until_stage("b", "transfer")
+            await asyncio.sleep(0.02)
+            assert len(h.port.reads) == 1  # "b" waits for slots, nothing posted
+            h.port.land(h.port.reads[0])
+            assert (await h.reply(p.Done, "a")).ok
+            while len(h.port.reads) < 2:
+                await asyncio.sleep(0.002)
+            h.port.land(h.port.reads[1])
+            assert (await h.reply(p.Done, "b")).ok
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+def test_a_pull_larger_than_the_whole_pool_is_refused_naming_staging_bytes():
+    async def main():
+        h = Harness(pull_mode="staged", staging_bytes=LAYERS * 2 * PAGE_BYTES)
+        await h.start()
+        try:
+            h.pull("big", blocks=[1, 2, 3])
+            done = await h.reply(p.Done, "big")
+            assert not done.ok and done.reason.startswith("staging_bytes:"), done
+            assert h.daemon.metrics.refusals.labels(field="staging_bytes")._value.get() == 1
+            assert "r-big" in h.port.notified  # admitted, never read: the prefill is told at once
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+def test_a_reload_during_a_staged_wait_leaves_the_waiting_pull_to_finish():
+    async def main():
+        h = Harness(pull_mode="staged", staging_bytes=LAYERS * 3 * PAGE_BYTES)
+        await h.start()
+        h.port.auto_land = False
+        try:
+            h.pull("a")
+            await h.until_stage("a", "transfer")
+            h.pull("b")
+            await asyncio.sleep(0.02)
+            h.reloaded = Config(**{**_values(h.config), "default_timeout_s": 9.0, "heartbeat_interval_s": 2.0})
+            h.daemon.reload()
+            assert h.daemon.config.default_timeout_s == 9.0
+            h.port.land(h.port.reads[0])
+            assert (await h.reply(p.Done, "a")).ok
+            while len(h.port.reads) < 2:
+                await asyncio.sleep(0.002)
+            h.port.land(h.port.reads[1])
+            assert (await h.reply(p.Done, "b")).ok
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+# -- the prefill side failing ------------------------------------------------------------------------
+
+
+def test_a_failing_read_fails_the_pull_and_the_daemon_goes_on():
+    async def main():
+        h = Harness()
+        await h.start()
+        try:
+            h.port.fail_reads = True
+            h.pull("a")
+            done = await h.reply(p.Done, "a")
+            assert not done.ok and done.reason.startswith("transfer:"), done
+            h.port.fail_reads = False
+            h.pull("b")
+            assert (await h.reply(p.Done, "b")).ok
+            assert h.port.connects == 1  # a failed READ is not a lost peer
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+def test_a_peer_lost_between_handshake_and_read_is_handshaken_again():
+    async def main():
+        h = Harness()
+        await h.start()
+        try:
+            h.pull("a")
+            assert (await h.reply(p.Done, "a")).ok
+            h.port.disconnect_reads = True  # the prefill restarted after the handshake
+            h.pull("b")
+            done = await h.reply(p.Done, "b")
+            assert not done.ok and "disconnected" in done.reason
+            h.port.disconnect_reads = False
+            h.pull("c")
+            assert (await h.reply(p.Done, "c")).ok
+            assert h.port.connects == 2 and h.port.peers[0].removed
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+def test_a_refused_handshake_is_answered_naming_the_field_and_not_cached():
+    async def main():
+        h = Harness()
+        await h.start()
+        try:
+            h.port.refuse_handshake = "remote page format"
+            h.pull("a")
+            done = await h.reply(p.Done, "a")
+            assert not done.ok and done.reason.startswith("remote page format:"), done
+            h.port.refuse_handshake = None
+            h.pull("b")
+            assert (await h.reply(p.Done, "b")).ok
+            assert h.port.connects == 2
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+def test_a_repeated_req_id_is_an_error_and_the_first_goes_on():
+    async def main():
+        h = Harness()
+        await h.start()
+        h.port.auto_land = False
+        try:
+            h.pull("a")
+            h.pull("a")
+            err = await h.reply(p.Error, "a")
+            assert "already in flight" in err.reason
+            await h.until_stage("a", "transfer")
+            h.port.land(h.port.reads[0])
+            assert (await h.reply(p.Done, "a")).ok
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+def _values(cfg: Config) -> dict:
+    import msgspec
+
+    return msgspec.structs.asdict(cfg)
