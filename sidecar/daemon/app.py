@@ -95,6 +95,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._stopping = False
         self._background: set[asyncio.Task] = set()
+        self._owner_timer: asyncio.TimerHandle | None = None
 
     # -- lifecycle
 
@@ -122,7 +123,15 @@ class Daemon:
             self.staging = await asyncio.to_thread(Staging, port, cfg.staging_bytes, cfg.device, dev)
         self._assemble(port)
         if self._bind_socket:
-            self.router.bind(cfg.socket_endpoint, cfg.socket_path, gid, cfg.fast_completions)
+            _raise_fd_limit()
+            self.router.bind(
+                cfg.socket_endpoint,
+                cfg.socket_path,
+                gid,
+                fast_completions=cfg.fast_completions,
+                max_connections=cfg.max_connections,
+                on_closed=self._shim_gone,
+            )
             self.health.socket_bound = True
             self._spawn(self.router.receive_loop())
         assert self.reads is not None
@@ -170,7 +179,7 @@ class Daemon:
         r.on(p.Hello, self._on_hello)
         r.on(p.Ping, lambda env, _s, msg, _t: r.send(env, p.Pong(nonce=msg.nonce, sent_at_ns=_now_ns())))
         r.on(p.RegisterCaches, lambda env, s, msg, _t: self._spawn(self._on_register(env, s, msg)))
-        r.on(p.Unregister, lambda env, _s, _m, _t: self._spawn(self._on_unregister(env)))
+        r.on(p.Unregister, lambda env, s, _m, _t: self._spawn(self._on_unregister(env, s)))
         r.on(p.Pull, self.pipeline.on_pull)
         r.on(p.Abort, self.pipeline.on_abort)
         r.on(p.Heartbeat, self._on_heartbeat)
@@ -186,6 +195,7 @@ class Daemon:
         if self._stopping:
             return
         self._stopping = True
+        self._cancel_owner_timer()
         self.health.stopping = True
         self.metrics.ready.set(0)
         sdnotify.stopping("draining")
@@ -293,6 +303,7 @@ class Daemon:
         if self._stopping:
             self.router.send(envelope, p.Error(reason=SHUTTING_DOWN, in_reply_to="RegisterCaches"))
             return
+        self._cancel_owner_timer()
         try:
             caches = await self.caches.map(session.identity, msg)
         except (Refused, ipc_mod.IpcError, ValueError) as exc:
@@ -331,7 +342,14 @@ class Daemon:
         log.warning("RegisterCaches refused: %s", exc)
         self.router.send(envelope, p.Error(reason=str(exc), in_reply_to="RegisterCaches"))
 
-    async def _on_unregister(self, envelope: list[bytes]) -> None:
+    async def _on_unregister(self, envelope: list[bytes], session: Session) -> None:
+        assert self.caches is not None
+        current = self.caches.current
+        if current is not None and current.owner != session.identity:
+            self.metrics.foreign_messages.inc()
+            reason = "session: the caches were registered by another shim connection"
+            self.router.send(envelope, p.Error(reason=reason, in_reply_to="Unregister"))
+            return
         await self.jobs.cancel_all(Ending(Outcome.FAILED, "caches unregistered by the shim"))
         await self._release_caches()
         self.router.send(envelope, p.Unregistered())
@@ -342,6 +360,42 @@ class Daemon:
         self.metrics.registered_bytes.set(0)
         if self.caches is not None:
             await self.caches.release()
+
+    def _shim_gone(self, identity: bytes) -> None:
+        """A shim's completion socket closed: if it owns the caches, release them after a grace period
+        (a decoder that died leaves nothing mapped; one that reconnects in time keeps them)."""
+        current = self.caches.current if self.caches is not None else None
+        if self._stopping or current is None or current.owner != identity:
+            return
+        log.warning(
+            "the shim that registered cache generation %d disconnected; releasing them in %g s unless it "
+            "comes back",
+            current.generation,
+            self.config.owner_grace_s,
+        )
+        self._cancel_owner_timer()
+        loop = asyncio.get_running_loop()
+        self._owner_timer = loop.call_later(
+            self.config.owner_grace_s, lambda: self._spawn(self._release_if_owner_still_gone(identity))
+        )
+
+    def _cancel_owner_timer(self) -> None:
+        if self._owner_timer is not None:
+            self._owner_timer.cancel()
+            self._owner_timer = None
+
+    async def _release_if_owner_still_gone(self, identity: bytes) -> None:
+        assert self.caches is not None
+        self._owner_timer = None
+        current = self.caches.current
+        completions = self.router.completions
+        if current is None or current.owner != identity or self._stopping:
+            return
+        if completions is not None and completions.bound(identity):
+            return  # it came back
+        await self.jobs.cancel_all(Ending(Outcome.FAILED, "the shim that registered the caches disconnected"))
+        await self._release_caches()
+        log.warning("released the caches of a disconnected shim (generation %d)", current.generation)
 
     # -- heartbeats
 
@@ -392,6 +446,18 @@ class Daemon:
         while True:
             self.health.tick()
             await asyncio.sleep(0.5)
+
+
+def _raise_fd_limit() -> None:
+    """Use the hard limit on open files: libzmq aborts the process when it runs out (issue: fd pressure)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:
+            log.info("open-file limit stays %d: %s", soft, exc)
 
 
 def _now_ns() -> int:

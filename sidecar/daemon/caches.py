@@ -39,6 +39,11 @@ class Caches:
     plane_set: Any = None  # sidecar.convert.PlaneSet over k_planes/v_planes: checked planes for conversion
     users: int = 0
 
+    @property
+    def max_blocks(self) -> int:
+        """The most block ids one request can name: every kernel block of one region."""
+        return int(self.regions.num_blocks.max())
+
 
 def map_caches(
     owner: bytes,

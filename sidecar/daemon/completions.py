@@ -23,6 +23,8 @@ from sidecar.wire import protocol as p
 log = logging.getLogger("kv_sidecar.completions")
 
 MAX_PACKET = 65536  # a BindCompletions is < 300 bytes; anything larger is refused whole
+BIND_WITHIN_S = 5.0  # a connection that has not bound by then is closed (idle ones would hold fds)
+ACCEPT_PAUSE_S = 0.1  # out of file descriptors: stop accepting this long instead of spinning
 SEND_BUFFER = 1 << 20  # room for thousands of Done packets before a slow shim makes us queue
 
 
@@ -52,11 +54,17 @@ class CompletionSocket:
         fallback: Callable[[bytes, bytes], None],
         *,
         group_gid: int | None = None,
+        max_connections: int = 64,
+        on_refused: Callable[[str], None] | None = None,
+        on_closed: Callable[[bytes], None] | None = None,
     ) -> None:
         self.path = path
         self._loop = loop
         self._may_bind = may_bind
         self._fallback = fallback
+        self._max_connections = max_connections
+        self._on_refused = on_refused or (lambda _why: None)
+        self._on_closed = on_closed or (lambda _rid: None)
         self._by_id: dict[bytes, _Conn] = {}
         self._conns: set[_Conn] = set()
         with contextlib.suppress(FileNotFoundError):
@@ -85,6 +93,10 @@ class CompletionSocket:
             return False
         return True
 
+    def bound(self, routing_id: bytes) -> bool:
+        """Whether that shim has a completion connection now."""
+        return routing_id in self._by_id
+
     def close(self) -> None:
         for conn in list(self._conns):
             self._drop(conn, None)
@@ -103,14 +115,34 @@ class CompletionSocket:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                log.warning("completion socket: accept failed: %s", exc)
+                # EMFILE/ENFILE: the connection stays in the backlog and the listener stays readable, so
+                # retrying at once would spin; pause accepting instead.
+                self._on_refused(f"accept failed: {exc}")
+                self._loop.remove_reader(self._listener.fileno())
+                self._loop.call_later(ACCEPT_PAUSE_S, self._resume_accepting)
                 return
+            if len(self._conns) >= self._max_connections:
+                with contextlib.suppress(OSError):
+                    reason = f"max_connections: {self._max_connections} connections are open"
+                    sock.send(p.encode(p.CompletionsBound(ok=False, reason=reason)))
+                sock.close()
+                self._on_refused(f"over max_connections ({self._max_connections})")
+                continue
             sock.setblocking(False)
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
             conn = _Conn(sock)
             self._conns.add(conn)
             self._loop.add_reader(sock.fileno(), self._readable, conn)
+            self._loop.call_later(BIND_WITHIN_S, self._unbound_timeout, conn)
+
+    def _resume_accepting(self) -> None:
+        with contextlib.suppress(ValueError, OSError):
+            self._loop.add_reader(self._listener.fileno(), self._accept)
+
+    def _unbound_timeout(self, conn: _Conn) -> None:
+        if conn in self._conns and conn.routing_id is None:
+            self._drop(conn, None)
 
     def _readable(self, conn: _Conn) -> None:
         try:
@@ -180,3 +212,5 @@ class CompletionSocket:
         if conn.routing_id is not None:
             while conn.pending:
                 self._fallback(conn.routing_id, conn.pending.popleft())
+            if self._by_id.get(conn.routing_id) is None and reason != "replaced by a new binding":
+                self._on_closed(conn.routing_id)

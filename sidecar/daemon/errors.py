@@ -6,10 +6,12 @@ from __future__ import annotations
 class Refused(Exception):
     """A Pull or registration that cannot be served as asked; ``field`` names why (counted per field)."""
 
-    def __init__(self, field: str, reason: str) -> None:
+    def __init__(self, field: str, reason: str, notify_peer: object = None) -> None:
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason
+        # A refused prefill that can still be told to free the request's blocks (see TransferPort.connect).
+        self.notify_peer = notify_peer
 
 
 class Failed(Exception):

@@ -153,7 +153,7 @@ class Peers:
             peer = await self._port.connect(target, self._admission(target.address, caches))
         except RemoteRefused as exc:
             self._metrics.handshake(False)
-            raise Refused(exc.field or "remote", exc.reason) from None
+            raise Refused(exc.field or "remote", exc.reason, getattr(exc, "peer", None)) from None
         except vllm_wire.HandshakeRefused as exc:
             self._metrics.handshake(False)
             raise Refused(exc.field, exc.reason) from None
@@ -190,9 +190,12 @@ class Peers:
         async def later() -> None:
             try:
                 peer = await asyncio.shield(handshake)
+            except Refused as exc:  # refused after its handshake decoded: it can still be told
+                peer = exc.notify_peer
             except Exception:  # noqa: BLE001 - no prefill to tell; its lease frees the blocks
                 return
-            self.notify(peer, remote_request_id)
+            if peer is not None:
+                self.notify(peer, remote_request_id)
 
         self._spawn(later())
 

@@ -25,6 +25,7 @@ from sidecar.daemon.reads import Reads
 from sidecar.daemon.staging import Staging
 from sidecar.ops.config import Config
 from sidecar.ops.metrics import Metrics
+from sidecar.ops.ratelog import RateLimitedLog
 from sidecar.wire import protocol as p
 
 log = logging.getLogger("kv_sidecar.pipeline")
@@ -61,10 +62,17 @@ class Pipeline:
         self._metrics = metrics
         self._spawn = spawn
         self._stopping = stopping
+        self._ratelog = RateLimitedLog(log, on_suppressed=metrics.logs_suppressed.inc)
 
     # -- the way in
 
     def on_pull(self, envelope: list[bytes], session: Session, msg: p.Pull, received: float) -> None:
+        foreign = self._foreign(session, msg)
+        if foreign is not None:
+            self._metrics.foreign_messages.inc()
+            self._metrics.refused("session")
+            self._answer_now(envelope, msg, Outcome.REFUSED, f"session: {foreign}")
+            return
         if msg.req_id in self._jobs:
             self._metrics.invalid_messages.inc()
             reason = f"req_id {msg.req_id!r} is already in flight"
@@ -85,8 +93,23 @@ class Pipeline:
         started = msg.lease_started_at_ns / 1e9 if msg.lease_started_at_ns else received
         self._leases.seen(msg.remote_request_id, min(started, received))
 
+    def _foreign(self, session: Session, msg: p.Pull) -> str | None:
+        """Why this session may not pull into the registered caches, or None. Only the shim that
+        registered them may: any other connection could name blocks the decoder never gave it."""
+        if session.hello is None:
+            return "say Hello (and RegisterCaches) before Pull"
+        caches = self._caches.current
+        if caches is not None and caches.owner != session.identity:
+            return "the caches were registered by another shim connection"
+        return None
+
     def on_abort(self, envelope: list[bytes], session: Session, msg: p.Abort, received: float) -> None:
         job = self._jobs.get(msg.req_id)
+        if job is not None and job.session is not session:
+            self._metrics.foreign_messages.inc()
+            reason = f"req_id {msg.req_id!r} was pulled by another shim connection"
+            self._send(envelope, p.Error(reason=f"session: {reason}", in_reply_to="Abort", req_id=msg.req_id))
+            return
         if job is None:
             reason = "not in flight (already answered or never seen)"
             self._send(envelope, p.Aborted(req_id=msg.req_id, safe=True, reason=reason))
@@ -104,6 +127,12 @@ class Pipeline:
         msg, cfg = job.msg, self._config()
         await self._jobs.wait_turn(job)
         caches = self._hold_caches(job)
+        if max(len(msg.local_block_ids), len(msg.remote_block_ids)) > caches.max_blocks:
+            raise Refused(
+                "local_block_ids",
+                f"{len(msg.local_block_ids)} local / {len(msg.remote_block_ids)} remote block ids, "
+                f"the registered caches hold {caches.max_blocks} blocks",
+            )
         if msg.remote_tp_size != job.session.tp_size:
             raise Refused(
                 "remote_tp_size",
@@ -250,6 +279,10 @@ class Pipeline:
         # Counted before the answer goes out, so whoever holds the answer sees it counted.
         if ending.field:
             self._metrics.refused(ending.field)
+        if ending.outcome is Outcome.REFUSED:
+            self._ratelog.log(
+                f"refused:{ending.field}", logging.INFO, "pull %s refused: %s", job.req_id, ending.reason
+            )
         self._metrics.answered(ending.outcome.value)
         if ending.outcome is Outcome.OK and job.read is not None:
             self._metrics.bytes_pulled.inc(getattr(job.read, "nbytes", 0))

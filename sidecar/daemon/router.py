@@ -23,6 +23,7 @@ import zmq.asyncio
 from sidecar.daemon.completions import CompletionSocket, completion_path
 from sidecar.daemon.jobs import Session
 from sidecar.ops.metrics import Metrics
+from sidecar.ops.ratelog import RateLimitedLog
 from sidecar.ops.socket_files import MAX_UNIX_PATH, bind_socket_file, refuse_if_served
 from sidecar.wire import protocol as p
 
@@ -30,12 +31,17 @@ log = logging.getLogger("kv_sidecar.router")
 
 Handler = Callable[[list[bytes], Session, Any, float], None]
 
+# The largest message a shim may send: a Pull for a million blocks is ~10 MB. A larger frame makes ZMQ drop
+# the connection rather than hand us something that would block the loop while it is decoded.
+MAX_MESSAGE_BYTES = 64 << 20
+
 
 class Router:
     """Sockets, sessions and dispatch. ``on(MessageType, handler)`` before ``bind``."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
+        self._ratelog = RateLimitedLog(log, on_suppressed=metrics.logs_suppressed.inc)
         self._handlers: dict[type, Handler] = {}
         self._sessions: dict[bytes, Session] = {}
         self._ctx: zmq.asyncio.Context | None = None
@@ -49,11 +55,21 @@ class Router:
     def session(self, identity: bytes) -> Session | None:
         return self._sessions.get(identity)
 
-    def bind(self, endpoint: str, path: str, gid: int | None, fast_completions: bool) -> None:
+    def bind(
+        self,
+        endpoint: str,
+        path: str,
+        gid: int | None,
+        *,
+        fast_completions: bool,
+        max_connections: int,
+        on_closed: Callable[[bytes], None],
+    ) -> None:
         refuse_if_served(endpoint, path)  # again: one may have started meanwhile
         self._ctx = zmq.asyncio.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         bind_socket_file(lambda: sock.bind(endpoint), path, gid)
@@ -100,7 +116,7 @@ class Router:
             except p.DecodeError as exc:
                 self._metrics.invalid_messages.inc()
                 kind, req_id = _peek(payload)
-                log.warning("invalid message (%s): %s", kind or "?", exc)
+                self._ratelog.log("invalid", logging.WARNING, "invalid message (%s): %s", kind or "?", exc)
                 self.send(envelope, p.Error(reason=str(exc), in_reply_to=kind, req_id=req_id))
                 continue
             self.dispatch(envelope, msg, received)

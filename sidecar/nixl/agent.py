@@ -557,8 +557,17 @@ class NixlTransfer:
 
     def notify(self, peer: Peer, remote_request_id: str, readers: int = 1) -> None:
         """A notification without reads (full prefix hit): the prefill frees the request's blocks."""
+        self.notify_agent(peer.agent_name, remote_request_id, readers)
+
+    def notify_agent(self, agent_name: str, remote_request_id: str, readers: int = 1) -> None:
+        """A notification to any loaded agent (also one whose prefill was refused, see ``load_agent``)."""
         msg = _encode(vllm_wire.encode_notification, remote_request_id, readers)
-        _nixl_call("send_notif", self.agent.send_notif, peer.agent_name, msg)
+        _nixl_call("send_notif", self.agent.send_notif, agent_name, msg)
+
+    def load_agent(self, agent_metadata: bytes) -> str:
+        """Load a remote agent only to notify it (its prefill was refused, its metadata decoded fine)."""
+        name = _nixl_call("add_remote_agent", self.agent.add_remote_agent, agent_metadata)
+        return name.decode() if isinstance(name, bytes) else str(name)
 
     def heartbeat(self, peer: Peer, remote_request_ids: Sequence[str]) -> None:
         """Renew the prefill's lease on these requests (``HB:id1,id2``)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -10,8 +11,20 @@ import numpy as np
 from sidecar.daemon.port import Admission, PeerTarget, ReadMode
 from sidecar.nixl.admission import admit_remote
 from sidecar.nixl.agent import NixlTransfer, Peer, ReadOp, TransferSettings
+from sidecar.nixl.errors import RemoteRefused, TransferError
 from sidecar.nixl.geometry import LocalRegions, StagingPool
 from sidecar.wire import prefill as vllm_wire
+
+
+@dataclass(eq=False)
+class NotifyOnlyPeer:
+    """A prefill rank we refused after its handshake decoded: loaded in NIXL only to be notified, so it
+    frees the blocks of requests we will not read at once instead of at its lease's end."""
+
+    engine_id: str
+    tp_rank: int
+    address: str
+    agent_name: str
 
 
 class NixlPort:
@@ -20,6 +33,7 @@ class NixlPort:
     def __init__(self, settings: TransferSettings) -> None:
         self.agent = NixlTransfer(settings)
         self.local_mem_type = "DRAM" if settings.cuda_device is None else "VRAM"
+        self._notify_only: dict[bytes, NotifyOnlyPeer] = {}  # agent metadata -> its loaded agent
 
     def register(self, ranges: Sequence[tuple[int, int, int]], mem_type: str) -> Any:
         return self.agent.register(ranges, mem_type)
@@ -42,12 +56,31 @@ class NixlPort:
             expected_engine_id=target.engine_id,
         )
         reply = replies[(0, target.tp_rank)]
+        try:
+            plan, regions = self._admit(target, admission, reply)
+        except RemoteRefused as exc:
+            exc.peer = self._notify_only_peer(target, reply.metadata.agent_metadata)
+            raise
+        stale = self._notify_only.pop(reply.metadata.agent_metadata, None)
+        if stale is not None:  # refused before, admitted now (a reload): load it as a full peer
+            self.agent.agent.remove_remote_agent(stale.agent_name)
+        return self.agent.add_peer(
+            engine_id=target.engine_id,
+            tp_rank=target.tp_rank,
+            generation=target.generation,
+            address=target.address,
+            agent_metadata=reply.metadata.agent_metadata,
+            plan=plan,
+            regions=regions,
+        )
+
+    def _admit(self, target: PeerTarget, admission: Admission, reply: Any) -> Any:
         settings = TransferSettings(
             remote_formats=admission.rules,
             conversion_enabled=admission.conversion_enabled,
             remote_mem_type=self.agent.settings.remote_mem_type,
         )
-        plan, regions = admit_remote(
+        return admit_remote(
             reply.metadata,
             address=target.address,
             local_format=admission.local_format,
@@ -58,15 +91,17 @@ class NixlPort:
             check_identity=admission.check_identity,
             expected_engine_id=target.engine_id,
         )
-        return self.agent.add_peer(
-            engine_id=target.engine_id,
-            tp_rank=target.tp_rank,
-            generation=target.generation,
-            address=target.address,
-            agent_metadata=reply.metadata.agent_metadata,
-            plan=plan,
-            regions=regions,
-        )
+
+    def _notify_only_peer(self, target: PeerTarget, agent_metadata: bytes) -> NotifyOnlyPeer | None:
+        peer = self._notify_only.get(agent_metadata)
+        if peer is None:
+            try:
+                name = self.agent.load_agent(agent_metadata)
+            except TransferError:
+                return None  # e.g. already loaded as an admitted peer; the lease frees the blocks
+            peer = NotifyOnlyPeer(target.engine_id, target.tp_rank, target.address, name)
+            self._notify_only[agent_metadata] = peer
+        return peer
 
     def remove_peer(self, peer: Peer) -> None:
         self.agent.remove_peer(peer)
@@ -122,8 +157,8 @@ class NixlPort:
     def release(self, read: ReadOp) -> bool:
         return self.agent.release(read)
 
-    def notify(self, peer: Peer, remote_request_id: str) -> None:
-        self.agent.notify(peer, remote_request_id, 1)
+    def notify(self, peer: Peer | NotifyOnlyPeer, remote_request_id: str) -> None:
+        self.agent.notify_agent(peer.agent_name, remote_request_id, 1)
 
     def heartbeat(self, peer: Peer, remote_request_ids: Sequence[str]) -> None:
         self.agent.heartbeat(peer, remote_request_ids)

@@ -104,6 +104,22 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             "permissions): replies skip ZMQ's I/O threads, about 60 us less per Done here (bench signal)"
         ),
     ] = True
+    max_connections: Annotated[
+        int,
+        _doc(
+            "completion-socket connections held at once (a shim needs one per TP rank); more are "
+            "refused and counted, long before the process runs out of file descriptors",
+            ge=1,
+        ),
+    ] = 64
+    owner_grace_s: Annotated[
+        float,
+        _doc(
+            "how long the caches of a shim whose completion socket closed stay registered, in case it "
+            "reconnects; then its pulls fail and the memory is released",
+            ge=0,
+        ),
+    ] = 5.0
     metrics_host: Annotated[str, _doc("address of the Prometheus / health HTTP endpoint")] = "127.0.0.1"
     metrics_port: Annotated[
         int,

@@ -71,6 +71,19 @@ class Metrics:
         self.invalid_messages = Counter(
             "kv_sidecar_invalid_messages", "Socket messages that failed validation", registry=r
         )
+        self.connections_refused = Counter(
+            "kv_sidecar_connections_refused",
+            "Completion-socket connections refused (over max_connections, or out of file descriptors)",
+            registry=r,
+        )
+        self.foreign_messages = Counter(
+            "kv_sidecar_foreign_messages",
+            "Messages refused because the session did not own what they named (requests, caches)",
+            registry=r,
+        )
+        self.logs_suppressed = Counter(
+            "kv_sidecar_logs_suppressed", "Log lines left out by rate limiting", registry=r
+        )
         self.ready = Gauge(
             "kv_sidecar_ready", "1 when caches are registered and the NIXL agent is up", registry=r
         )

@@ -91,7 +91,9 @@ class FakePort:
         if self.handshake_gate is not None:
             await self.handshake_gate.wait()
         if self.refuse_handshake is not None:
-            raise RemoteRefused("refused by the fake prefill", self.refuse_handshake)
+            exc = RemoteRefused("refused by the fake prefill", self.refuse_handshake)
+            exc.peer = FakePeer(target.engine_id, target.tp_rank, target.address, 0, None)  # notify-only
+            raise exc
         local = admission.local_format
         remote = self.remote_format or (
             local if local.kind != "aiter_shuffled" else _with_kind(local, STANDARD)

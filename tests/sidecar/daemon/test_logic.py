@@ -20,7 +20,9 @@ from sidecar.wire.formats import PageFormat
 
 H, N, D, B, LAYERS = 2, 16, 64, 8, 4
 PLANE = N * H * D
-FMT = PageFormat(kind="aiter_shuffled", layout="LHBNC", dtype="bfloat16", num_heads=H, block_size=N, head_size=D)
+FMT = PageFormat(
+    kind="aiter_shuffled", layout="LHBNC", dtype="bfloat16", num_heads=H, block_size=N, head_size=D
+)
 PAGE_BYTES = 2 * PLANE * 2
 
 
@@ -360,7 +362,9 @@ def test_a_reload_during_a_staged_wait_leaves_the_waiting_pull_to_finish():
             await h.until_stage("a", "transfer")
             h.pull("b")
             await asyncio.sleep(0.02)
-            h.reloaded = Config(**{**_values(h.config), "default_timeout_s": 9.0, "heartbeat_interval_s": 2.0})
+            h.reloaded = Config(
+                **{**_values(h.config), "default_timeout_s": 9.0, "heartbeat_interval_s": 2.0}
+            )
             h.daemon.reload()
             assert h.daemon.config.default_timeout_s == 9.0
             h.port.land(h.port.reads[0])
@@ -427,6 +431,8 @@ def test_a_refused_handshake_is_answered_naming_the_field_and_not_cached():
             h.pull("a")
             done = await h.reply(p.Done, "a")
             assert not done.ok and done.reason.startswith("remote page format:"), done
+            while "r-a" not in h.port.notified:  # refused, but told at once: its blocks are freed now
+                await asyncio.sleep(0.002)
             h.port.refuse_handshake = None
             h.pull("b")
             assert (await h.reply(p.Done, "b")).ok
@@ -460,3 +466,97 @@ def _values(cfg: Config) -> dict:
     import msgspec
 
     return msgspec.structs.asdict(cfg)
+
+
+# -- sessions own what they registered -------------------------------------------------------------------
+
+
+def test_only_the_shim_that_registered_the_caches_may_pull_abort_or_unregister():
+    async def main():
+        h = Harness()
+        await h.start()
+        h.port.auto_land = False
+        try:
+            h.send(
+                p.Pull(
+                    req_id="intruder",
+                    remote_engine_id="e",
+                    remote_host="h",
+                    remote_port=1,
+                    remote_request_id="r",
+                    remote_block_ids=[0],
+                    local_block_ids=[0],
+                ),
+                who=b"stranger",
+            )
+            done = await h.reply(p.Done, "intruder")
+            assert not done.ok and done.reason.startswith("session: say Hello"), done
+            h.send(p.Hello(protocol_version=p.PROTOCOL_VERSION, package_version="t"), who=b"stranger")
+            h.send(
+                p.Pull(
+                    req_id="intruder2",
+                    remote_engine_id="e",
+                    remote_host="h",
+                    remote_port=1,
+                    remote_request_id="r",
+                    remote_block_ids=[0],
+                    local_block_ids=[0],
+                ),
+                who=b"stranger",
+            )
+            done = await h.reply(p.Done, "intruder2")
+            assert not done.ok and "another shim connection" in done.reason, done
+            h.pull("mine")
+            await h.until_stage("mine", "transfer")
+            h.send(p.Abort(req_id="mine"), who=b"stranger")
+            err = await h.reply(p.Error, "mine")
+            assert err.reason.startswith("session:") and h.job_stage("mine") == "transfer"
+            h.send(p.Unregister(), who=b"stranger")
+            await asyncio.sleep(0.02)
+            assert [m for _, m in h.sent if isinstance(m, p.Error) and m.in_reply_to == "Unregister"]
+            assert h.daemon.caches.current is not None
+            h.port.land(h.port.reads[0])
+            assert (await h.reply(p.Done, "mine")).ok
+            assert h.daemon.metrics.foreign_messages._value.get() == 4
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+def test_more_block_ids_than_the_caches_hold_are_refused_before_any_work():
+    async def main():
+        h = Harness()
+        await h.start()
+        try:
+            h.pull("huge", blocks=list(range(B + 1)))
+            done = await h.reply(p.Done, "huge")
+            assert not done.ok and done.reason.startswith("local_block_ids:"), done
+            assert h.port.connects == 0
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+def test_the_caches_of_a_shim_that_went_away_are_released_after_the_grace():
+    async def main():
+        h = Harness(owner_grace_s=0.05)
+        await h.start()
+        h.port.auto_land = False
+        try:
+            h.pull("a")
+            await h.until_stage("a", "transfer")
+            h.daemon._shim_gone(b"someone-else")  # not the owner: nothing happens
+            await asyncio.sleep(0.1)
+            assert h.daemon.caches.current is not None
+            h.daemon._shim_gone(b"shim")
+            done = await h.reply(p.Done, "a")
+            assert not done.ok and "disconnected" in done.reason
+            while h.daemon.caches.current is not None:
+                await asyncio.sleep(0.005)
+            assert h.daemon.metrics.ready._value.get() == 0 and h.port.registrations == 0
+        finally:
+            await h.stop()
+
+    run(main())
