@@ -16,17 +16,26 @@ import os
 import sys
 from typing import Any
 
-# subcommand -> module whose main(argv) runs it
+# subcommand -> the module whose main(argv) runs it, and what it is for (kv-sidecar --help)
 DELEGATED = {
-    "emulate-prefill": "sidecar.standins.emulator",
-    "doctor": "sidecar.ops.doctor",
-    "demo": "sidecar.standins.demo",
+    "demo": (
+        "sidecar.standins.demo",
+        "the whole loop on this host: prefill emulator, daemon, decoder stand-in; every byte checked",
+    ),
+    "doctor": (
+        "sidecar.ops.doctor",
+        "check a daemon, its sockets and a prefill as an operator would; exits non-zero on a problem",
+    ),
+    "emulate-prefill": (
+        "sidecar.standins.emulator",
+        "a stand-in prefill that speaks stock vLLM's side channel and serves pages over NIXL",
+    ),
 }
 BENCHES = {
-    "convert": "sidecar.bench.convert",
-    "pull": "sidecar.bench.pull",
-    "signal": "sidecar.bench.completion_signal",
-    "e2e": "sidecar.bench.e2e",
+    "convert": ("sidecar.bench.convert", "converter speed as a ratio of a device copy of the same bytes"),
+    "pull": ("sidecar.bench.pull", "kv-sidecar's NIXL reads against bare NIXL reads of the same descriptors"),
+    "signal": ("sidecar.bench.completion_signal", "Done's delivery delay, completion socket against ZMQ"),
+    "e2e": ("sidecar.bench.e2e", "Pull sent to Done received through the real daemon, against a bare read"),
 }
 # What `serve` needs, and where it comes from.
 SERVE_NEEDS = {
@@ -64,13 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", metavar="FILE", help="TOML file (default: $KV_SIDECAR_CONFIG if set)")
     _add_config_flags(serve)
 
-    bench = sub.add_parser("bench", help="benchmarks: convert, pull, signal, e2e")
+    bench = sub.add_parser("bench", help=f"benchmarks: {', '.join(BENCHES)} (results as JSON)")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
-    for name, module in BENCHES.items():
-        b = bench_sub.add_parser(name, help=f"run {module}", add_help=False)
+    for name, (_module, what) in BENCHES.items():
+        b = bench_sub.add_parser(name, help=what, add_help=False)
         b.add_argument("args", nargs=argparse.REMAINDER)
-    for name, module in DELEGATED.items():
-        d = sub.add_parser(name, help=f"run {module}", add_help=False)
+    for name, (_module, what) in DELEGATED.items():
+        d = sub.add_parser(name, help=what, add_help=False)
         d.add_argument("args", nargs=argparse.REMAINDER)
     version = sub.add_parser("version", help="versions of kv-sidecar and its dependencies")
     version.add_argument("--json", action="store_true", help="one JSON object")
@@ -315,9 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # delegated subcommands parse their own options (argparse's REMAINDER would eat "--help" itself)
         if argv and argv[0] in DELEGATED:
-            return run_module(DELEGATED[argv[0]], argv[1:])
+            return run_module(DELEGATED[argv[0]][0], argv[1:])
         if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHES:
-            return run_module(BENCHES[argv[1]], argv[2:])
+            return run_module(BENCHES[argv[1]][0], argv[2:])
     except CliError as exc:
         print(f"kv-sidecar: {exc}", file=sys.stderr)
         return 2
@@ -330,9 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             if args.bench is None:
                 parser.parse_args(["bench", "--help"])
-            return run_module(BENCHES[args.bench], args.args)
+            return run_module(BENCHES[args.bench][0], args.args)
         if args.command in DELEGATED:
-            return run_module(DELEGATED[args.command], args.args)
+            return run_module(DELEGATED[args.command][0], args.args)
         parser.print_help()
         return 2
     except CliError as exc:

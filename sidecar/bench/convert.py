@@ -5,6 +5,8 @@ request's pages (``copy_GBps``), the torch reference converting them in place (`
 GPU, the Triton kernel in place and out of place from a staging buffer (``kernel_GBps`` = the faster form).
 Bandwidths count bytes read + bytes written (2 × the request's pages). It also checks that the kernel's bytes
 equal the reference's. Writes a table, a JSON list of rows and a PNG plot.
+
+Size: shapes, timing, plotting and the JSON report of one benchmark.
 """
 
 from __future__ import annotations

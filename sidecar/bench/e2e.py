@@ -19,6 +19,9 @@ Must show: bare NIXL ≥ 0.8 × the peer copy's bandwidth, and kv-sidecar ≤ 1.
 UCX writes its own log per process (``UCX_LOG_LEVEL=info``, ``UCX_PROTO_INFO=y``): the report says which
 transports carried each role's reads (cuda_ipc, cuda_copy, tcp, cma, ...). On CUDA both sides run with
 ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` unless it is set. One JSON file; the logs stay under ``--logs`` if given.
+
+Size: a benchmark that starts and drives three processes on one or two devices and reports both
+sides in one run.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ Three parts, one run:
 
 CPU (DRAM, default, modest sizes) or GPU (``--device cuda``: VRAM on both sides; sets
 ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` for both processes unless already set). Writes one JSON file.
+
+Size: three measured parts in one run (ours, bare, index build) and their two processes.
 """
 
 from __future__ import annotations

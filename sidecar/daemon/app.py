@@ -4,6 +4,9 @@ Start order matters: the HTTP endpoint and the NIXL agent come up before the soc
 that connects is answered at once (it gives up on a Hello that waits out the agent's seconds-long start).
 Shutdown lets in-flight pulls finish for ``shutdown_grace_s``, then fails the rest, then releases
 everything. SIGHUP re-reads the configuration and applies what can change live.
+
+Size: the composition root plus the four handlers that span parts (Hello, RegisterCaches, Unregister,
+Heartbeat); each part it wires lives in its own module.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The NIXL agent: register local memory, load remote prefills, read, poll, notify, heartbeat.
 
-Synchronous and non-blocking: every call returns at once and the service polls from its asyncio loop.
+Synchronous and non-blocking: every call returns at once and the daemon polls from its asyncio loop.
 The wire formats (notification, heartbeat, metadata) come from ``sidecar.wire.prefill``; the byte geometry
 from ``sidecar.nixl.geometry``. ``nixl`` is imported lazily (it costs ~2 s with CPU torch installed).
 
@@ -10,6 +10,9 @@ when THAT transfer completes, and transfers may complete out of order, so attach
 posted could free the prefill's blocks while an earlier transfer still reads them. We therefore never
 attach it: after every transfer of the rank is DONE we send exactly one ``send_notif`` — the same call
 that abort and full-prefix-hit requests use, so there is one path for all three.
+
+Size: the NIXL agent's whole surface (registration, peers, reads, notifications); admission and errors
+are split out.
 """
 
 from __future__ import annotations
@@ -170,7 +173,7 @@ def init_cuda_context(device: int) -> None:
 
 
 class NixlTransfer:
-    """A NIXL agent used to pull KV pages from prefills. Single-threaded use (the service's loop)."""
+    """A NIXL agent used to pull KV pages from prefills. Single-threaded use (the daemon's loop)."""
 
     def __init__(self, settings: TransferSettings | None = None) -> None:
         from nixl._api import nixl_agent, nixl_agent_config

@@ -16,6 +16,9 @@ Two forms of the same tables:
 - index form: a remote table prepared ONCE per remote (NIXL's strided Nx5 rows ``(addr, len, dev, stride,
   count)``), a local table once per registration, then per request only int32 index arrays;
 - explicit form: Nx3 ``(addr, len, dev)`` arrays per request, with adjacent runs merged.
+
+Size: three read modes (direct, staged, plain) over one pair of region tables; one file keeps
+their shared index math in one place.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ pull from a prefill emulator (started here unless one is given) by a NIXL agent 
 The exit code is 1 when any check fails.
 
 Doctor never writes into the decoder's cache: the test pull reads into its own buffer.
+
+Size: one check per function, in the order they run; splitting them would scatter one table's rows.
 """
 
 from __future__ import annotations
@@ -456,7 +458,7 @@ def check_prefill(
             ),
         ]
     rule = next((r for r in cfg.remotes if fnmatch.fnmatchcase(address, r.match)), None)
-    # The same settings the daemon's handshake builds (service.Daemon._handshake).
+    # The same settings the daemon's handshake builds (sidecar.daemon.peers.Peers._admission).
     settings = tr.TransferSettings(
         remote_formats=tuple(
             admission.RemoteFormatRule(address=r.match, format=r.page_format)

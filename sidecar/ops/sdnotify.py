@@ -1,6 +1,6 @@
 """systemd's sd_notify protocol without libsystemd: one datagram to $NOTIFY_SOCKET.
 
-The service calls ``ready()`` once it can accept caches (socket bound, NIXL agent up) and ``stopping()``
+The daemon calls ``ready()`` once it can accept caches (socket bound, NIXL agent up) and ``stopping()``
 when it begins to shut down. Outside systemd (no $NOTIFY_SOCKET) every call is a no-op returning False.
 """
 

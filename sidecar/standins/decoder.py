@@ -8,6 +8,8 @@ block bit for bit against ``sidecar.convert``'s reference applied to the emulato
 
 ``python -m sidecar.standins.decoder --socket ipc://... --emulator-ready-file F`` runs one session and prints a
 JSON summary (exit 0 only if every request was pulled and is bit-exact).
+
+Size: a whole stand-in process (planes, shim worker half, canary checks) with its CLI.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ heartbeats; on expiry the blocks are freed **and reused** (rewritten with a new 
 gets different bytes. Where a stock prefill would crash (malformed notification or handshake frame) the
 emulator logs and counts instead. Its metadata goes through sidecar.wire.prefill, the same code that decodes a
 real prefill's.
+
+Size: a whole stand-in prefill (side channel, NIXL agent, lease, control); its page bytes and its
+control client live in emulator_pages.py and emulator_control.py.
 """
 
 from __future__ import annotations

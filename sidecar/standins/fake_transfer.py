@@ -3,7 +3,7 @@
 It keeps the real port's contract (the objects it returns carry the fields the daemon reads) and lets a
 test decide what the prefill side does: hold handshakes, refuse or time them out, land a read's layer groups
 one at a time and in any order, fail a read, lose a peer, or answer at once. It moves no bytes: a test that
-needs real bytes uses the real port (tests/e2e, tests/sidecar/daemon/test_service.py).
+needs real bytes uses the real port (tests/e2e, tests/sidecar/daemon/test_serve.py).
 """
 
 from __future__ import annotations

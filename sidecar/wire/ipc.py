@@ -11,6 +11,8 @@ Two kinds of buffer:
 Each layer is a :class:`LayerView` into one of the buffers: offset, shape, strides (elements) and dtype,
 so the description covers whatever layout the attention backend allocated. torch is imported lazily: the
 shim side imports this module inside vLLM and must stay light at import time.
+
+Size: two buffer kinds (device IPC, POSIX shm), each with export, import and checks that must agree.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 Pinned by docs/reference/vllm-0.33-nixl-protocol.md and checked against the vLLM 0.32.0/0.33.0 wheels:
 ``NixlAgentMetadata`` is the same 21 fields in both versions; v15 only adds ``remote_registration_generation``
 to ``kv_transfer_params``. Both dataclasses travel as msgpack maps keyed by field name, every field present.
+
+Size: two pinned wire versions and their client; kept together so a version bump is one diff.
 """
 
 from __future__ import annotations

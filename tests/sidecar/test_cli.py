@@ -64,7 +64,7 @@ def test_serve_names_missing_dependencies(monkeypatch, capsys):
 
 
 def test_missing_subcommand_module_is_named(monkeypatch, capsys):
-    monkeypatch.setitem(cli.DELEGATED, "doctor", "sidecar.no_such_doctor")
+    monkeypatch.setitem(cli.DELEGATED, "doctor", ("sidecar.no_such_doctor", "missing"))
     assert cli.main(["doctor"]) == 2
     assert "sidecar.no_such_doctor is not part of this installation" in capsys.readouterr().err
 
@@ -95,3 +95,12 @@ def test_serve_starts_and_stops_on_sigterm(tmp_path):
     logs = [json.loads(line) for line in lines if line.startswith("{")]
     assert any(rec["msg"].startswith("kv-sidecar") and "serving cpu" in rec["msg"] for rec in logs)
     assert logs[-1]["msg"] == "kv-sidecar stopped"
+
+
+def test_every_command_says_what_it_is_for(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "run sidecar." not in out  # not the module name: what the command is for
+    for name, (_module, what) in {**cli.DELEGATED, **cli.BENCHES}.items():
+        assert what.split()[0] in out or name in cli.BENCHES, (name, what)

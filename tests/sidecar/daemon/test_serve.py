@@ -1,5 +1,5 @@
 """The daemon: a real ``kv-sidecar serve`` against a real prefill emulator (its pure helpers are tested
-beside their modules: test_cache_layout.py, test_slots.py).
+beside their modules: test_layer_regions.py, test_slots.py).
 
 The e2e tests run real processes: the daemon (``python -m sidecar.cli serve``), the prefill emulator (NIXL
 over UCX on loopback), and this process as decoder + shim (a ZMQ DEALER and K/V planes in /dev/shm it owns).

@@ -61,7 +61,7 @@ def _spawn(*args: str, env: dict[str, str] | None = None):
             "--seed",
             str(SEED),
             # The prefill drives NIXL from its loop: ``tx`` already spins one of CI's two cores. The spinning
-            # (vLLM-like) prefill is test_service's module emulator.
+            # (vLLM-like) prefill is test_serve's module emulator.
             "--no-progress-thread",
             *args,
         ],
