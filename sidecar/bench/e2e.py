@@ -86,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--orders",
         default="random,contiguous",
-        help="prefill block orders: random (scattered, after churn) and/or contiguous (a fresh free queue)",
+        help="prefill block orders: random (uniformly scattered), contiguous (a fresh free queue), churn "
+        "(vLLM's free queue after a busy engine's churn), density-F (ascending, filling F of their span)",
     )
     a(
         "--pairs",
@@ -188,13 +189,33 @@ def mode_order_pairs(args: argparse.Namespace) -> list[tuple[str, str]]:
         out = []
         for item in args.pairs.split(","):
             mode, _, order = item.strip().partition("/")
-            if mode not in ("direct", "staged") or order not in ("random", "contiguous"):
-                raise BenchError(f"--pairs: {item!r} is not mode/order (direct|staged / random|contiguous)")
+            if mode not in ("direct", "staged"):
+                raise BenchError(f"--pairs: {item!r} is not mode/order (direct|staged / an order)")
+            block_order(order)
             out.append((mode, order))
         return out
     modes = choice_list(args.modes, "modes", ("direct", "staged"))
-    orders = choice_list(args.orders, "orders", ("random", "contiguous"))
+    orders = [v.strip() for v in args.orders.split(",") if v.strip()]
+    for order in orders:
+        block_order(order)
     return [(m, o) for o in orders for m in modes]
+
+
+ORDERS = ("random", "contiguous", "churn")
+
+
+def block_order(name: str) -> dict[str, Any]:
+    """The emulator's request arguments for an order name: random, contiguous, churn or density-F."""
+    if name in ORDERS:
+        return {"order": name}
+    if name.startswith("density-"):
+        try:
+            density = float(name.removeprefix("density-"))
+        except ValueError:
+            density = -1.0
+        if 0 < density <= 1:
+            return {"order": "contiguous", "density": density}
+    raise BenchError(f"block order {name!r} is not one of {list(ORDERS)} or density-F with 0 < F <= 1")
 
 
 def formats(args: argparse.Namespace) -> tuple[PageFormat, PageFormat]:
@@ -1045,7 +1066,8 @@ def run_cell(
     standin.worker = worker
     for rep in range(args.warmup + args.reps):
         replies = [
-            emulator.new_request(num_tokens=cell.context, order=cell.order) for _ in range(cell.concurrency)
+            emulator.new_request(num_tokens=cell.context, **block_order(cell.order))
+            for _ in range(cell.concurrency)
         ]
         local = [standin.allocate(len(r.kernel_block_ids)) for r in replies]
         try:

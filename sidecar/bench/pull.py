@@ -27,6 +27,7 @@ import datetime as dt
 import json
 import os
 import platform
+import random
 import selectors
 import shlex
 import statistics
@@ -39,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from sidecar.bench import block_orders
 from sidecar.nixl.geometry import LocalRegions, PairGeometry, RemoteRegions, StagingPool, contiguous_slots
 from sidecar.wire.formats import AITER_SHUFFLED, STANDARD, PageFormat, Plan, negotiate
 
@@ -59,9 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--remote-blocks", type=int, default=0, help="blocks per layer at the prefill (default: 2 x --blocks)")
     a(
         "--order",
-        choices=["random", "ascending"],
         default="random",
-        help="remote block ids: scattered (random) or sorted ascending (adjacent runs merge in staged mode)",
+        help="remote block ids: random (scattered), ascending (sorted, runs merge in staged mode), churn "
+        "(vLLM's free queue after a busy engine's churn) or density-F (ascending, filling F of their span)",
     )
     a("--layer-groups", type=int, default=1, help="READs per request (one per layer group)")
     a("--modes", default="direct,staged", help="comma-separated pull modes to time")
@@ -144,6 +146,14 @@ def _stats(seconds: list[float]) -> dict[str, float]:
 
 
 def _block_ids(rng: np.random.Generator, n: int, pool: int, order: str) -> list[int]:
+    if order == "churn":
+        seed = int(rng.integers(1 << 31))
+        return block_orders.churned(pool, random.Random(seed)).take(n)
+    if order.startswith("density-"):
+        density = float(order.removeprefix("density-"))
+        return block_orders.spread(range(pool), n, density, random.Random(int(rng.integers(1 << 31))))
+    if order not in ("random", "ascending"):
+        raise ValueError(f"--order {order!r}: random, ascending, churn or density-F")
     ids = rng.choice(pool, n, replace=False)
     return sorted(int(i) for i in ids) if order == "ascending" else [int(i) for i in ids]
 

@@ -35,6 +35,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from sidecar.bench import block_orders
 from sidecar.standins.emulator_control import (
     ENCODER,
     REQUEST_DECODER,
@@ -247,6 +248,7 @@ class PrefillEmulator:
         self.fmt = cfg.fmt
         self.stats = StatsReply()
         self.rng = random.Random(cfg.seed)
+        self._churn: block_orders.FreeQueue | None = None  # made by the first "churn" request
         self.generation = np.zeros(cfg.num_kernel_blocks, dtype=np.int64)
         self.free: set[int] = set(range(1, cfg.num_blocks))
         self.active: dict[str, _Request] = {}
@@ -452,6 +454,8 @@ class PrefillEmulator:
             self.stats.requests_freed_by_notif += 1
             req.state = "freed_by_notif"
         self.free.update(req.logical)
+        if self._churn is not None:
+            self._churn.give(req.logical)
         self.finished[req.request_id] = req
         while len(self.finished) > MAX_FINISHED_KEPT:
             self.finished.popitem(last=False)
@@ -483,6 +487,15 @@ class PrefillEmulator:
             return Ack()
         return ErrorReply("control", f"unhandled {type(req).__name__}")
 
+    def _churn_queue(self) -> block_orders.FreeQueue:
+        """vLLM's free queue after churn, over the blocks free now (all, when the first churn request comes
+        before any other: the emulator is used for one order at a time)."""
+        if self._churn is None:
+            queue = block_orders.churned(self.cfg.num_blocks, random.Random(self.cfg.seed))
+            self._churn = block_orders.FreeQueue(0)
+            self._churn.give(reversed([b for b in queue.peek(len(queue)) if b in self.free]))
+        return self._churn
+
     def _new_request(self, req: NewRequest) -> ControlReply:
         logical_bs = self.cfg.block_size * self.cfg.blocks_per_logical
         if (req.num_tokens is None) == (req.num_blocks is None):
@@ -497,14 +510,22 @@ class PrefillEmulator:
         nblocks = math.ceil(num_tokens / logical_bs)
         if nblocks > len(self.free):
             return ErrorReply("num_blocks", f"{nblocks} blocks needed, {len(self.free)} free")
+        if not 0 < req.density <= 1:
+            return ErrorReply("density", f"must be in (0, 1], got {req.density}")
         pool = sorted(self.free)
-        if req.order == "contiguous":
+        if req.order == "churn":
+            logical = self._churn_queue().take(nblocks)
+        elif req.density < 1:
+            logical = block_orders.spread(pool, nblocks, req.density, self.rng)
+        elif req.order == "contiguous":
             logical = pool[:nblocks]  # lowest free ids in order, as a fresh vLLM free queue hands them out
         else:
             logical = self.rng.sample(pool, nblocks)
             if req.order == "ascending":
                 logical.sort()
         self.free.difference_update(logical)
+        if self._churn is not None and req.order != "churn":
+            self._churn.remove(logical)
         kblocks = kernel_blocks(logical, self.cfg.blocks_per_logical)
         self._reuse(kblocks)  # a new prefill overwrites whatever the blocks held
         external = req.external_id or f"cmpl-{uuid.uuid4().hex[:16]}-0"

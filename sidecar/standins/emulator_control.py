@@ -30,8 +30,11 @@ class NewRequest(msgspec.Struct, tag="new_request", kw_only=True, forbid_unknown
     num_blocks: int | None = None
     external_id: str | None = None
     # "random": blocks drawn from the free pool in random order (scattered, unsorted); "ascending": sorted;
-    # "contiguous": the lowest free ids in order (a fresh vLLM free queue: adjacent blocks, runs merge).
-    order: Literal["random", "ascending", "contiguous"] = "random"
+    # "contiguous": the lowest free ids in order (a fresh vLLM free queue: adjacent blocks, runs merge);
+    # "churn": what vLLM's free queue hands out after a busy engine's churn (sidecar.bench.block_orders).
+    order: Literal["random", "ascending", "contiguous", "churn"] = "random"
+    # With "ascending" or "contiguous": the blocks fill this share of their span (1.0: no gaps).
+    density: float = 1.0
     # Test knob: this request's lease instead of the emulator's --lease.
     lease_s: float | None = None
 

@@ -121,6 +121,13 @@ def test_options_are_checked() -> None:
     ns.pairs = "plain/random"
     with pytest.raises(e2e.BenchError, match="--pairs"):
         e2e.mode_order_pairs(ns)
+    ns.pairs, ns.orders = "", "churn,density-0.25"
+    assert e2e.mode_order_pairs(ns)[-1] == ("staged", "density-0.25")
+    assert e2e.block_order("density-0.25") == {"order": "contiguous", "density": 0.25}
+    assert e2e.block_order("churn") == {"order": "churn"}
+    for bad in ("density-0", "density-2", "density-x", "sorted"):
+        with pytest.raises(e2e.BenchError, match="block order"):
+            e2e.block_order(bad)
     assert e2e.spread(36, 3) == [0, 18, 35] and e2e.spread(2, 3) == [0, 1] and e2e.spread(5, 1) == [0]
 
 

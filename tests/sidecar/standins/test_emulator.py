@@ -277,9 +277,17 @@ def test_block_choice_is_scattered_and_unsorted_sometimes(emu: EmulatorProcess, 
     runs = [emu.client.new_request(num_blocks=3, order="contiguous") for _ in range(2)]
     first, second = (r.kv_transfer_params["remote_block_ids"][0] for r in runs)
     assert first == sorted(first) and second == sorted(second) and max(first) < min(second)
-    for r in [*replies, asc, *runs]:
+    # half-dense: ascending with gaps; churn: vLLM's free queue after a busy engine, free blocks only
+    held = {b for r in [*replies, asc, *runs] for b in r.kv_transfer_params["remote_block_ids"][0]}
+    sparse = emu.client.new_request(num_blocks=4, order="contiguous", density=0.5)
+    ids = sparse.kv_transfer_params["remote_block_ids"][0]
+    assert ids == sorted(ids) and len(set(ids)) == 4 and not held & set(ids)  # density: test_block_orders.py
+    churn = emu.client.new_request(num_blocks=6, order="churn")
+    churn_ids = churn.kv_transfer_params["remote_block_ids"][0]
+    assert len(set(churn_ids)) == 6 and not (held | set(ids)) & set(churn_ids)
+    for r in [*replies, asc, *runs, sparse, churn]:
         reader.notify(meta, vllm_wire.encode_notification(r.kv_transfer_params["remote_request_id"], 1))
-    for r in [*replies, asc, *runs]:
+    for r in [*replies, asc, *runs, sparse, churn]:
         emu.client.wait_state(r.kv_transfer_params["remote_request_id"], "freed_by_notif", DEADLINE_S)
 
 
