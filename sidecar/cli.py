@@ -27,6 +27,8 @@ BENCHES = {
     "pull": "sidecar.bench.pull",
     "signal": "sidecar.bench.completion_signal",
     "e2e": "sidecar.bench.e2e",
+    "interference": "sidecar.bench.interference",
+    "break-even": "sidecar.bench.break_even",
 }
 # What `serve` needs, and where it comes from.
 SERVE_NEEDS = {
