@@ -36,6 +36,11 @@ BENCHES = {
     "pull": ("sidecar.bench.pull", "kv-sidecar's NIXL reads against bare NIXL reads of the same descriptors"),
     "signal": ("sidecar.bench.completion_signal", "Done's delivery delay, completion socket against ZMQ"),
     "e2e": ("sidecar.bench.e2e", "Pull sent to Done received through the real daemon, against a bare read"),
+    "interference": (
+        "sidecar.bench.interference",
+        "what conversions cost a decoder's running steps on the same GPU, and the settings that bound it",
+    ),
+    "break-even": ("sidecar.bench.break_even", "output tokens after which converting pays, from a results file"),
 }
 # What `serve` needs, and where it comes from.
 SERVE_NEEDS = {

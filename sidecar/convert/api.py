@@ -8,14 +8,15 @@ import torch
 
 from sidecar.convert.checks import Job, aligned16, check_job, check_planes, check_request
 from sidecar.convert.reference import run_reference
+from sidecar.convert.tuning import Tuning
 
 
-def _run(job: Job) -> None:
+def _run(job: Job, tuning: Tuning | None = None) -> None:
     if job.device.type == "cuda":  # CUDA and ROCm (HIP) builds of torch both say "cuda"
         from sidecar.convert import triton_kernel  # lazy: the CPU torch wheel has no Triton
 
         if aligned16(job):
-            triton_kernel.run_triton(job)
+            triton_kernel.run_triton(job, tuning)
             return
     run_reference(job)
 
@@ -116,7 +117,8 @@ class PlaneSet:
         *,
         src: torch.Tensor | Sequence[torch.Tensor] | None = None,
         layers: tuple[int, int] | None = None,
+        tuning: Tuning | None = None,
     ) -> None:
         """As ``convert_layers_standard_to_shuffled`` for layers ``[first, last)`` (default all); ``src``
-        then holds exactly those layers."""
-        _run(check_request(self.planes, block_ids, src, layers))
+        then holds exactly those layers. ``tuning``: launch shapes (default ``TUNING``; GPU only)."""
+        _run(check_request(self.planes, block_ids, src, layers), tuning)

@@ -1,12 +1,81 @@
-"""Starting a request's page conversion: on the CPU (in the caller's thread) or on the daemon's own stream."""
+"""Starting a request's page conversion: on the CPU (in the caller's thread) or on the daemon's own stream.
+
+``ConversionLimits`` bounds what one conversion may take from the decoder sharing the GPU (issue 13):
+slices (a request in launches of at most ``max_slice_pairs`` (layer, block) pairs, optionally paced by a
+host wait between them), a capped grid (``max_ctas`` programs at most) and the stream's priority.
+``limits_for`` turns the operator's one knob (``conversion_max_step_delay_us``) into those numbers.
+"""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from sidecar.wire.formats import PageFormat
+
+# Conversion rate used when none was measured: H200, Qwen3-8B 4k request, 9,216 pairs in 0.36 ms
+# (environment.md, "Daemon stages p50 ... convert 0.36").
+DEFAULT_PAIRS_PER_US = 25.0
+
+
+@dataclass(frozen=True)
+class ConversionLimits:
+    """How much of the GPU one conversion may hold at a time (all zero: one launch, the kernel's own grid)."""
+
+    max_slice_pairs: int = 0  # (layer, block) pairs per launch; 0: a whole layer group in one launch
+    slice_gap_us: float = 0.0  # host wait after each slice completes (paced; ``convert_paced`` only)
+    max_ctas: int = 0  # programs per launch at most (persistent kernels loop); 0: the kernel's own grid
+    low_priority: bool = False  # the conversion stream gets the lowest priority (matters in a shared context)
+
+    def __post_init__(self) -> None:
+        for name in ("max_slice_pairs", "max_ctas"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.slice_gap_us < 0:
+            raise ValueError(f"slice_gap_us must be >= 0, got {self.slice_gap_us}")
+
+    @property
+    def unbounded(self) -> bool:
+        return not (self.max_slice_pairs or self.max_ctas or self.slice_gap_us)
+
+    def tuning(self) -> Any:
+        """Launch shapes for this cap: in place through the persistent "pipe" kernel, out of place through the
+        persistent out-of-place kernel, both with at most ``max_ctas`` programs (None: the defaults)."""
+        if not self.max_ctas:
+            return None
+        from sidecar.convert.tuning import Tuning
+
+        return Tuning(in_place="pipe", pipe_max_programs=self.max_ctas, oop_max_programs=self.max_ctas)
+
+
+def limits_for(max_step_delay_us: float, pairs_per_us: float = DEFAULT_PAIRS_PER_US,
+               low_priority: bool = True) -> ConversionLimits:
+    """The operator's knob as limits: slices short enough that one runs ``max_step_delay_us`` at most at
+    ``pairs_per_us`` (a measured conversion rate); 0 means no bound."""
+    if max_step_delay_us < 0 or pairs_per_us <= 0:
+        raise ValueError(f"need max_step_delay_us >= 0 and pairs_per_us > 0, got {max_step_delay_us}, "
+                         f"{pairs_per_us}")
+    if max_step_delay_us == 0:
+        return ConversionLimits(low_priority=low_priority)
+    return ConversionLimits(max_slice_pairs=max(1, int(max_step_delay_us * pairs_per_us)),
+                            low_priority=low_priority)
+
+
+def plan_slices(layers: tuple[int, int], m: int, max_pairs: int) -> list[tuple[int, int, int, int]]:
+    """Cut layers [first, last) x blocks [0, m) into launches of at most ``max_pairs`` pairs (0: one launch):
+    whole layers together while a layer fits, else each layer in runs of blocks. Items: (l0, l1, b0, b1)."""
+    first, last = layers
+    if last <= first or m <= 0:
+        return []
+    if max_pairs <= 0 or max_pairs >= (last - first) * m:
+        return [(first, last, 0, m)]
+    if max_pairs >= m:
+        per = max_pairs // m
+        return [(lo, min(lo + per, last), 0, m) for lo in range(first, last, per)]
+    return [(lay, lay + 1, b, min(b + max_pairs, m)) for lay in range(first, last) for b in range(0, m, max_pairs)]
 
 
 def conversion_planes(caches: Any, fmt: PageFormat) -> Any:
@@ -23,17 +92,48 @@ def conversion_planes(caches: Any, fmt: PageFormat) -> Any:
 
 
 def convert_blocks(
-    caches: Any, block_ids: np.ndarray, fmt: PageFormat, src: Any, layers: tuple[int, int] | None = None
+    caches: Any,
+    block_ids: np.ndarray,
+    fmt: PageFormat,
+    src: Any,
+    layers: tuple[int, int] | None = None,
+    limits: ConversionLimits | None = None,
 ) -> None:
     """Convert a request's blocks in layers ``[first, last)`` (default all) on the current stream or the CPU.
-    ``src``: None to convert in place, else the staged pages of exactly those layers."""
+    ``src``: None to convert in place, else the staged pages of exactly those layers. ``limits``: slices and
+    grid cap (the launches are queued back to back; pacing is ``convert_paced``'s)."""
     import torch
 
     if caches.plane_set is None:  # made at registration for a shuffled cache; here for anything else
         caches.plane_set = conversion_planes(caches, fmt)
-    caches.plane_set.convert(
-        torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64)), src=src, layers=layers
-    )
+    ids = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64))
+    for piece in _pieces(caches, ids, src, layers, limits):
+        piece()
+
+
+def _pieces(caches: Any, ids: Any, src: Any, layers: tuple[int, int] | None,
+            limits: ConversionLimits | None) -> list[Any]:
+    """One callable per launch of the request (one unless ``limits`` slices it)."""
+    ps = caches.plane_set
+    span = layers if layers is not None else (0, ps.num_layers)
+    if limits is None or limits.unbounded:
+        return [lambda: ps.convert(ids, src=src, layers=layers)]
+    tuning = limits.tuning()
+    out = []
+    for l0, l1, b0, b1 in plan_slices(span, int(ids.numel()), limits.max_slice_pairs):
+        part = None if src is None else src[l0 - span[0] : l1 - span[0], b0:b1]
+        out.append(lambda i=ids[b0:b1], s=part, lr=(l0, l1): ps.convert(i, src=s, layers=lr, tuning=tuning))
+    return out
+
+
+def make_stream(device: Any, limits: ConversionLimits | None = None) -> Any:
+    """The conversion stream: lowest priority when ``limits.low_priority`` (a lower one than the decoder's
+    only where the decoder's stream has a higher one; priorities order streams within one context)."""
+    import torch
+
+    if limits is not None and limits.low_priority:
+        return torch.cuda.Stream(device=device, priority=0)  # CUDA/HIP: 0 is the lowest, negative is higher
+    return torch.cuda.Stream(device=device)
 
 
 def launch_gpu(
@@ -43,12 +143,43 @@ def launch_gpu(
     fmt: PageFormat,
     src: Any,
     layers: tuple[int, int] | None = None,
+    limits: ConversionLimits | None = None,
 ) -> Any:
     """Queue the conversion on the daemon's own stream (never the decoder's) and return its event."""
     import torch
 
     with torch.cuda.stream(stream):
-        convert_blocks(caches, block_ids, fmt, src, layers)
+        convert_blocks(caches, block_ids, fmt, src, layers, limits)
         event = torch.cuda.Event()
         event.record(stream)
+    return event
+
+
+def convert_paced(
+    stream: Any,
+    caches: Any,
+    block_ids: np.ndarray,
+    fmt: PageFormat,
+    src: Any,
+    layers: tuple[int, int] | None = None,
+    limits: ConversionLimits | None = None,
+) -> Any:
+    """As ``launch_gpu``, but each slice is waited for and followed by ``limits.slice_gap_us`` of host
+    time before the next is queued, so the decoder's work finds the GPU free between slices. Blocks the
+    calling thread (run it in a worker); returns the last slice's event (already complete)."""
+    import torch
+
+    if caches.plane_set is None:
+        caches.plane_set = conversion_planes(caches, fmt)
+    ids = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64))
+    gap = 0.0 if limits is None else limits.slice_gap_us * 1e-6
+    event = torch.cuda.Event()
+    with torch.cuda.stream(stream):
+        for piece in _pieces(caches, ids, src, layers, limits):
+            piece()
+            event = torch.cuda.Event()
+            event.record(stream)
+            event.synchronize()
+            if gap:
+                time.sleep(gap)
     return event

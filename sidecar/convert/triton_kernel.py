@@ -127,6 +127,25 @@ def convert_kernel(anchor, meta, ids, M, H, pair0, HC: tl.constexpr, HCHUNKS: tl
     _store_tiles(anchor, k_base, v_base, kv, vv, h0, n0, d0, HC, NC, DC, H, N, D, X, KD, EVICT)
 
 
+@triton.jit(do_not_specialize=["M", "H", "pair0", "programs"])
+def convert_persistent_kernel(anchor, meta, ids, M, H, pair0, programs, HC: tl.constexpr,
+                              HCHUNKS: tl.constexpr, NC: tl.constexpr, DC: tl.constexpr, N: tl.constexpr,
+                              D: tl.constexpr, X: tl.constexpr, KD: tl.constexpr, EVICT: tl.constexpr):
+    """Out of place with a capped grid: program ``pid`` does ``convert_kernel``'s programs pid, pid+grid, ...
+    (caps the conversion's share of the SMs; every program's work is independent)."""
+    per_pair = HCHUNKS * (N // NC) * (D // DC)
+    for q in range(tl.program_id(0), programs, tl.num_programs(0)):
+        pair = pair0 + q // per_pair
+        c = q % per_pair
+        h0 = (c // ((N // NC) * (D // DC))) * HC
+        n0 = ((c // (D // DC)) % (N // NC)) * NC
+        d0 = (c % (D // DC)) * DC
+        k_base, v_base, s_base = _row_bases(meta, ids, pair, M)
+        kv, vv = _load_sources(anchor, k_base, v_base, s_base, h0, n0, d0, HC, NC, DC, H, True, H, N, D, X,
+                               True, KD, EVICT)
+        _store_tiles(anchor, k_base, v_base, kv, vv, h0, n0, d0, HC, NC, DC, H, N, D, X, KD, EVICT)
+
+
 @triton.jit(do_not_specialize=["M", "H"])
 def in_place_split_kernel(anchor, meta, ids, M, H, HR: tl.constexpr, G: tl.constexpr, N: tl.constexpr,
                           D: tl.constexpr, X: tl.constexpr, PREFETCH: tl.constexpr, KD: tl.constexpr,
@@ -315,6 +334,11 @@ class Launcher:
             hc, nc = 1, max(x, min(n, _floor_pow2(self.t.oop_elems // (2 * dc))))
         hchunks = -(-h // hc)
         grid = pairs * hchunks * (n // nc) * (d // dc)
+        if self.t.oop_max_programs and grid > self.t.oop_max_programs:
+            convert_persistent_kernel[(self.t.oop_max_programs,)](
+                self.anchor, meta, self.ids, self.m, h, pair0, grid, HC=hc, HCHUNKS=hchunks, NC=nc, DC=dc,
+                KD=self.t.k_direct_oop, EVICT=self.t.evict, num_warps=self.t.oop_warps, **self.geom)
+            return
         convert_kernel[(grid,)](self.anchor, meta, self.ids, self.m, h, pair0, HC=hc, HCHUNKS=hchunks, NC=nc,
                                 DC=dc, FROM_SRC=True, KD=self.t.k_direct_oop, EVICT=self.t.evict,
                                 num_warps=self.t.oop_warps,
@@ -349,6 +373,6 @@ class Launcher:
             self._out_of_place(table, pair0, pairs)
 
 
-def run_triton(job: Job) -> None:
+def run_triton(job: Job, tuning: Tuning | None = None) -> None:
     """Convert a checked job on its GPU (current stream)."""
-    Launcher(job)()
+    Launcher(job, TUNING if tuning is None else tuning)()

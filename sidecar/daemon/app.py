@@ -23,6 +23,8 @@ from typing import Any
 import msgspec
 
 from sidecar import __version__
+from sidecar.convert.gpu_share import mode_line
+from sidecar.convert.launch import limits_for
 from sidecar.daemon.caches import CacheRegistry
 from sidecar.daemon.conversion import Conversions
 from sidecar.daemon.errors import Refused
@@ -88,7 +90,7 @@ class Daemon:
         self.port: TransferPort | None = None
         self.router = Router(self.metrics)
         self.jobs = JobTable(config.max_inflight, config.max_queued, config.max_timeout_s)
-        self.conversions = Conversions(config.gpu)
+        self.conversions = Conversions(config.gpu, limits_for(config.conversion_max_step_delay_us))
         self.caches: CacheRegistry | None = None
         self.peers: Peers | None = None
         self.leases: Leases | None = None
@@ -121,6 +123,7 @@ class Daemon:
             init_cuda_context(cfg.gpu)
         self.health.agent_up = True
         await asyncio.to_thread(self.conversions.make_stream)
+        log.info("%s", mode_line(self.conversions.limits, gpu=cfg.gpu, platform=_gpu_platform(cfg.gpu)))
         if cfg.staging_bytes:
             dev = 0 if cfg.gpu is None else cfg.gpu
             self.staging = await asyncio.to_thread(Staging, port, cfg.staging_bytes, cfg.device, dev)
@@ -449,6 +452,14 @@ class Daemon:
         while True:
             self.health.tick()
             await asyncio.sleep(0.5)
+
+
+def _gpu_platform(gpu: int | None) -> str | None:
+    if gpu is None:
+        return None
+    import torch
+
+    return "rocm" if torch.version.hip else "cuda"
 
 
 def _raise_fd_limit() -> None:

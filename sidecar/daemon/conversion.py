@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.convert.launch import convert_blocks, launch_gpu
+from sidecar.convert.launch import ConversionLimits, convert_blocks, launch_gpu, make_stream
 from sidecar.daemon.errors import Failed, reason_of
 from sidecar.daemon.jobs import Job
 
@@ -34,17 +34,16 @@ class JobConversion:
 class Conversions:
     """The daemon's conversion stream (GPU) or worker thread (CPU)."""
 
-    def __init__(self, gpu: int | None) -> None:
+    def __init__(self, gpu: int | None, limits: ConversionLimits | None = None) -> None:
         self._gpu = gpu
+        self.limits = limits or ConversionLimits()
         self._stream: Any = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kv-sidecar-convert")
 
     def make_stream(self) -> None:
         """Create the GPU stream (call in a worker thread at start; nothing to do on the CPU twin)."""
         if self._gpu is not None:
-            import torch
-
-            self._stream = torch.cuda.Stream(device=self._gpu)
+            self._stream = make_stream(self._gpu, self.limits)
 
     def begin(self, job: Job, src: Any) -> None:
         """The job will convert what it reads (call before its first layer group can land)."""
@@ -63,12 +62,21 @@ class Conversions:
             if self._stream is None:
                 conv.groups.append(
                     loop.run_in_executor(
-                        self._executor, convert_blocks, caches, job.blocks, fmt, src, (first, last)
+                        self._executor,
+                        convert_blocks,
+                        caches,
+                        job.blocks,
+                        fmt,
+                        src,
+                        (first, last),
+                        self.limits,
                     )
                 )
             else:
                 t0 = time.perf_counter()
-                conv.last_event = launch_gpu(self._stream, caches, job.blocks, fmt, src, (first, last))
+                conv.last_event = launch_gpu(
+                    self._stream, caches, job.blocks, fmt, src, (first, last), self.limits
+                )
                 job.timings["launch"] = job.timings.get("launch", 0.0) + time.perf_counter() - t0
         except Exception as exc:  # noqa: BLE001 - a launch that fails fails the request, not the loop
             failed = loop.create_future()

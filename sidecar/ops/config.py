@@ -163,6 +163,16 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         int,
         _doc("READs per request and prefill rank (layer groups), so conversion can overlap the read", ge=1),
     ] = 1
+    conversion_max_step_delay_us: Annotated[
+        float,
+        _doc(
+            "longest a conversion may hold the GPU at a time, in microseconds (0: no bound). The daemon cuts "
+            "each conversion into launches that run at most this long at its measured rate, so a decode "
+            "step sharing the GPU waits at most about this long for one; a request's conversion then takes "
+            "a little longer (one launch more per slice). See README 'Sharing the decoder's GPU'",
+            ge=0,
+        ),
+    ] = 0.0
     remotes: Annotated[
         list[RemoteRule],
         _doc(
