@@ -143,7 +143,8 @@ def negotiate(
                                      "are moved bit for bit, so the per-tensor scales must match")
     if reencode and remote.kind == local.kind:
         return Refusal("dtype", f"{remote.dtype} -> {local.dtype} is re-encoded only while converting "
-                                f"standard pages into {AITER_SHUFFLED!r}, not between two {remote.kind!r} pages")
+                                f"standard pages into {AITER_SHUFFLED!r}, not between two "
+                                f"{remote.kind!r} pages")
     if remote.kind == local.kind:
         return Refusal(
             "layout",

@@ -142,3 +142,8 @@ def format_table(prefill_scale: float, decoder_scale: float) -> str:
         row = f"0x{b:02X}  {decode_e4m3fn(b):>12g}    0x{o:02X}  {_FNUZ_VALUES[o] * ratio:>12g}  {note}"
         lines.append(row.rstrip())
     return "\n".join(lines) + "\n"
+
+
+def pair_table(prefill_k: float, decoder_k: float, prefill_v: float, decoder_v: float) -> np.ndarray:
+    """int32 [2, 256]: the K table then the V table, as ``PlaneSet(lut=...)`` takes them."""
+    return np.stack([kernel_table(prefill_k, decoder_k), kernel_table(prefill_v, decoder_v)])
