@@ -132,6 +132,8 @@ class TransferSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Memory type of remote regions when the metadata has no region_mem_types.
     remote_mem_type: str = "VRAM"
     conversion_enabled: bool = True
+    # The matching [[remotes]] rule's fp8_lossy_reencode: accept e4m3fn -> e4m3fnuz re-encodes that can lose values.
+    allow_lossy_fp8: bool = False
     # GPU whose memory this agent registers; None on the CPU twin.
     cuda_device: int | None = None
 
@@ -216,7 +218,8 @@ def admit_remote(
         if remote_hash is None:
             raise RemoteRefused("the handshake carried no compatibility hash", "compatibility_hash")
         check_model_identity(remote_hash, meta.attn_backend_name, local_factors)
-    plan = negotiate(remote_format, local_format, conversion_enabled=settings.conversion_enabled)
+    plan = negotiate(remote_format, local_format, conversion_enabled=settings.conversion_enabled,
+                     allow_lossy_fp8=settings.allow_lossy_fp8)
     if isinstance(plan, Refusal):
         raise RemoteRefused(plan.reason, plan.field)
     try:
