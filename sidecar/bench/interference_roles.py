@@ -190,7 +190,13 @@ def role_converter(cfg: dict[str, Any]) -> None:
 
     from sidecar.bench.decode_step import ModelShape
     from sidecar.convert import PlaneSet
-    from sidecar.convert.launch import ConversionLimits, convert_blocks, convert_paced, launch_gpu, make_stream
+    from sidecar.convert.launch import (
+        ConversionLimits,
+        convert_blocks,
+        convert_paced,
+        launch_gpu,
+        make_stream,
+    )
     from sidecar.wire import ipc
     from sidecar.wire.formats import AITER_SHUFFLED
 

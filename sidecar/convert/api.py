@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from sidecar.convert.checks import Job, aligned16, check_job, check_planes, check_request
@@ -15,7 +16,7 @@ def _run(job: Job, tuning: Tuning | None = None) -> None:
     if job.device.type == "cuda":  # CUDA and ROCm (HIP) builds of torch both say "cuda"
         from sidecar.convert import triton_kernel  # lazy: the CPU torch wheel has no Triton
 
-        if aligned16(job):
+        if aligned16(job):  # the kernels move 16-byte vectors
             triton_kernel.run_triton(job, tuning)
             return
     run_reference(job)
@@ -84,11 +85,22 @@ class PlaneSet:
         num_heads: int,
         block_size: int,
         head_size: int,
+        lut: np.ndarray | None = None,
     ) -> None:
+        """``lut``: int32 [2, 256] (``sidecar.wire.fp8.pair_table``) to re-encode fp8 bytes while converting
+        (e4m3fn pages into e4m3fnuz planes); the planes must then be a 1-byte dtype."""
         if not isinstance(k_planes, Sequence) or not isinstance(v_planes, Sequence):
             raise ValueError("k_planes and v_planes must be sequences of tensors (one per layer)")
         self.planes = check_planes(k_planes, v_planes, num_heads=num_heads, block_size=block_size,
                                    head_size=head_size)
+        self.lut = None
+        if lut is not None:
+            table = np.asarray(lut)
+            if table.shape != (2, 256) or table.dtype != np.int32:
+                raise ValueError(f"lut must be int32 [2, 256], got {table.dtype} {table.shape}")
+            if self.planes.elem_bytes != 1:
+                raise ValueError(f"a byte re-encode needs 1-byte planes, not {self.planes.dtype}")
+            self.lut = torch.from_numpy(table.copy()).to(self.planes.device)
 
     @property
     def num_layers(self) -> int:
@@ -118,7 +130,11 @@ class PlaneSet:
         src: torch.Tensor | Sequence[torch.Tensor] | None = None,
         layers: tuple[int, int] | None = None,
         tuning: Tuning | None = None,
-    ) -> None:
+    ) -> torch.Tensor | None:
         """As ``convert_layers_standard_to_shuffled`` for layers ``[first, last)`` (default all); ``src``
-        then holds exactly those layers. ``tuning``: launch shapes (default ``TUNING``; GPU only)."""
-        _run(check_request(self.planes, block_ids, src, layers), tuning)
+        then holds exactly those layers. ``tuning``: launch shapes (default ``TUNING``; GPU only). With a
+        re-encode table, returns int64 [2] on the planes' device: (saturated, NaN) elements of this call,
+        ready once the conversion's stream gets there; else None."""
+        counts = None if self.lut is None else torch.zeros(2, dtype=torch.int64, device=self.planes.device)
+        _run(check_request(self.planes, block_ids, src, layers, lut=self.lut, counts=counts), tuning)
+        return counts

@@ -9,12 +9,24 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-CONVERTIBLE = (torch.bfloat16, torch.float16)
+CONVERTIBLE = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2,
+               torch.uint8, torch.int8)
+BASE = {2: torch.int16, 1: torch.uint8}  # what a permutation moves: the bits of one element
+
+
+def x_of(elem_bytes: int) -> int:
+    """Elements in one 16-byte vector: the AITER tile width (8 for 2-byte, 16 for 1-byte elements)."""
+    return 16 // elem_bytes
 
 
 @dataclass(frozen=True, eq=False)
 class Job:
-    """A checked conversion: planes as int16 views (a pure permutation never looks at values), ids on CPU."""
+    """A checked conversion: planes as int16 (or, for 1-byte dtypes, uint8) views, ids on CPU.
+
+    A pure permutation never looks at values; with ``lut`` (fp8 e4m3fn -> e4m3fnuz) every moved byte ``b`` of
+    K becomes ``lut[0, b] & 0xFF`` and of V ``lut[1, b] & 0xFF``, and the flag bits above it are counted into
+    ``counts`` (saturated, NaN).
+    """
 
     k_planes: tuple[torch.Tensor, ...]
     v_planes: tuple[torch.Tensor, ...]
@@ -28,10 +40,13 @@ class Job:
     # (address, row stride). Kernels build their tables from these without touching the tensors again.
     plane_rows: np.ndarray  # int64 [layers, 4]
     src_rows: np.ndarray | None  # int64 [layers, 2]
+    elem_bytes: int = 2
+    lut: torch.Tensor | None = None  # int32 [2, 256] on the planes' device
+    counts: torch.Tensor | None = None  # int64 [2] on the planes' device, added into
 
     @property
     def x(self) -> int:
-        return 8  # 16 bytes of 2-byte elements
+        return x_of(self.elem_bytes)
 
     @property
     def plane_block_elems(self) -> int:
@@ -67,8 +82,8 @@ def _check_plane(name: str, t: object, row_elems: int) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in CONVERTIBLE:
-        raise ValueError(f"{name} dtype {t.dtype} is not convertible; only bfloat16 and float16 are "
-                         "(a bit-exact permutation)")
+        raise ValueError(f"{name} dtype {t.dtype} is not convertible; only bfloat16, float16 and 1-byte "
+                         "(fp8, int8, uint8) caches are (a bit-exact permutation)")
     if t.dim() != 2 or t.shape[1] != row_elems:
         raise ValueError(f"{name} shape {tuple(t.shape)} must be [num_blocks, num_heads*block_size*head_size]"
                          f" = [num_blocks, {row_elems}]")
@@ -128,6 +143,7 @@ class Planes:
     spans: tuple[tuple[int, int, str], ...]  # byte ranges of the planes and their names, sorted, disjoint
     starts: tuple[int, ...]  # each span's start, for bisecting
     rows: np.ndarray  # int64 [layers, 4], as Job.plane_rows
+    elem_bytes: int = 2
 
     @property
     def single(self) -> bool:
@@ -139,15 +155,18 @@ class Planes:
 
 
 def _aligned16(tensors: Sequence[torch.Tensor]) -> bool:
-    """The kernels use 16-byte vectors: every base and row stride must be a multiple of 8 elements."""
-    return all(t.data_ptr() % 16 == 0 and (t.shape[0] <= 1 or t.stride(0) % 8 == 0) for t in tensors)
+    """The kernels use 16-byte vectors: every base and row stride must be a multiple of 16 bytes."""
+    return all(
+        t.data_ptr() % 16 == 0 and (t.shape[0] <= 1 or (t.stride(0) * t.element_size()) % 16 == 0)
+        for t in tensors
+    )
 
 
 def aligned16(job: Job) -> bool:
     """16-byte vectors fit every tensor of the job (the planes were checked once, the sources now)."""
     if job.src_rows is None or not len(job.src_rows):
         return job.planes_aligned16
-    rows_ok = job.ids.numel() <= 1 or not (job.src_rows[:, 1] % 8).any()
+    rows_ok = job.ids.numel() <= 1 or not (job.src_rows[:, 1] % job.x).any()
     return job.planes_aligned16 and rows_ok and not (job.src_rows[:, 0] % 16).any()
 
 
@@ -190,9 +209,10 @@ def check_planes(
         raise ValueError(f"block_size {n} is not a multiple of x={x} (16 bytes of {dtype})")
     _check_disjoint(named)
     spans = tuple(sorted((*_span(t), name) for name, t in named if t.numel()))
+    base = BASE[ks[0].element_size()]
     return Planes(
-        k_planes=tuple(t.view(torch.int16) for t in ks),
-        v_planes=tuple(t.view(torch.int16) for t in vs),
+        k_planes=tuple(t.view(base) for t in ks),
+        v_planes=tuple(t.view(base) for t in vs),
         dtype=dtype,
         num_blocks=min(k.shape[0] for k in ks),
         num_heads=h,
@@ -205,6 +225,7 @@ def check_planes(
             [(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0)) for k, v in zip(ks, vs, strict=True)],
             dtype=np.int64,
         ).reshape(-1, 4),
+        elem_bytes=ks[0].element_size(),
     )
 
 
@@ -224,7 +245,7 @@ def _check_src_disjoint(planes: Planes, named: list[tuple[str, int, int]]) -> No
 def _check_src_tensor(planes: Planes, name: str, s: object) -> torch.Tensor:
     if not isinstance(s, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(s).__name__}")
-    if s.dtype != planes.dtype:
+    if s.dtype != planes.dtype and not (s.element_size() == 1 == planes.elem_bytes):
         raise ValueError(f"{name} dtype {s.dtype} differs from the planes' {planes.dtype}")
     if s.device != planes.device:
         raise ValueError(f"mismatched devices: {name} is on {s.device}, the planes on {planes.device}")
@@ -249,7 +270,7 @@ def _batched_src(planes: Planes, src: torch.Tensor, layers: int, m: int) -> tupl
     rows = np.empty((layers, 2), dtype=np.int64)
     rows[:, 0] = src.data_ptr() + np.arange(layers, dtype=np.int64) * src.stride(0) * src.element_size()
     rows[:, 1] = src.stride(1)
-    return src.view(torch.int16), rows  # not unbound: 36 layer views cost ~25 µs a request
+    return src.view(BASE[planes.elem_bytes]), rows  # not unbound: 36 layer views cost ~25 µs a request
 
 
 def _listed_srcs(planes: Planes, srcs: Sequence[object], m: int) -> tuple[tuple, np.ndarray]:
@@ -266,11 +287,16 @@ def _listed_srcs(planes: Planes, srcs: Sequence[object], m: int) -> tuple[tuple,
     _check_src_disjoint(planes, [(name, *_span(t)) for name, t in named])
     _check_disjoint(named)
     rows = np.array([(t.data_ptr(), t.stride(0)) for t in src_list], dtype=np.int64).reshape(-1, 2)
-    return tuple(t.view(torch.int16) for t in src_list), rows
+    return tuple(t.view(BASE[planes.elem_bytes]) for t in src_list), rows
 
 
 def check_request(
-    planes: Planes, block_ids: object, src: object, layers: tuple[int, int] | None = None
+    planes: Planes,
+    block_ids: object,
+    src: object,
+    layers: tuple[int, int] | None = None,
+    lut: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
 ) -> Job:
     """Check one request against checked planes: its ids and its source for layers ``[first, last)``
     (default all): None (in place), a [layers, M, page] tensor, or a sequence of [M, page] tensors."""
@@ -296,6 +322,9 @@ def check_request(
         planes_aligned16=planes.aligned16,
         plane_rows=planes.rows[first:last],
         src_rows=src_rows,
+        elem_bytes=planes.elem_bytes,
+        lut=lut,
+        counts=counts,
     )
 
 

@@ -51,17 +51,20 @@ class ConversionLimits:
         return Tuning(in_place="pipe", pipe_max_programs=self.max_ctas, oop_max_programs=self.max_ctas)
 
 
-def limits_for(max_step_delay_us: float, pairs_per_us: float = DEFAULT_PAIRS_PER_US,
-               low_priority: bool = True) -> ConversionLimits:
+def limits_for(
+    max_step_delay_us: float, pairs_per_us: float = DEFAULT_PAIRS_PER_US, low_priority: bool = True
+) -> ConversionLimits:
     """The operator's knob as limits: slices short enough that one runs ``max_step_delay_us`` at most at
     ``pairs_per_us`` (a measured conversion rate); 0 means no bound."""
     if max_step_delay_us < 0 or pairs_per_us <= 0:
-        raise ValueError(f"need max_step_delay_us >= 0 and pairs_per_us > 0, got {max_step_delay_us}, "
-                         f"{pairs_per_us}")
+        raise ValueError(
+            f"need max_step_delay_us >= 0 and pairs_per_us > 0, got {max_step_delay_us}, {pairs_per_us}"
+        )
     if max_step_delay_us == 0:
         return ConversionLimits(low_priority=low_priority)
-    return ConversionLimits(max_slice_pairs=max(1, int(max_step_delay_us * pairs_per_us)),
-                            low_priority=low_priority)
+    return ConversionLimits(
+        max_slice_pairs=max(1, int(max_step_delay_us * pairs_per_us)), low_priority=low_priority
+    )
 
 
 def plan_slices(layers: tuple[int, int], m: int, max_pairs: int) -> list[tuple[int, int, int, int]]:
@@ -75,7 +78,9 @@ def plan_slices(layers: tuple[int, int], m: int, max_pairs: int) -> list[tuple[i
     if max_pairs >= m:
         per = max_pairs // m
         return [(lo, min(lo + per, last), 0, m) for lo in range(first, last, per)]
-    return [(lay, lay + 1, b, min(b + max_pairs, m)) for lay in range(first, last) for b in range(0, m, max_pairs)]
+    return [
+        (lay, lay + 1, b, min(b + max_pairs, m)) for lay in range(first, last) for b in range(0, m, max_pairs)
+    ]
 
 
 def conversion_planes(caches: Any, fmt: PageFormat) -> Any:
@@ -98,23 +103,30 @@ def convert_blocks(
     src: Any,
     layers: tuple[int, int] | None = None,
     limits: ConversionLimits | None = None,
-) -> None:
+    planes: Any = None,
+) -> Any:
     """Convert a request's blocks in layers ``[first, last)`` (default all) on the current stream or the CPU.
     ``src``: None to convert in place, else the staged pages of exactly those layers. ``limits``: slices and
-    grid cap (the launches are queued back to back; pacing is ``convert_paced``'s)."""
+    grid cap (the launches are queued back to back; pacing is ``convert_paced``'s). ``planes``: the
+    ``PlaneSet`` to use instead of the caches' own (one with an fp8 re-encode table). Returns the re-encode's
+    (saturated, NaN) counts as an int64 [2] tensor on the planes' device, or None without a table."""
     import torch
 
-    if caches.plane_set is None:  # made at registration for a shuffled cache; here for anything else
+    if planes is None and caches.plane_set is None:  # made at registration for a shuffled cache
         caches.plane_set = conversion_planes(caches, fmt)
     ids = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64))
-    for piece in _pieces(caches, ids, src, layers, limits):
-        piece()
+    counts = None
+    for piece in _pieces(planes if planes is not None else caches.plane_set, ids, src, layers, limits):
+        got = piece()
+        if got is not None:
+            counts = got if counts is None else counts + got
+    return counts
 
 
-def _pieces(caches: Any, ids: Any, src: Any, layers: tuple[int, int] | None,
-            limits: ConversionLimits | None) -> list[Any]:
-    """One callable per launch of the request (one unless ``limits`` slices it)."""
-    ps = caches.plane_set
+def _pieces(
+    ps: Any, ids: Any, src: Any, layers: tuple[int, int] | None, limits: ConversionLimits | None
+) -> list[Any]:
+    """One callable per launch of the request (one unless ``limits`` slices it), on PlaneSet ``ps``."""
     span = layers if layers is not None else (0, ps.num_layers)
     if limits is None or limits.unbounded:
         return [lambda: ps.convert(ids, src=src, layers=layers)]
@@ -144,12 +156,17 @@ def launch_gpu(
     src: Any,
     layers: tuple[int, int] | None = None,
     limits: ConversionLimits | None = None,
+    planes: Any = None,
+    counts: list[Any] | None = None,
 ) -> Any:
-    """Queue the conversion on the daemon's own stream (never the decoder's) and return its event."""
+    """Queue the conversion on the daemon's own stream (never the decoder's) and return its event.
+    ``planes`` as in ``convert_blocks``; the re-encode counts, if any, are appended to ``counts``."""
     import torch
 
     with torch.cuda.stream(stream):
-        convert_blocks(caches, block_ids, fmt, src, layers, limits)
+        got = convert_blocks(caches, block_ids, fmt, src, layers, limits, planes)
+        if got is not None and counts is not None:
+            counts.append(got)
         event = torch.cuda.Event()
         event.record(stream)
     return event
@@ -175,7 +192,7 @@ def convert_paced(
     gap = 0.0 if limits is None else limits.slice_gap_us * 1e-6
     event = torch.cuda.Event()
     with torch.cuda.stream(stream):
-        for piece in _pieces(caches, ids, src, layers, limits):
+        for piece in _pieces(caches.plane_set, ids, src, layers, limits):
             piece()
             event = torch.cuda.Event()
             event.record(stream)

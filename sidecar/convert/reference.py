@@ -1,16 +1,17 @@
 """Reference converter in plain torch (any device): the permute formula of page-formats.md, vectorised.
 
-Only copies, never arithmetic, so no bit pattern (NaNs included) can change: planes are handled as int16,
-and as 16-byte elements (complex128, moved as opaque 16-byte units) where every tensor is 16-byte aligned,
+Only copies, never arithmetic, so no bit pattern (NaNs included) can change: planes are handled as int16
+(uint8 for 1-byte dtypes such as fp8), and as 16-byte elements (complex128, moved as opaque 16-byte units) where every tensor is 16-byte aligned,
 which makes the row gathers, the row scatters and the K permutation (whole 16-byte x-groups) far cheaper on
-the CPU. On the CPU the blocks go in cache-sized chunks so the temporaries never leave the cache.
+the CPU. On the CPU the blocks go in cache-sized chunks so the temporaries never leave the cache. An fp8
+re-encode (``job.lut``) maps each permuted byte through its tensor's table before the scatter.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sidecar.convert.checks import Job, aligned16
+from sidecar.convert.checks import BASE, Job, aligned16
 
 CPU_CHUNK_BYTES = 2 << 20  # pairs per chunk on the CPU: gather, permute and scatter stay in L2/L3
 WIDE = torch.complex128  # a 16-byte element type; only ever copied, never computed on
@@ -23,13 +24,14 @@ def run_reference(job: Job) -> None:
     if m_all == 0:
         return
     half = job.plane_block_elems
-    unit = 8 if aligned16(job) else 1  # int16 elements per moved element
-    elem = WIDE if unit == 8 else torch.int16
-    chunk = m_all if job.device.type != "cpu" else max(1, min(m_all, CPU_CHUNK_BYTES // (4 * half)))
+    base = BASE[job.elem_bytes]
+    unit = x if aligned16(job) else 1  # base elements per moved element
+    elem = WIDE if unit > 1 else base
+    chunk = m_all if job.device.type != "cpu" else max(1, min(m_all, CPU_CHUNK_BYTES // (2 * job.elem_bytes * half)))
     ids_all = job.ids.to(job.device)
-    pages = torch.empty((chunk, 2 * half), dtype=torch.int16, device=job.device) if job.srcs is None else None
-    k_out = torch.empty((chunk, half), dtype=torch.int16, device=job.device)
-    v_out = torch.empty((chunk, half), dtype=torch.int16, device=job.device)
+    pages = torch.empty((chunk, 2 * half), dtype=base, device=job.device) if job.srcs is None else None
+    k_out = torch.empty((chunk, half), dtype=base, device=job.device)
+    v_out = torch.empty((chunk, half), dtype=base, device=job.device)
     wide = lambda t: t.view(elem)
     for layer, (kp, vp) in enumerate(zip(job.k_planes, job.v_planes, strict=False)):
         for c0 in range(0, m_all, chunk):
@@ -48,5 +50,17 @@ def run_reference(job: Job) -> None:
             # V tile [H, N/x, D, x]: an element-wise transpose of x tokens by D dims.
             v_src = src.view(m, h, n // x, x, 2, d)[:, :, :, :, 1].permute(0, 1, 2, 4, 3)
             v_out[:m].view(m, h, n // x, d, x).copy_(v_src)
+            if job.lut is not None:
+                _reencode(job, k_out[:m], 0)
+                _reencode(job, v_out[:m], 1)
             wide(kp).index_put_((ids,), wide(k_out[:m]))
             wide(vp).index_put_((ids,), wide(v_out[:m]))
+
+
+def _reencode(job: Job, out: torch.Tensor, tensor: int) -> None:
+    """Map the bytes of ``out`` (K: tensor 0, V: 1) through the job's table and count the flagged ones."""
+    codes = job.lut[tensor][out.long()]
+    out.copy_((codes & 0xFF).to(torch.uint8))
+    if job.counts is not None:
+        job.counts[0] += ((codes >> 8) & 1).sum()
+        job.counts[1] += ((codes >> 9) & 1).sum()

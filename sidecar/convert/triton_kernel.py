@@ -2,7 +2,9 @@
 
 Imported only when a GPU tensor is converted: the CPU torch wheel has no Triton.
 
-Every kernel moves int16 elements (a bit-exact permutation) and finds a layer's planes through a small int64
+Every kernel moves int16 elements, or uint8 ones for 1-byte dtypes such as fp8 (x = 16 then), a bit-exact
+permutation; an fp8 re-encode (``Job.lut``) runs only in ``convert_kernel`` (out of place, or in place through
+the scratch form), mapping each stored byte through its tensor's 256-entry table. Every kernel finds a layer's planes through a small int64
 table ``meta[L, 6]`` = (K offset, K row stride, V offset, V row stride, src offset, src row stride), offsets
 in elements from one anchor tensor, so per-layer planes anywhere in memory convert in one launch.
 
@@ -71,11 +73,22 @@ def _load_sources(anchor, k_base, v_base, s_base, h0, n0, d0, HC: tl.constexpr, 
 
 
 @triton.jit
+def _reencode(lut, cnt, vals, mask, TABLE: tl.constexpr):
+    """Bytes through table TABLE (0: K, 1: V) of ``lut`` [2, 256]; flagged (saturated, NaN) lanes counted."""
+    codes = tl.load(lut + TABLE * 256 + vals.to(tl.int32))
+    sat = tl.where(mask, (codes >> 8) & 1, 0).to(tl.int64)
+    nan = tl.where(mask, (codes >> 9) & 1, 0).to(tl.int64)
+    tl.atomic_add(cnt, tl.sum(sat))
+    tl.atomic_add(cnt + 1, tl.sum(nan))
+    return (codes & 0xFF).to(tl.uint8)
+
+
+@triton.jit
 def _store_tiles(anchor, k_base, v_base, kv, vv, h0, n0, d0, HC: tl.constexpr, NC: tl.constexpr,
                  DC: tl.constexpr, hmax, N: tl.constexpr, D: tl.constexpr, X: tl.constexpr, KD: tl.constexpr,
-                 EVICT: tl.constexpr):
+                 EVICT: tl.constexpr, lut, cnt, REENC: tl.constexpr):
     """Store heads [h0, min(h0+HC, hmax)) x tokens [n0, n0+NC) x dims [d0, d0+DC) of the K tile [H, D/x, N, x]
-    and the V tile [H, N/x, D, x]."""
+    and the V tile [H, N/x, D, x] (through the re-encode tables with REENC)."""
     h4 = h0 + tl.arange(0, HC)[:, None, None, None]
     mask = h4 < hmax
     xi = tl.arange(0, X)[None, None, None, :]
@@ -86,11 +99,15 @@ def _store_tiles(anchor, k_base, v_base, kv, vv, h0, n0, d0, HC: tl.constexpr, N
     else:
         kt = tl.permute(tl.reshape(kv, (HC, NC, DC // X, X)), (0, 2, 1, 3))  # [HC, DC/x, NC, x]
     k_off = h4 * (D * N) + db * (N * X) + nn * X + xi
+    if REENC:
+        kt = _reencode(lut, cnt, kt, mask & (k_off >= 0), 0)
     tl.store(anchor + k_base + k_off, kt, mask=mask, eviction_policy=EVICT)
     nb = n0 // X + tl.arange(0, NC // X)[None, :, None, None]
     dd = d0 + tl.arange(0, DC)[None, None, :, None]
     vt = tl.permute(tl.reshape(vv, (HC, NC // X, X, DC)), (0, 1, 3, 2))  # [HC, NC/x, DC, x]
     v_off = h4 * (D * N) + nb * (D * X) + dd * X + xi
+    if REENC:
+        vt = _reencode(lut, cnt, vt, mask & (v_off >= 0), 1)
     tl.store(anchor + v_base + v_off, vt, mask=mask, eviction_policy=EVICT)
 
 
@@ -110,7 +127,8 @@ def _row_bases(meta, ids, pair, M):
 @triton.jit(do_not_specialize=["M", "H", "pair0"])
 def convert_kernel(anchor, meta, ids, M, H, pair0, HC: tl.constexpr, HCHUNKS: tl.constexpr, NC: tl.constexpr,
                    DC: tl.constexpr, N: tl.constexpr, D: tl.constexpr, X: tl.constexpr,
-                   FROM_SRC: tl.constexpr, KD: tl.constexpr, EVICT: tl.constexpr):
+                   FROM_SRC: tl.constexpr, KD: tl.constexpr, EVICT: tl.constexpr, lut, cnt,
+                   REENC: tl.constexpr):
     """Program = (pair, head chunk, token chunk, dim chunk); in place (not FROM_SRC) one covers a pair."""
     pid = tl.program_id(0)
     per_pair = HCHUNKS * (N // NC) * (D // DC)
@@ -124,13 +142,14 @@ def convert_kernel(anchor, meta, ids, M, H, pair0, HC: tl.constexpr, HCHUNKS: tl
                            FROM_SRC, KD, EVICT)
     if not FROM_SRC:
         tl.debug_barrier()  # every load of the pair is performed before any thread of the CTA stores into it
-    _store_tiles(anchor, k_base, v_base, kv, vv, h0, n0, d0, HC, NC, DC, H, N, D, X, KD, EVICT)
+    _store_tiles(anchor, k_base, v_base, kv, vv, h0, n0, d0, HC, NC, DC, H, N, D, X, KD, EVICT, lut, cnt, REENC)
 
 
 @triton.jit(do_not_specialize=["M", "H", "pair0", "programs"])
 def convert_persistent_kernel(anchor, meta, ids, M, H, pair0, programs, HC: tl.constexpr,
                               HCHUNKS: tl.constexpr, NC: tl.constexpr, DC: tl.constexpr, N: tl.constexpr,
-                              D: tl.constexpr, X: tl.constexpr, KD: tl.constexpr, EVICT: tl.constexpr):
+                              D: tl.constexpr, X: tl.constexpr, KD: tl.constexpr, EVICT: tl.constexpr, lut, cnt,
+                              REENC: tl.constexpr):
     """Out of place with a capped grid: program ``pid`` does ``convert_kernel``'s programs pid, pid+grid, ...
     (caps the conversion's share of the SMs; every program's work is independent)."""
     per_pair = HCHUNKS * (N // NC) * (D // DC)
@@ -143,7 +162,8 @@ def convert_persistent_kernel(anchor, meta, ids, M, H, pair0, programs, HC: tl.c
         k_base, v_base, s_base = _row_bases(meta, ids, pair, M)
         kv, vv = _load_sources(anchor, k_base, v_base, s_base, h0, n0, d0, HC, NC, DC, H, True, H, N, D, X,
                                True, KD, EVICT)
-        _store_tiles(anchor, k_base, v_base, kv, vv, h0, n0, d0, HC, NC, DC, H, N, D, X, KD, EVICT)
+        _store_tiles(anchor, k_base, v_base, kv, vv, h0, n0, d0, HC, NC, DC, H, N, D, X, KD, EVICT, lut, cnt,
+                     REENC)
 
 
 @triton.jit(do_not_specialize=["M", "H"])
@@ -170,16 +190,16 @@ def in_place_split_kernel(anchor, meta, ids, M, H, HR: tl.constexpr, G: tl.const
             kn, vn = _load_sources(anchor, k_base, v_base, 0, h + G, 0, 0, G, N, D, lo, True, H, N, D, X,
                                    False, KD, EVICT)
             tl.debug_barrier()  # the readers of the slots written next (h//2.., resident) are loaded CTA-wide
-            _store_tiles(anchor, k_base, v_base, kh, vh, h, 0, 0, G, N, D, lo, N, D, X, KD, EVICT)
+            _store_tiles(anchor, k_base, v_base, kh, vh, h, 0, 0, G, N, D, lo, N, D, X, KD, EVICT, anchor, anchor, False)
             kh, vh = kn, vn
     else:
         for h in range(0, lo, G):
             kh, vh = _load_sources(anchor, k_base, v_base, 0, h, 0, 0, G, N, D, lo, True, H, N, D, X, False,
                                    KD, EVICT)
             tl.debug_barrier()  # the readers of the slots written next (h//2.., resident) are loaded CTA-wide
-            _store_tiles(anchor, k_base, v_base, kh, vh, h, 0, 0, G, N, D, lo, N, D, X, KD, EVICT)
+            _store_tiles(anchor, k_base, v_base, kh, vh, h, 0, 0, G, N, D, lo, N, D, X, KD, EVICT, anchor, anchor, False)
     tl.debug_barrier()
-    _store_tiles(anchor, k_base, v_base, kr, vr, lo, 0, 0, HR, N, D, H, N, D, X, KD, EVICT)
+    _store_tiles(anchor, k_base, v_base, kr, vr, lo, 0, 0, HR, N, D, H, N, D, X, KD, EVICT, anchor, anchor, False)
 
 
 @triton.jit(do_not_specialize=["M", "H", "total"])
@@ -202,7 +222,7 @@ def in_place_pipe_kernel(anchor, meta, ids, M, H, total, HP: tl.constexpr, N: tl
         kn, vn = _load_sources(anchor, k_next, v_next, 0, 0, 0, 0, HP, N, D, H, more, H, N, D, X, False, KD,
                                EVICT)
         tl.debug_barrier()
-        _store_tiles(anchor, k_base, v_base, kc, vc, 0, 0, 0, HP, N, D, H, N, D, X, KD, EVICT)
+        _store_tiles(anchor, k_base, v_base, kc, vc, 0, 0, 0, HP, N, D, H, N, D, X, KD, EVICT, anchor, anchor, False)
         kc, vc, k_base, v_base = kn, vn, k_next, v_next
 
 
@@ -233,9 +253,10 @@ def _meta_table(job: Job, anchor: torch.Tensor, src_cols: np.ndarray | None) -> 
     ``src_cols``: [L, 2] source offsets (elements from the anchor) and row strides, or None (in place)."""
     rows = np.zeros((len(job.plane_rows), 6), dtype=np.int64)
     a = anchor.data_ptr()
-    rows[:, 0] = (job.plane_rows[:, 0] - a) // 2
+    e = job.elem_bytes
+    rows[:, 0] = (job.plane_rows[:, 0] - a) // e
     rows[:, 1] = job.plane_rows[:, 1]
-    rows[:, 2] = (job.plane_rows[:, 2] - a) // 2
+    rows[:, 2] = (job.plane_rows[:, 2] - a) // e
     rows[:, 3] = job.plane_rows[:, 3]
     if src_cols is not None:
         rows[:, 4:] = src_cols
@@ -245,8 +266,11 @@ def _meta_table(job: Job, anchor: torch.Tensor, src_cols: np.ndarray | None) -> 
 def in_place_strategy(job: Job, tuning: Tuning = TUNING) -> str:
     """How a pair of this shape converts in place: "pipe", "whole" or "split" (on chip) or "scratch"."""
     h, nd = job.num_heads, job.block_size * job.head_size
-    pair_bytes = 4 * _next_pow2(h) * nd  # K and V, 2 bytes each, heads padded to a power of two
-    resident_bytes = 4 * _next_pow2(h - h // 2) * nd
+    e = job.elem_bytes
+    pair_bytes = 2 * e * _next_pow2(h) * nd  # K and V, heads padded to a power of two
+    resident_bytes = 2 * e * _next_pow2(h - h // 2) * nd
+    if job.lut is not None:
+        return "scratch"  # only convert_kernel re-encodes
     if tuning.in_place == "pipe" and pair_bytes <= tuning.pipe_max_pair_bytes:
         return "pipe"
     if tuning.in_place == "whole" and pair_bytes <= tuning.whole_max_pair_bytes:
@@ -277,10 +301,13 @@ class Launcher:
         self.ids = job.ids.to(job.device, non_blocking=True)
         src_cols = None
         if job.src_rows is not None:
-            offsets = (job.src_rows[:, 0] - self.anchor.data_ptr()) // 2
+            offsets = (job.src_rows[:, 0] - self.anchor.data_ptr()) // job.elem_bytes
             src_cols = np.stack([offsets, job.src_rows[:, 1]], axis=1)
         self.meta = _meta_table(job, self.anchor, src_cols)
         self.geom = dict(N=job.block_size, D=job.head_size, X=job.x)
+        counts = job.counts if job.counts is not None else torch.zeros(2, dtype=torch.int64, device=job.device)
+        lut = job.lut if job.lut is not None else counts  # unused without REENC
+        self.reenc = dict(lut=lut, cnt=counts, REENC=job.lut is not None)
         # A register cap lets more in-place programs share an SM (CUDA only: HIP's Triton has no such option).
         self.extra = {"maxnreg": tuning.maxnreg} if tuning.maxnreg and torch.version.hip is None else {}
         self.strategy = "out_of_place" if job.srcs is not None else in_place_strategy(job, tuning)
@@ -300,7 +327,7 @@ class Launcher:
                                      KD=self.t.k_direct, EVICT=self.t.evict,
                                      num_warps=_warps(2 * hp * self.job.block_size * self.job.head_size,
                                                       self.t.in_place_elems_per_thread),
-                                     **self.geom, **self.extra)
+                                     **self.reenc, **self.geom, **self.extra)
         elif self.strategy == "pipe":
             hp = _next_pow2(self.job.num_heads)
             grid = min(total, _sm_count(self.job.device) * self.t.pipe_ctas_per_sm)
@@ -337,20 +364,21 @@ class Launcher:
         if self.t.oop_max_programs and grid > self.t.oop_max_programs:
             convert_persistent_kernel[(self.t.oop_max_programs,)](
                 self.anchor, meta, self.ids, self.m, h, pair0, grid, HC=hc, HCHUNKS=hchunks, NC=nc, DC=dc,
-                KD=self.t.k_direct_oop, EVICT=self.t.evict, num_warps=self.t.oop_warps, **self.geom)
+                KD=self.t.k_direct_oop, EVICT=self.t.evict, num_warps=self.t.oop_warps, **self.reenc,
+                **self.geom)
             return
         convert_kernel[(grid,)](self.anchor, meta, self.ids, self.m, h, pair0, HC=hc, HCHUNKS=hchunks, NC=nc,
                                 DC=dc, FROM_SRC=True, KD=self.t.k_direct_oop, EVICT=self.t.evict,
                                 num_warps=self.t.oop_warps,
-                                **self.geom)
+                                **self.reenc, **self.geom)
 
     def _prepare_scratch(self) -> None:
         job = self.job
         half = job.plane_block_elems
         total = self.layers * self.m
-        self.per_chunk = min(total, max(1, self.t.scratch_bytes // (4 * half)))
-        self.scratch = torch.empty((self.per_chunk, 2 * half), dtype=torch.int16, device=job.device)
-        s_off = (self.scratch.data_ptr() - self.anchor.data_ptr()) // 2
+        self.per_chunk = min(total, max(1, self.t.scratch_bytes // (2 * job.elem_bytes * half)))
+        self.scratch = torch.empty((self.per_chunk, 2 * half), dtype=self.anchor.dtype, device=job.device)
+        s_off = (self.scratch.data_ptr() - self.anchor.data_ptr()) // job.elem_bytes
         # One table per chunk: pair p = layer*M + i reads scratch row p - pair0.
         self.chunks = []
         for pair0 in range(0, total, self.per_chunk):

@@ -90,7 +90,9 @@ class Daemon:
         self.port: TransferPort | None = None
         self.router = Router(self.metrics)
         self.jobs = JobTable(config.max_inflight, config.max_queued, config.max_timeout_s)
-        self.conversions = Conversions(config.gpu, limits_for(config.conversion_max_step_delay_us))
+        self.conversions = Conversions(
+            config.gpu, limits_for(config.conversion_max_step_delay_us), self.metrics.fp8_reencode
+        )
         self.caches: CacheRegistry | None = None
         self.peers: Peers | None = None
         self.leases: Leases | None = None

@@ -37,6 +37,7 @@ class Caches:
     k_planes: list[Any] = field(default_factory=list)  # 2-D [blocks, plane elems] per layer, for conversion
     v_planes: list[Any] = field(default_factory=list)
     plane_set: Any = None  # sidecar.convert.PlaneSet over k_planes/v_planes: checked planes for conversion
+    reencode_sets: dict[tuple, Any] = field(default_factory=dict)  # fp8 re-encode PlaneSets, by scales
     users: int = 0
 
     @property
@@ -113,6 +114,7 @@ def register_caches(port: Any, caches: Caches) -> None:
 
 def close_caches(caches: Caches) -> None:
     caches.plane_set = None  # it holds views of the mappings too
+    caches.reencode_sets.clear()
     caches.k_planes.clear()
     caches.v_planes.clear()
     if not all([b.close() for b in caches.imported]):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,28 @@ from typing import Any
 from sidecar.convert.launch import ConversionLimits, convert_blocks, launch_gpu, make_stream
 from sidecar.daemon.errors import Failed, reason_of
 from sidecar.daemon.jobs import Job
+from sidecar.wire.formats import Plan
+
+
+def reencode_planes(caches: Any, plan: Plan) -> Any:
+    """The caches' planes with the fp8 e4m3fn -> e4m3fnuz table of this pairing's scales (one per pairing,
+    kept with the caches: checking planes and building a table is registration-time work)."""
+    from sidecar.convert import PlaneSet
+    from sidecar.wire.fp8 import pair_table
+
+    r, lo = plan.remote, plan.local
+    key = (r.k_scale, lo.k_scale, r.v_scale, lo.v_scale)
+    found = caches.reencode_sets.get(key)
+    if found is None:
+        found = caches.reencode_sets[key] = PlaneSet(
+            caches.k_planes,
+            caches.v_planes,
+            num_heads=lo.num_heads,
+            block_size=lo.block_size,
+            head_size=lo.head_size,
+            lut=pair_table(*key),
+        )
+    return found
 
 
 @dataclass(eq=False)
@@ -25,6 +48,8 @@ class JobConversion:
     """What one job's conversion has started."""
 
     src: Any  # staged: the job's slots as [layers, blocks, page]; None: convert in place
+    planes: Any = None  # a PlaneSet with an fp8 re-encode table; None: the caches' own
+    counts: list[Any] = field(default_factory=list)  # re-encode (saturated, NaN) counts per launch
     groups: list[asyncio.Future] = field(default_factory=list)  # CPU twin: one per layer group
     last_event: Any = None  # GPU: the event after the latest group (one stream, in order)
     layers: int = 0  # layers started
@@ -34,8 +59,14 @@ class JobConversion:
 class Conversions:
     """The daemon's conversion stream (GPU) or worker thread (CPU)."""
 
-    def __init__(self, gpu: int | None, limits: ConversionLimits | None = None) -> None:
+    def __init__(
+        self,
+        gpu: int | None,
+        limits: ConversionLimits | None = None,
+        on_reencode: Callable[[int, int], None] | None = None,
+    ) -> None:
         self._gpu = gpu
+        self._on_reencode = on_reencode
         self.limits = limits or ConversionLimits()
         self._stream: Any = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kv-sidecar-convert")
@@ -45,9 +76,12 @@ class Conversions:
         if self._gpu is not None:
             self._stream = make_stream(self._gpu, self.limits)
 
-    def begin(self, job: Job, src: Any) -> None:
+    def begin(self, job: Job, src: Any, plan: Plan) -> None:
         """The job will convert what it reads (call before its first layer group can land)."""
-        job.conversion = JobConversion(src=src)
+        planes = None
+        if plan.reencode is not None:
+            planes = reencode_planes(job.caches, plan)
+        job.conversion = JobConversion(src=src, planes=planes)
 
     def convert_group(self, job: Job, first: int, last: int) -> None:
         """Start converting layers [first, last) of a job whose reads of them are DONE."""
@@ -75,7 +109,15 @@ class Conversions:
             else:
                 t0 = time.perf_counter()
                 conv.last_event = launch_gpu(
-                    self._stream, caches, job.blocks, fmt, src, (first, last), self.limits
+                    self._stream,
+                    caches,
+                    job.blocks,
+                    fmt,
+                    src,
+                    (first, last),
+                    self.limits,
+                    conv.planes,
+                    conv.counts,
                 )
                 job.timings["launch"] = job.timings.get("launch", 0.0) + time.perf_counter() - t0
         except Exception as exc:  # noqa: BLE001 - a launch that fails fails the request, not the loop
@@ -84,6 +126,11 @@ class Conversions:
             conv.groups.append(failed)
             return
         conv.layers += last - first
+
+    def _convert_cpu(self, conv: JobConversion, *args: Any) -> None:
+        got = convert_blocks(*args, self.limits, conv.planes)
+        if got is not None:
+            conv.counts.append(got)
 
     def done(self, job: Job) -> asyncio.Future | None:
         """One future for every conversion the job started (None if none); it never fails early."""
@@ -105,7 +152,11 @@ class Conversions:
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise Failed(f"convert: {reason_of(errors[0])}") from errors[0]
-        converted = job.conversion.layers if job.conversion is not None else 0
+        conv: JobConversion | None = job.conversion
+        if conv is not None and conv.counts and self._on_reencode is not None:
+            saturated, nan = (int(v) for v in sum(c.cpu() for c in conv.counts).tolist())
+            self._on_reencode(saturated, nan)
+        converted = conv.layers if conv is not None else 0
         if converted != layers:
             raise Failed(f"convert: {converted} of {layers} layers were converted")
 

@@ -143,6 +143,7 @@ class Peers:
             compat_factors=dict(caches.compat_factors),
             rules=rules,
             conversion_enabled=rule.convert if rule else True,
+            allow_lossy_fp8=rule.fp8_lossy_reencode if rule else False,
             check_identity=cfg.verify_model_identity,
             timeout_s=cfg.handshake_timeout_s,
         )

@@ -193,7 +193,7 @@ class Pipeline:
             src = self._staging.source(job.slots, caches.page_format, layers, blocks)
         converting = bool(job.peer.plan.convert and blocks)
         if converting:
-            self._conversions.begin(job, src)
+            self._conversions.begin(job, src, job.peer.plan)
         self._reads.post(job, mode, layer_groups, pool, slots)
         return converting
 

@@ -51,6 +51,7 @@ class Admission(msgspec.Struct, frozen=True):
     compat_factors: dict[str, Any]
     rules: tuple[RemoteFormatRule, ...]
     conversion_enabled: bool = True
+    allow_lossy_fp8: bool = False  # the rule's fp8_lossy_reencode
     check_identity: bool = True
     timeout_s: float = 5.0
 

@@ -111,7 +111,12 @@ def admit_remote(
         if remote_hash is None:
             raise RemoteRefused("the handshake carried no compatibility hash", "compatibility_hash")
         check_model_identity(remote_hash, meta.attn_backend_name, local_factors)
-    plan = negotiate(remote_format, local_format, conversion_enabled=settings.conversion_enabled)
+    plan = negotiate(
+        remote_format,
+        local_format,
+        conversion_enabled=settings.conversion_enabled,
+        allow_lossy_fp8=getattr(settings, "allow_lossy_fp8", False),
+    )
     if isinstance(plan, Refusal):
         raise RemoteRefused(plan.reason, plan.field)
     try:

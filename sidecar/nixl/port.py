@@ -78,6 +78,7 @@ class NixlPort:
         settings = TransferSettings(
             remote_formats=admission.rules,
             conversion_enabled=admission.conversion_enabled,
+            allow_lossy_fp8=admission.allow_lossy_fp8,
             remote_mem_type=self.agent.settings.remote_mem_type,
         )
         return admit_remote(

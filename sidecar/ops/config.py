@@ -70,6 +70,13 @@ class RemoteRule(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _doc("the page format those prefills publish (vLLM publishes no tag); without it they are refused"),
     ] = None
     convert: Annotated[bool, _doc("allow converting their pages into the decoder's format")] = True
+    fp8_lossy_reencode: Annotated[
+        bool,
+        _doc(
+            "accept an e4m3fn -> e4m3fnuz re-encode that can saturate (beyond 240 x scale) or round values; "
+            "off: only the exact rule (decoder scale = 2 x prefill scale) is accepted"
+        ),
+    ] = False
 
     def __post_init__(self) -> None:
         if ":" not in self.match:

@@ -17,6 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from sidecar import __version__
 
 OUTCOMES = ("ok", "failed", "refused", "aborted", "expired")
+FP8_REENCODE_KINDS = ("saturated", "nan")
 STAGES = ("handshake", "queue", "transfer", "convert", "signal", "end_to_end")
 # 50 µs .. ~100 s, roughly x2.5 per bucket: signal latencies and multi-second pulls both resolve.
 BUCKETS = (
@@ -87,6 +88,13 @@ class Metrics:
         self.ready = Gauge(
             "kv_sidecar_ready", "1 when caches are registered and the NIXL agent is up", registry=r
         )
+        self.fp8_reencoded = Counter(
+            "kv_sidecar_fp8_reencoded_elements",
+            "fp8 elements re-encoded e4m3fn -> e4m3fnuz that did not keep their value: saturated at +-240 x "
+            "scale, or NaN in the prefill's page",
+            ["kind"],
+            registry=r,
+        )
         self.build_info = Gauge("kv_sidecar_build_info", "kv-sidecar version", ["version"], registry=r)
         self.build_info.labels(version=__version__).set(1)
         # Pre-create label sets so every series exists (at 0) from the start.
@@ -96,6 +104,8 @@ class Metrics:
             self.stage_seconds.labels(stage=stage)
         for outcome in ("ok", "failed"):
             self.handshakes.labels(outcome=outcome)
+        for kind in FP8_REENCODE_KINDS:
+            self.fp8_reencoded.labels(kind=kind)
 
     def answered(self, outcome: str, timings: dict[str, float] | None = None) -> None:
         """One Pull answered: count its outcome and observe its stage timings."""
@@ -109,6 +119,11 @@ class Metrics:
         for stage, seconds in timings.items():
             if stage in STAGES:
                 self.stage_seconds.labels(stage=stage).observe(seconds)
+
+    def fp8_reencode(self, saturated: int, nan: int) -> None:
+        """Count one conversion's flagged elements (``PlaneSet.convert``'s returned (saturated, NaN))."""
+        self.fp8_reencoded.labels(kind="saturated").inc(saturated)
+        self.fp8_reencoded.labels(kind="nan").inc(nan)
 
     def refused(self, field: str) -> None:
         self.refusals.labels(field=field or "unknown").inc()

@@ -98,7 +98,12 @@ class FakePort:
         remote = self.remote_format or (
             local if local.kind != "aiter_shuffled" else _with_kind(local, STANDARD)
         )
-        plan = negotiate(remote, local, conversion_enabled=admission.conversion_enabled)
+        plan = negotiate(
+            remote,
+            local,
+            conversion_enabled=admission.conversion_enabled,
+            allow_lossy_fp8=admission.allow_lossy_fp8,
+        )
         if not isinstance(plan, Plan):
             raise RemoteRefused(plan.reason, plan.field)
         peer = FakePeer(target.engine_id, target.tp_rank, target.address, target.generation, plan)

@@ -9,6 +9,8 @@ from typing import Literal
 
 import msgspec
 
+from sidecar.wire.fp8 import reencode_rule, table_loses_values
+
 STANDARD = "standard"
 AITER_SHUFFLED = "aiter_shuffled"
 
@@ -25,7 +27,12 @@ DTYPE_BYTES: dict[str, int] = {
     "int8": 1,
     "uint8": 1,
 }
-CONVERTIBLE_DTYPES = frozenset({"bfloat16", "float16"})
+# Converted as a pure permutation (x = 16 // bytes per element), bit-exact, when both sides match.
+CONVERTIBLE_DTYPES = frozenset({"bfloat16", "float16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2"})
+FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2"})
+# vLLM's --kv-cache-dtype names store uint8 bytes whose flavour depends on the GPU: "fp8"/"fp8_e4m3" is
+# e4m3fnuz on MI300 (gfx94x), e4m3fn on MI355 (gfx950) and NVIDIA; declare the storage dtype instead.
+VLLM_FP8_NAMES = frozenset({"fp8", "fp8_e4m3", "fp8_e5m2"})
 SHUFFLE_BLOCK_SIZES = frozenset({16, 32})
 SHUFFLE_HEAD_SIZES = frozenset({64, 128, 256})
 
@@ -43,12 +50,26 @@ class PageFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_heads: int
     block_size: int
     head_size: int
+    # Per-tensor fp8 scales (vLLM's layer._k_scale/_v_scale: value = stored element x scale); 1.0 unless
+    # the model's checkpoint carries kv scales. Only fp8 pages may set them.
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.kind or not self.kind.replace("_", "").isalnum():
             raise ValueError(f"kind {self.kind!r} must be a non-empty identifier")
+        if self.dtype in VLLM_FP8_NAMES:
+            raise ValueError(f"dtype {self.dtype!r} is vLLM's kv-cache-dtype name, whose storage depends on "
+                             "the GPU; declare float8_e4m3fn (NVIDIA, MI355) or float8_e4m3fnuz (MI300), or "
+                             "float8_e5m2")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        for name in ("k_scale", "v_scale"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+            if value != 1.0 and self.dtype not in FP8_DTYPES:
+                raise ValueError(f"{name} {value!r} is set on a {self.dtype} page; scales exist only for fp8")
         for name in ("num_heads", "block_size", "head_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -74,11 +95,17 @@ class PageFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Plan(msgspec.Struct, frozen=True):
-    """An accepted pairing. ``convert`` False means a plain read of whole blocks."""
+    """An accepted pairing. ``convert`` False means a plain read of whole blocks.
+
+    ``reencode``: None, or the e4m3fn -> e4m3fnuz rule done in the conversion pass ("bits": exact;
+    "rescale": value-preserving re-encode; ``lossy`` when some value can saturate or round).
+    """
 
     remote: PageFormat
     local: PageFormat
     convert: bool
+    reencode: Literal["bits", "rescale"] | None = None
+    lossy: bool = False
 
 
 class Refusal(msgspec.Struct, frozen=True):
@@ -91,14 +118,33 @@ class Refusal(msgspec.Struct, frozen=True):
         return f"{self.field}: {self.reason}"
 
 
-def negotiate(remote: PageFormat, local: PageFormat, *, conversion_enabled: bool = True) -> Plan | Refusal:
-    """Decide how pages in ``remote`` format reach a decoder that wants ``local`` pages. Never guesses."""
+def negotiate(
+    remote: PageFormat, local: PageFormat, *, conversion_enabled: bool = True, allow_lossy_fp8: bool = False
+) -> Plan | Refusal:
+    """Decide how pages in ``remote`` format reach a decoder that wants ``local`` pages. Never guesses.
+
+    ``allow_lossy_fp8``: the operator's opt-in (``[[remotes]] fp8_lossy_reencode``) to an e4m3fn ->
+    e4m3fnuz re-encode that can saturate or round values; without it such a pairing is refused.
+    """
     if remote == local:
         return Plan(remote=remote, local=local, convert=False)
-    for name in ("dtype", "num_heads", "block_size", "head_size"):
+    reencode = _fp8_flavours(remote, local)
+    if isinstance(reencode, Refusal):
+        return reencode
+    for name in ("num_heads", "block_size", "head_size") if reencode else _EQUAL_FIELDS:
         r, l_ = getattr(remote, name), getattr(local, name)
         if r != l_:
             return Refusal(name, f"remote {name} {r!r} differs from local {l_!r}; {_WHY_EQUAL[name]}")
+    if not reencode and remote.dtype in FP8_DTYPES:
+        for name in ("k_scale", "v_scale"):
+            r, l_ = getattr(remote, name), getattr(local, name)
+            if r != l_:
+                return Refusal(name, f"remote {name} {r!r} differs from local {l_!r}; same-flavour fp8 pages "
+                                     "are moved bit for bit, so the per-tensor scales must match")
+    if reencode and remote.kind == local.kind:
+        return Refusal("dtype", f"{remote.dtype} -> {local.dtype} is re-encoded only while converting "
+                                f"standard pages into {AITER_SHUFFLED!r}, not between two "
+                                f"{remote.kind!r} pages")
     if remote.kind == local.kind:
         return Refusal(
             "layout",
@@ -133,11 +179,37 @@ def negotiate(remote: PageFormat, local: PageFormat, *, conversion_enabled: bool
         return Refusal(
             "head_size", f"head_size must be one of {sorted(SHUFFLE_HEAD_SIZES)}, not {remote.head_size}"
         )
-    return Plan(remote=remote, local=local, convert=True)
+    if not reencode:
+        return Plan(remote=remote, local=local, convert=True)
+    rules = {reencode_rule(remote.k_scale, local.k_scale), reencode_rule(remote.v_scale, local.v_scale)}
+    k_lossy = table_loses_values(remote.k_scale, local.k_scale)
+    lossy = k_lossy or table_loses_values(remote.v_scale, local.v_scale)
+    if lossy and not allow_lossy_fp8:
+        name = "k_scale" if k_lossy else "v_scale"
+        return Refusal(
+            f"local.{name}",
+            f"e4m3fn -> e4m3fnuz with remote {name} {getattr(remote, name)!r} and local "
+            f"{getattr(local, name)!r} can saturate or round values (exact only when the local scale is "
+            "twice the remote's); set fp8_lossy_reencode = true on the [[remotes]] rule to accept that",
+        )
+    return Plan(remote=remote, local=local, convert=True, reencode="bits" if rules == {"bits"} else "rescale",
+                lossy=lossy)
 
 
+def _fp8_flavours(remote: PageFormat, local: PageFormat) -> bool | Refusal:
+    """True for the one cross-flavour pairing we re-encode (e4m3fn -> e4m3fnuz), False for equal dtypes."""
+    if remote.dtype == local.dtype:
+        return False
+    if remote.dtype == "float8_e4m3fn" and local.dtype == "float8_e4m3fnuz":
+        return True
+    return Refusal("dtype", f"remote dtype {remote.dtype!r} differs from local {local.dtype!r}; "
+                            f"{_WHY_EQUAL['dtype']}")
+
+
+_EQUAL_FIELDS = ("dtype", "num_heads", "block_size", "head_size")
 _WHY_EQUAL = {
-    "dtype": "pages are moved bit for bit, so the element type (and fp8 flavour) must match",
+    "dtype": "pages are moved bit for bit, so the element type must match (the only cross-flavour "
+    "pairing is a float8_e4m3fn remote into a float8_e4m3fnuz local, re-encoded)",
     "num_heads": "heterogeneous TP (different heads per rank) is not supported",
     "block_size": "unequal block sizes are not supported",
     "head_size": "K/V head sizes must match",

@@ -32,6 +32,7 @@ CLOSED_VALUES = {
     ("kv_sidecar_stage_seconds_bucket", "stage"): set(daemon_metrics.STAGES),
     ("kv_sidecar_stage_seconds_sum", "stage"): set(daemon_metrics.STAGES),
     ("kv_sidecar_stage_seconds_count", "stage"): set(daemon_metrics.STAGES),
+    ("kv_sidecar_fp8_reencoded_elements_total", "kind"): set(daemon_metrics.FP8_REENCODE_KINDS),
 }
 
 

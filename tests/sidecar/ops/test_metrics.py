@@ -88,3 +88,14 @@ def test_http_endpoint_health_and_readiness():
         assert get(server.url + "/other")[0] == 404
     finally:
         server.close()
+
+
+def test_fp8_reencode_counts_by_kind():
+    from sidecar.ops.metrics import Metrics
+
+    m = Metrics()
+    m.fp8_reencode(3, 1)
+    m.fp8_reencode(0, 2)
+    text = m.expose().decode()
+    assert 'kv_sidecar_fp8_reencoded_elements_total{kind="saturated"} 3.0' in text
+    assert 'kv_sidecar_fp8_reencoded_elements_total{kind="nan"} 3.0' in text

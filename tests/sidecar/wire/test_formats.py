@@ -33,6 +33,12 @@ ACCEPT = [
     ("same-opaque-cpu", std(kind="cpu_attn", block_size=128), std(kind="cpu_attn", block_size=128), False),
     ("same-fp8", std(dtype="float8_e4m3fn"), std(dtype="float8_e4m3fn"), False),
     ("same-standard-LBNHC", std(layout="LBNHC"), std(layout="LBNHC"), False),
+    *[(f"fp8-same-flavour-{t}", std(dtype=t), shuf(dtype=t), True)
+      for t in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2")],
+    ("fp8-same-scales", std(dtype="float8_e4m3fnuz", k_scale=0.25, v_scale=3.0),
+     shuf(dtype="float8_e4m3fnuz", k_scale=0.25, v_scale=3.0), True),
+    ("fp8-fn-to-fnuz-doubled-scales", std(dtype="float8_e4m3fn", k_scale=0.5, v_scale=1.5),
+     shuf(dtype="float8_e4m3fnuz", k_scale=1.0, v_scale=3.0), True),
 ]
 
 
@@ -47,8 +53,21 @@ def test_accepted_pairings(remote, local, convert):
 REFUSE = [
     # (id, remote, local, conversion_enabled, field)
     ("reverse-direction", shuf(), std(), True, "remote.kind"),
-    ("fp8-e4m3fnuz", std(dtype="float8_e4m3fnuz"), shuf(dtype="float8_e4m3fnuz"), True, "dtype"),
-    ("fp8-flavours-differ", std(dtype="float8_e4m3fn"), shuf(dtype="float8_e4m3fnuz"), True, "dtype"),
+    ("fp8-fnuz-to-fn", std(dtype="float8_e4m3fnuz"), shuf(dtype="float8_e4m3fn"), True, "dtype"),
+    ("fp8-e5m2-to-e4m3", std(dtype="float8_e5m2"), shuf(dtype="float8_e4m3fn"), True, "dtype"),
+    ("fp8-fn-to-fnuz-equal-scales-lossy", std(dtype="float8_e4m3fn"), shuf(dtype="float8_e4m3fnuz"), True,
+     "local.k_scale"),
+    ("fp8-fn-to-fnuz-v-lossy", std(dtype="float8_e4m3fn", k_scale=0.5), shuf(dtype="float8_e4m3fnuz"), True,
+     "local.v_scale"),
+    ("fp8-fn-to-fnuz-plain", std(dtype="float8_e4m3fn", k_scale=0.5, v_scale=0.5),
+     std(dtype="float8_e4m3fnuz"), True, "dtype"),
+    ("fp8-k-scales-differ", std(dtype="float8_e4m3fn", k_scale=2.0), shuf(dtype="float8_e4m3fn"), True,
+     "k_scale"),
+    ("fp8-v-scales-differ", std(dtype="float8_e4m3fnuz", v_scale=0.5), shuf(dtype="float8_e4m3fnuz"), True,
+     "v_scale"),
+    ("fp8-plain-scales-differ", std(dtype="float8_e4m3fn", k_scale=2.0), std(dtype="float8_e4m3fn"), True,
+     "k_scale"),
+    ("fp8-int8-vs-uint8", std(dtype="int8"), shuf(dtype="uint8"), True, "dtype"),
     ("bf16-vs-fp16", std(), shuf(dtype="float16"), True, "dtype"),
     ("unequal-block-size", std(block_size=32), shuf(block_size=16), True, "block_size"),
     ("heterogeneous-tp", std(num_heads=4), shuf(num_heads=8), True, "num_heads"),
@@ -71,6 +90,41 @@ def test_refused_pairings_name_the_field(remote, local, enabled, field):
     assert isinstance(out, Refusal), out
     assert out.field == field
     assert out.reason and str(out).startswith(field + ":")
+
+
+def test_fp8_reencode_plans_say_which_rule_and_whether_lossy():
+    exact = negotiate(std(dtype="float8_e4m3fn", k_scale=0.5, v_scale=0.5), shuf(dtype="float8_e4m3fnuz"))
+    assert isinstance(exact, Plan) and (exact.reencode, exact.lossy) == ("bits", False)
+    same = negotiate(std(dtype="float8_e4m3fn"), shuf(dtype="float8_e4m3fn"))
+    assert isinstance(same, Plan) and (same.reencode, same.lossy) == (None, False)
+    remote, local = std(dtype="float8_e4m3fn"), shuf(dtype="float8_e4m3fnuz")
+    assert isinstance(negotiate(remote, local), Refusal)
+    opted = negotiate(remote, local, allow_lossy_fp8=True)
+    assert isinstance(opted, Plan) and (opted.reencode, opted.lossy) == ("rescale", True)
+    # k exact by bits, v rescaled: the plan is "rescale" (the tables differ per tensor)
+    mixed = negotiate(std(dtype="float8_e4m3fn", k_scale=0.5), local, allow_lossy_fp8=True)
+    assert isinstance(mixed, Plan) and mixed.reencode == "rescale"
+
+
+@pytest.mark.parametrize("kw,word", [
+    (dict(dtype="fp8"), "storage"), (dict(dtype="fp8_e4m3"), "storage"),
+    (dict(dtype="float8_e4m3fn", k_scale=0.0), "k_scale"),
+    (dict(dtype="float8_e4m3fn", v_scale=-1.0), "v_scale"),
+    (dict(dtype="float8_e4m3fn", k_scale=float("inf")), "k_scale"),
+    (dict(dtype="float8_e4m3fn", k_scale=float("nan")), "k_scale"),
+    (dict(k_scale=2.0), "only for fp8"),
+])
+def test_fp8_dtype_and_scale_validation(kw, word):
+    with pytest.raises(ValueError, match=word):
+        std(**kw)
+
+
+def test_scales_decode_from_a_declaration():
+    doc = (b'{"kind":"standard","layout":"LBHNC","dtype":"float8_e4m3fn","num_heads":8,'
+           b'"block_size":16,"head_size":128,"k_scale":0.5,"v_scale":0.25}')
+    fmt = msgspec.json.decode(doc, type=PageFormat)
+    assert (fmt.k_scale, fmt.v_scale) == (0.5, 0.25)
+    assert std(dtype="float8_e4m3fn").k_scale == 1.0
 
 
 def test_conversion_switch_does_not_block_plain_reads():

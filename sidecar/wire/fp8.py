@@ -1,0 +1,149 @@
+"""FP8 re-encoding between flavours: e4m3fn (OCP; NVIDIA, MI355) pages into an e4m3fnuz (MI300) cache.
+
+A 1-byte element has 256 possible bit patterns, so a re-encode is a 256-entry byte table per tensor (K uses
+the K-scale ratio, V the V-scale ratio). Everything here is pure and exhaustively tested.
+
+The two encodings (value = decoded element x the tensor's per-tensor scale):
+- e4m3fn: bias 7, max 448, NaN = 0x7F/0xFF, 0x80 is -0.
+- e4m3fnuz: bias 8, max 240, NaN = 0x80 only, no -0. Every e4m3fnuz value is half the e4m3fn value with
+  the same bits (except 0x80), so with the decoder's scale twice the prefill's the bits carry over.
+
+Rules (``reencode_rule``):
+- ``"bits"``: decoder scale == 2 x prefill scale (vLLM's ``normalize_e4m3fn_to_e4m3fnuz`` and its fnuz
+  k/v-scale doubling). Output = input bits, 0x80 (-0) -> 0x00, and the fn NaNs 0x7F/0xFF -> 0x80 (fnuz
+  NaN). Every value is preserved exactly. vLLM's weight normalisation leaves 0x7F/0xFF alone, which turns
+  a NaN into +-240 x scale; we keep NaN a NaN (the only two bytes where we differ from it, on purpose).
+- ``"rescale"``: any other ratio. Output = fnuz(round_nearest_even(v_fn x prefill_scale / decoder_scale)),
+  computed in float64, saturated to +-240 (fnuz has no infinity), NaN -> 0x80, -0 -> 0x00. Lossy where a
+  value saturates or rounds; ``table_loses_values`` says whether a given ratio can lose anything.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import numpy as np
+
+FN = "float8_e4m3fn"
+FNUZ = "float8_e4m3fnuz"
+FNUZ_MAX = 240.0
+FNUZ_NAN = 0x80
+FLAG_SATURATED = 1 << 8  # bits above the output byte in a kernel table entry
+FLAG_NAN = 1 << 9
+
+Rule = Literal["bits", "rescale"]
+
+
+def decode_e4m3fn(byte: int) -> float:
+    """The value of one e4m3fn byte (NaN for 0x7F/0xFF)."""
+    sign = -1.0 if byte & 0x80 else 1.0
+    exp, man = (byte >> 3) & 0xF, byte & 0x7
+    if exp == 0xF and man == 0x7:
+        return math.nan
+    if exp == 0:
+        return sign * man * 2.0**-9  # subnormal: man/8 * 2^(1-7)
+    return sign * (1 + man / 8) * 2.0 ** (exp - 7)
+
+
+def decode_e4m3fnuz(byte: int) -> float:
+    """The value of one e4m3fnuz byte (NaN for 0x80)."""
+    if byte == FNUZ_NAN:
+        return math.nan
+    sign = -1.0 if byte & 0x80 else 1.0
+    exp, man = (byte >> 3) & 0xF, byte & 0x7
+    if exp == 0:
+        return sign * man * 2.0**-10  # subnormal: man/8 * 2^(1-8)
+    return sign * (1 + man / 8) * 2.0 ** (exp - 8)
+
+
+_FNUZ_VALUES = [decode_e4m3fnuz(b) for b in range(256)]
+# Non-negative fnuz codes 0x00..0x7F in increasing value order (the encoding is monotone per sign).
+_POS = np.array(_FNUZ_VALUES[:128])
+
+
+def encode_e4m3fnuz(value: float) -> tuple[int, bool]:
+    """Nearest e4m3fnuz byte to ``value`` (ties to even mantissa), saturating; returns (byte, saturated).
+    NaN gives 0x80; -0 and values rounding to zero give 0x00 (fnuz has no -0)."""
+    if math.isnan(value):
+        return FNUZ_NAN, False
+    mag = abs(value)
+    if mag > FNUZ_MAX:
+        code, saturated = 0x7F, True
+    else:
+        i = int(np.searchsorted(_POS, mag))  # first code with value >= mag
+        if i < 128 and _POS[i] == mag:
+            code = i
+        else:
+            lo, hi = i - 1, i
+            dlo, dhi = mag - _POS[lo], _POS[hi] - mag
+            code = lo if dlo < dhi or (dlo == dhi and lo % 2 == 0) else hi
+        saturated = False
+    if code == 0:
+        return 0x00, saturated
+    return (code | 0x80 if value < 0 else code), saturated
+
+
+def reencode_rule(prefill_scale: float, decoder_scale: float) -> Rule:
+    """Which table a (prefill, decoder) per-tensor scale pair gets."""
+    return "bits" if decoder_scale == 2.0 * prefill_scale else "rescale"
+
+
+def byte_table(prefill_scale: float, decoder_scale: float) -> list[tuple[int, int, str]]:
+    """Every e4m3fn input byte's (input, output, note) for one tensor's scales; note is "", "saturated",
+    "nan", "rounded" (value changed by rounding) or "-0"."""
+    if not (prefill_scale > 0 and decoder_scale > 0 and math.isfinite(prefill_scale * decoder_scale)):
+        raise ValueError(f"scales must be positive and finite, got {prefill_scale}, {decoder_scale}")
+    rule = reencode_rule(prefill_scale, decoder_scale)
+    rows = []
+    for b in range(256):
+        v = decode_e4m3fn(b)
+        if math.isnan(v):
+            rows.append((b, FNUZ_NAN, "nan"))
+            continue
+        target = v * prefill_scale / decoder_scale
+        if rule == "bits":
+            out = 0x00 if b == 0x80 else b
+            saturated = False
+        else:
+            out, saturated = encode_e4m3fnuz(target)
+        note = "saturated" if saturated else ""
+        if not note and b == 0x80:
+            note = "-0"
+        elif not note and _FNUZ_VALUES[out] != target:
+            note = "rounded"
+        rows.append((b, out, note))
+    return rows
+
+
+def kernel_table(prefill_scale: float, decoder_scale: float) -> np.ndarray:
+    """int32[256]: output byte | FLAG_SATURATED | FLAG_NAN, the form the converters load."""
+    out = np.zeros(256, dtype=np.int32)
+    for b, o, note in byte_table(prefill_scale, decoder_scale):
+        out[b] = o | (FLAG_SATURATED if note == "saturated" else 0) | (FLAG_NAN if note == "nan" else 0)
+    return out
+
+
+def table_loses_values(prefill_scale: float, decoder_scale: float) -> bool:
+    """True when some finite input saturates or rounds (NaN stays NaN and -0 is 0: neither counts)."""
+    return any(note in ("saturated", "rounded") for _, _, note in byte_table(prefill_scale, decoder_scale))
+
+
+def format_table(prefill_scale: float, decoder_scale: float) -> str:
+    """A human-readable table of all 256 bytes (for docs and review)."""
+    lines = [
+        f"# e4m3fn -> e4m3fnuz, prefill scale {prefill_scale!r}, decoder scale {decoder_scale!r}, "
+        f"rule {reencode_rule(prefill_scale, decoder_scale)}",
+        "# in   fn value         out  fnuz value x (decoder/prefill scale)  note",
+        "# regenerate: python -c 'from sidecar.wire import fp8; print(fp8.format_table(1.0, 2.0))'",
+    ]
+    ratio = decoder_scale / prefill_scale
+    for b, o, note in byte_table(prefill_scale, decoder_scale):
+        row = f"0x{b:02X}  {decode_e4m3fn(b):>12g}    0x{o:02X}  {_FNUZ_VALUES[o] * ratio:>12g}  {note}"
+        lines.append(row.rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def pair_table(prefill_k: float, decoder_k: float, prefill_v: float, decoder_v: float) -> np.ndarray:
+    """int32 [2, 256]: the K table then the V table, as ``PlaneSet(lut=...)`` takes them."""
+    return np.stack([kernel_table(prefill_k, decoder_k), kernel_table(prefill_v, decoder_v)])
