@@ -1,4 +1,4 @@
-"""``kv-sidecar``: serve / bench / emulate-prefill / doctor / demo / version.
+"""``kv-sidecar``: serve / bench / emulate-prefill / doctor / verify / demo / version.
 
 Subcommand modules are imported only when their subcommand runs, so ``kv-sidecar --help`` is fast and a
 missing optional module is reported by name. Delegated subcommands get the rest of the command line and
@@ -20,7 +20,12 @@ from typing import Any
 DELEGATED = {
     "emulate-prefill": "sidecar.standins.emulator",
     "doctor": "sidecar.ops.doctor",
+    "verify": "sidecar.verify.main",
     "demo": "sidecar.standins.demo",
+}
+HELP = {
+    "verify": "prove this node decodes pages the daemon converts: golden shapes read back by AITER-indexed "
+              "readers (AITER's own kernel on ROCm), plus IPC, NIXL and vLLM flag checks; --json for a bug report",
 }
 BENCHES = {
     "convert": "sidecar.bench.convert",
@@ -70,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         b = bench_sub.add_parser(name, help=f"run {module}", add_help=False)
         b.add_argument("args", nargs=argparse.REMAINDER)
     for name, module in DELEGATED.items():
-        d = sub.add_parser(name, help=f"run {module}", add_help=False)
+        d = sub.add_parser(name, help=HELP.get(name, f"run {module}"), add_help=False)
         d.add_argument("args", nargs=argparse.REMAINDER)
     version = sub.add_parser("version", help="versions of kv-sidecar and its dependencies")
     version.add_argument("--json", action="store_true", help="one JSON object")
