@@ -25,7 +25,8 @@ DELEGATED = {
 }
 HELP = {
     "verify": "prove this node decodes pages the daemon converts: golden shapes read back by AITER-indexed "
-              "readers (AITER's own kernel on ROCm), plus IPC, NIXL and vLLM flag checks; --json for a bug report",
+              "readers (AITER's own kernel on ROCm), plus IPC, NIXL and vLLM flag checks; --json for a bug "
+              "report",
 }
 BENCHES = {
     "convert": "sidecar.bench.convert",

@@ -4,7 +4,8 @@ Written from AITER's HIP decode kernel, not from our converter. Sources, as read
 
 - AITER: the PyPI wheel ``amd-aiter==0.1.7.post2.dev18``, file ``aiter_meta/csrc/cpp_itfs/pa/pa.cuh``
   (the ll4mi QKV mfma16 kernel, ``paged_attention_ll4mi_QKV_mfma16_kernel``; the same kernel is
-  ``csrc/cpp_itfs/pa/pa.cuh`` in github.com/ROCm/aiter), and ``aiter_meta/csrc/cpp_itfs/pa/pa.py`` (its launcher).
+  ``csrc/cpp_itfs/pa/pa.cuh`` in github.com/ROCm/aiter), and ``aiter_meta/csrc/cpp_itfs/pa/pa.py`` (its
+  launcher).
 - vLLM 0.33.0 wheel, ``vllm/v1/attention/backends/rocm_aiter_fa.py`` L1537-1599 (the shuffle decode branch):
   K is viewed as ``[B, H, D/x, N, x]`` and V as ``[B, H, N/x, D, x]`` (L1541-1546), and each side must be a
   dense plane: ``K.stride(0) == H*D*N`` (L1551).

@@ -92,6 +92,8 @@ def daemon_converter(k_planes: list, v_planes: list, ids: np.ndarray, fmt: PageF
         convert_blocks(caches, ids, fmt, src)
         return
     stream = torch.cuda.Stream(device=k_planes[0].device)
+    # The pages were written on the current stream; in the daemon NIXL's DONE plays this part.
+    stream.wait_stream(torch.cuda.current_stream(k_planes[0].device))
     launch_gpu(stream, caches, ids, fmt, src).synchronize()
 
 
@@ -157,7 +159,8 @@ def make_case(shape: Shape, device: torch.device, seed: int = 0) -> Case:
 
 def land_halves(case: Case) -> None:
     """What NIXL does before an in-place conversion: each standard page's first byte half into the K-plane
-    block, the second into the V-plane block (page-formats.md, "Moving a standard block into the two planes")."""
+    block, the second into the V-plane block (page-formats.md, "Moving a standard block into the two
+    planes")."""
     half = case.shape.num_heads * case.shape.block_size * case.shape.head_size
     ids = torch.from_numpy(case.ids).to(case.std.device)
     pages = case.std[:, ids].reshape(LAYERS, len(case.ids), 2 * half)

@@ -63,16 +63,32 @@ def pick_readers(device: str) -> tuple[dict, list[Check]]:
     except ImportError as exc:
         rows.append(Check("reader triton", "fail", f"Triton is not importable on this GPU: {exc}"))
     if torch.version.hip:
-        try:
-            import aiter  # noqa: F401 - lazy, ROCm only: AITER's own decode kernel is the reader that matters
-
-            chosen["aiter"] = rd.decode_aiter
-        except ImportError as exc:
-            rows.append(Check("reader aiter", "fail", str(rd.ReaderUnavailable(
-                f"aiter is not importable ({exc}); on ROCm the AITER decode kernel is the check that matters: "
-                "pip install 'kv-sidecar[rocm]' (PyPI amd-aiter, a pre-release), or build "
-                "https://github.com/ROCm/aiter as vLLM's ROCm images do"))))
+        rows += _aiter_reader(chosen)
     return chosen, rows
+
+
+def _aiter_reader(chosen: dict) -> list[Check]:
+    """Add AITER's own decode (ROCm): the reader that matters there. A row saying why when it cannot run."""
+    from importlib import metadata
+
+    from sidecar.verify import readers as rd
+
+    how = ("install the AITER your vLLM ROCm image ships (built from https://github.com/ROCm/aiter), or "
+           "pip install 'kv-sidecar[rocm]' (PyPI amd-aiter, a pre-release)")
+    try:
+        import aiter  # lazy, ROCm only; JIT-compiles its HIP kernels on first use
+    except Exception as exc:  # noqa: BLE001 - aiter raises RuntimeError too (no rocminfo, unknown gfx)
+        why = f"aiter is not importable ({type(exc).__name__}: {exc}); {how}"
+        return [Check("reader aiter", "fail", why)]
+    if not hasattr(aiter, "paged_attention_common"):
+        try:
+            version = metadata.version("amd-aiter")
+        except metadata.PackageNotFoundError:
+            version = "unknown"
+        return [Check("reader aiter", "fail", f"aiter {version} has no paged_attention_common, which vLLM "
+                      f"0.33's ROCM_AITER_FA shuffle decode calls (vllm/_aiter_ops.py L4683); {how}")]
+    chosen["aiter"] = rd.decode_aiter
+    return []
 
 
 def golden_checks(device: str, readers: dict, quick: bool = False) -> list[Check]:

@@ -73,7 +73,8 @@ def _nixl_read(t: Any, device: str) -> tuple[str, str]:
     if gpu is not None:
         init_cuda_context(gpu)
     reader = nixl_agent(f"kv-sidecar-verify-{uuid.uuid4().hex}",
-                        nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"]))
+                        nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
+                                          backends=["UCX"]))
     scratch = torch.zeros(t.numel(), dtype=torch.uint8, device=t.device)
     reader.register_memory(reader.get_reg_descs([(scratch.data_ptr(), scratch.numel(), dev, "")], mem))
     peer = reader.add_remote_agent(owner.metadata())
@@ -106,8 +107,8 @@ def _child() -> None:
     n = t.numel()
     got = t[: n // 2].cpu()
     ipc_ok = torch.equal(got, pattern(n // 2, 1))
-    detail = f"imported {req.buffer.kind} buffer of {n} bytes; the exporter's bytes are {'' if ipc_ok else 'NOT '}" \
-             "visible here"
+    seen = "" if ipc_ok else "NOT "
+    detail = f"imported {req.buffer.kind} buffer of {n} bytes; the exporter's bytes are {seen}visible here"
     t[n // 2:] = pattern(n - n // 2, 2).to(t.device)  # the exporter checks it sees these
     if t.device.type == "cuda":
         torch.cuda.synchronize(t.device)
@@ -163,13 +164,15 @@ def check_ipc_nixl(device: str, *, nixl: bool = True, timeout_s: float = 120.0) 
         back = torch.equal(t[n // 2:].cpu(), pattern(n - n // 2, 2))
         kind = "HIP" if desc.kind == "hip" else ("CUDA" if desc.kind == "cuda" else "/dev/shm")
         ok = res.ipc_ok and back
-        detail = f"{kind} IPC: {res.ipc_detail}; its writes are {'' if back else 'NOT '}visible to the exporter"
+        seen = "" if back else "NOT "
+        detail = f"{kind} IPC: {res.ipc_detail}; its writes are {seen}visible to the exporter"
         checks = [Check("ipc", "pass" if ok else "fail", detail, {"kind": desc.kind})]
         checks.append(Check("nixl", res.nixl_status, res.nixl_detail))  # type: ignore[arg-type]
         if res.nixl_status == "pass":
             lanes = parse_ucx_lanes(stdout + stderr)
             verdict, text = judge_transports(lanes)
-            transports = sorted({t for ln in lanes if ln.scope != "self" for ts in ln.lanes.values() for t in ts})
+            peers = [ln for ln in lanes if ln.scope != "self"]
+            transports = sorted({t for ln in peers for ts in ln.lanes.values() for t in ts})
             # A tcp-only read still works; the row reports what UCX chose, doctor warns about speed.
             status = "pass" if lanes else "skip"
             checks.append(Check("ucx transport", status, text if lanes else "UCX logged no endpoint lines",
@@ -192,11 +195,11 @@ def vllm_version() -> str | None:
 
 
 def check_vllm(environ: dict[str, str] | None = None) -> Check:
-    """vLLM importable, knows the shuffle flag and the LHBNC layout; says which of DECODER_ENV are set here."""
+    """vLLM importable, knows the shuffle flag and the LHBNC layout; says which DECODER_ENV are set here."""
     environ = dict(os.environ if environ is None else environ)
     if importlib.util.find_spec("vllm") is None:
-        return Check("vllm", "skip", "vLLM is not importable in this environment (run verify in the decoder's "
-                     "environment to check its flags)")
+        return Check("vllm", "skip", "vLLM is not importable in this environment (run verify in the "
+                     "decoder's environment to check its flags)")
     try:
         import vllm.envs as envs
         from vllm.v1.kv_cache_layout import KVCacheLayout

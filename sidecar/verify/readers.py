@@ -57,8 +57,9 @@ def decode_reference(q: torch.Tensor, std_pages: torch.Tensor, block_tables: tor
 
 def gather_shuffled(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of tokens ``0..num_tokens-1`` of every sequence, ``[S, H, T, D]`` float32, read from the shuffled
-    caches by AITER's address arithmetic (``aiter_layout``) on the raw memory, not through the views' shapes."""
+    """K and V of tokens ``0..num_tokens-1`` of every sequence, ``[S, H, T, D]`` float32, read from the
+    shuffled caches by AITER's address arithmetic (``aiter_layout``) on the raw memory, not through the
+    views' shapes."""
     num_heads, block_size, head_size = k_cache.shape[1], k_cache.shape[3], v_cache.shape[3]
     x = x_of(k_cache.dtype)
     kv_block_stride, kv_head_stride = k_cache.stride(0), k_cache.stride(1)  # pa.py L101-102, both from K
@@ -98,12 +99,16 @@ def decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def decode_aiter(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """AITER's own decode (ROCm only; UNVERIFIED: no MI300X has run it). The call vLLM 0.33's ROCM_AITER_FA makes
-    with VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT=1 (rocm_aiter_fa.py L1537-1599 -> vllm/_aiter_ops.py L4656-4703 ->
-    ``aiter.paged_attention_common``, github.com/ROCm/aiter aiter/ops/attention.py ``paged_attention_common``,
-    which runs the asm ``pa_fwd_asm`` for D=128 on large batches, else ``paged_attention_rocm``, the pa.cuh
-    kernel ``aiter_layout`` cites). bf16/fp16 caches: ``kv_cache_dtype="auto"`` and unit scales, as vLLM
-    passes ``layer._k_scale``/``layer._v_scale`` (1.0 unless fp8) and no asm scale tables."""
+    """AITER's own decode (ROCm only; UNVERIFIED: no MI300X has run it).
+
+    The call vLLM 0.33's ROCM_AITER_FA makes with VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT=1: rocm_aiter_fa.py
+    L1537-1599 calls vllm/_aiter_ops.py ``paged_attention_common`` (L4656-4703), which imports
+    ``aiter.paged_attention_common`` (L4683) and calls it by keyword (L4685-4703). In github.com/ROCm/aiter
+    (commit 0056982d17eb, aiter/ops/attention.py, ``paged_attention_common``) that runs the asm
+    ``pa_fwd_asm`` for D=128 when num_seqs*num_heads > 2*CUs, else ``paged_attention_rocm``: the pa.cuh
+    kernel ``aiter_layout`` cites, with ``block_size=K.size(3)`` and ``num_kv_heads=K.size(1)``. bf16/fp16
+    caches: ``kv_cache_dtype="auto"`` and unit scales, as vLLM passes ``layer._k_scale``/``_v_scale``
+    (1.0 unless fp8) and no asm scale tables."""
     if torch.version.hip is None:
         raise ReaderUnavailable("the AITER reader runs only on ROCm")
     try:

@@ -41,7 +41,8 @@ def test_any_fail_fails_the_report_and_skips_do_not():
 
 def test_support_row():
     row = report.make_report("cuda:0", "CUDA 13.0 (NVIDIA H200)", VERSIONS, checks()).support_row
-    assert row == ("| CUDA 13.0 (NVIDIA H200) | kv-sidecar 0.1.0 | torch 2.13.0 | AITER - | NIXL 1.5.1 | vLLM - "
+    assert row == ("| CUDA 13.0 (NVIDIA H200) | kv-sidecar 0.1.0 | torch 2.13.0 | AITER - | NIXL 1.5.1 "
+                   "| vLLM - "
                    "| verify PASS: golden 2/2 (readers torch+triton) | ipc pass | nixl pass over cma+tcp "
                    "| vllm flags skip |")
     failed = report.make_report("cpu", "CPU", VERSIONS, checks(golden_fail=True)).support_row

@@ -56,8 +56,8 @@ def test_a_wrong_layout_exits_1(monkeypatch, capsys):
 def test_usage_errors_exit_2(capsys):
     assert main.main(["--device", "tpu", "--no-probes"]) == 2
     assert "--device 'tpu'" in capsys.readouterr().err
-    r = subprocess.run([sys.executable, "-m", "sidecar.cli", "verify", "--bogus"], env=ENV, capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "sidecar.cli", "verify", "--bogus"], env=ENV,
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
 
 

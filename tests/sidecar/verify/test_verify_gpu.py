@@ -71,8 +71,8 @@ def test_triton_and_torch_readers_agree_with_the_cpu_reader():
 def test_cli_on_cuda_passes_with_probes(tmp_path):
     path = tmp_path / "out.json"
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, "-m", "sidecar.cli", "verify", "--device", "cuda", "--json", str(path)],
-                       env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-m", "sidecar.cli", "verify", "--device", "cuda", "--json", str(path)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     obj = json.loads(path.read_text())
     print(r.stdout[-4000:])
     assert r.returncode == 0, [c for c in obj["checks"] if c["status"] == "fail"]
