@@ -19,7 +19,7 @@ from sidecar.verify.aiter_layout import x_of
 
 @triton.jit
 def _decode_shuffled(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, scale, bt_stride, kv_block_stride,
-                     kv_head_stride, num_q_heads, GQA: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
+                     kv_head_stride, num_q_heads, MAX_BLOCKS: tl.constexpr, GQA: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
                      X: tl.constexpr):
     s = tl.program_id(0)
     hq = tl.program_id(1)
@@ -31,7 +31,7 @@ def _decode_shuffled(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, scale, bt_st
     m_i = tl.max(tl.full([N], float("-inf"), tl.float32), 0)
     l_i = tl.sum(tl.zeros([N], tl.float32), 0)
     acc = tl.zeros([D], tl.float32)
-    for j in range(0, tl.cdiv(ctx, N)):
+    for j in range(0, MAX_BLOCKS):  # blocks past this sequence's end are read but weigh nothing
         b = tl.load(bt_ptr + s * bt_stride + j).to(tl.int64)
         base = b * kv_block_stride + h * kv_head_stride
         k_off = base + (d[None, :] // X) * (N * X) + n[:, None] * X + d[None, :] % X
@@ -60,6 +60,7 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _decode_shuffled[(num_seqs, num_q_heads)](
         q.contiguous(), k_cache, v_cache, tables, context_lens.to(device=dev, dtype=torch.int32), out,
         float(scale), tables.stride(0), k_cache.stride(0), k_cache.stride(1), num_q_heads,
+        MAX_BLOCKS=-(-int(context_lens.max()) // block_size),
         GQA=num_q_heads // num_heads, N=block_size, D=head_size, X=x_of(k_cache.dtype),
     )
     return out

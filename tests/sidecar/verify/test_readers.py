@@ -97,3 +97,27 @@ def test_aiter_reader_says_it_needs_rocm_elsewhere():
     t = torch.zeros(1, 1, 8)
     with pytest.raises(readers.ReaderUnavailable, match="only on ROCm"):
         readers.decode_aiter(t, t, t, t, torch.tensor([1]), 1.0)
+
+
+def test_triton_reader_in_triton_interpreter_where_triton_is_installed():
+    """The Triton kernel's logic on the CPU (TRITON_INTERPRET=1, set before triton is imported, hence a
+    subprocess). Skipped where Triton is not installed (the CPU venv); the GPU tests compile it."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    code = (
+        "import torch\n"
+        "from sidecar.verify import golden\n"
+        "from sidecar.verify.triton_reader import decode_triton\n"
+        "r = golden.run_shape(golden.Shape(16, 64, 3, 'bfloat16', 4), torch.device('cpu'), "
+        "{'triton': decode_triton})\n"
+        "assert r.ok, r\n"
+    )
+    path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
