@@ -19,8 +19,8 @@ from sidecar.verify.aiter_layout import x_of
 
 @triton.jit
 def _decode_shuffled(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, scale, bt_stride, kv_block_stride,
-                     kv_head_stride, num_q_heads, MAX_BLOCKS: tl.constexpr, GQA: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
-                     X: tl.constexpr):
+                     kv_head_stride, num_q_heads, MAX_BLOCKS: tl.constexpr, GQA: tl.constexpr,
+                     N: tl.constexpr, D: tl.constexpr, X: tl.constexpr):
     s = tl.program_id(0)
     hq = tl.program_id(1)
     h = hq // GQA  # pa.cuh L149-150: GQA_RATIO query heads per KV head
