@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import msgspec
-from rich.console import Console
 
 from sidecar.verify import report
 
@@ -51,6 +50,8 @@ def test_support_row():
 
 
 def test_table_columns_and_rows():
+    from rich.console import Console  # imported here: collecting the GPU tests must not need rich
+
     rep = report.make_report("cpu", "CPU", VERSIONS, checks(golden_fail=True))
     console = Console(record=True, width=200)
     report.render(rep, console)
