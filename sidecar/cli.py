@@ -1,4 +1,4 @@
-"""``kv-sidecar``: serve / bench / emulate-prefill / doctor / demo / version.
+"""``kv-sidecar``: serve / bench / emulate-prefill / doctor / verify / demo / version.
 
 Subcommand modules are imported only when their subcommand runs, so ``kv-sidecar --help`` is fast and a
 missing optional module is reported by name. Delegated subcommands get the rest of the command line and
@@ -29,6 +29,11 @@ DELEGATED = {
     "emulate-prefill": (
         "sidecar.standins.emulator",
         "a stand-in prefill that speaks stock vLLM's side channel and serves pages over NIXL",
+    ),
+    "verify": (
+        "sidecar.verify.main",
+        "prove this node decodes pages the daemon converts: golden shapes read back by AITER-indexed "
+        "readers (AITER's own kernel on ROCm), plus IPC, NIXL and vLLM checks; --json for a bug report",
     ),
 }
 BENCHES = {

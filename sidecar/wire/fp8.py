@@ -20,10 +20,12 @@ Rules (``reencode_rule``):
 
 from __future__ import annotations
 
+import bisect
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import numpy as np
+if TYPE_CHECKING:  # numpy only where a kernel table is built: the shim imports formats, which imports us
+    import numpy as np
 
 FN = "float8_e4m3fn"
 FNUZ = "float8_e4m3fnuz"
@@ -59,7 +61,7 @@ def decode_e4m3fnuz(byte: int) -> float:
 
 _FNUZ_VALUES = [decode_e4m3fnuz(b) for b in range(256)]
 # Non-negative fnuz codes 0x00..0x7F in increasing value order (the encoding is monotone per sign).
-_POS = np.array(_FNUZ_VALUES[:128])
+_POS = list(_FNUZ_VALUES[:128])
 
 
 def encode_e4m3fnuz(value: float) -> tuple[int, bool]:
@@ -71,7 +73,7 @@ def encode_e4m3fnuz(value: float) -> tuple[int, bool]:
     if mag > FNUZ_MAX:
         code, saturated = 0x7F, True
     else:
-        i = int(np.searchsorted(_POS, mag))  # first code with value >= mag
+        i = bisect.bisect_left(_POS, mag)  # first code with value >= mag
         if i < 128 and _POS[i] == mag:
             code = i
         else:
@@ -118,6 +120,8 @@ def byte_table(prefill_scale: float, decoder_scale: float) -> list[tuple[int, in
 
 def kernel_table(prefill_scale: float, decoder_scale: float) -> np.ndarray:
     """int32[256]: output byte | FLAG_SATURATED | FLAG_NAN, the form the converters load."""
+    import numpy as np
+
     out = np.zeros(256, dtype=np.int32)
     for b, o, note in byte_table(prefill_scale, decoder_scale):
         out[b] = o | (FLAG_SATURATED if note == "saturated" else 0) | (FLAG_NAN if note == "nan" else 0)
@@ -146,4 +150,6 @@ def format_table(prefill_scale: float, decoder_scale: float) -> str:
 
 def pair_table(prefill_k: float, decoder_k: float, prefill_v: float, decoder_v: float) -> np.ndarray:
     """int32 [2, 256]: the K table then the V table, as ``PlaneSet(lut=...)`` takes them."""
+    import numpy as np
+
     return np.stack([kernel_table(prefill_k, decoder_k), kernel_table(prefill_v, decoder_v)])
