@@ -41,6 +41,7 @@ class Shape:
     block_size: int
     head_size: int
     tokens: int
+    elem_bytes: int = 2  # 1 for fp8 pages
 
     @property
     def blocks(self) -> int:
@@ -48,7 +49,7 @@ class Shape:
 
     @property
     def pair_bytes(self) -> int:
-        return 2 * self.num_heads * self.block_size * self.head_size * 2
+        return 2 * self.num_heads * self.block_size * self.head_size * self.elem_bytes
 
     @property
     def request_bytes(self) -> int:
@@ -116,7 +117,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu, cuda or cuda:N")
     parser.add_argument("--shapes", type=lambda s: [parse_shape(x) for x in s.split(",") if x],
                         help="comma-separated presets or L<l>-H<h>-N<n>-D<d>-T<tokens> (default: per device)")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16", "float8_e4m3fn", "float8_e4m3fnuz"],
+        default="bfloat16",
+        help="page element type (fp8 pages move 1-byte elements, x = 16)",
+    )
     parser.add_argument("--reps", type=int, default=0, help="timed runs per measurement (0: per device)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -192,9 +198,11 @@ def _time_copy(nbytes: int, device: torch.device, gen: torch.Generator, timer) -
 def measure(shape: Shape, device: torch.device, dtype: torch.dtype, timer, variants, verify: bool,
             step: Callable[[str], None], kernel: bool) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(0)
+    shape = dataclasses.replace(shape, elem_bytes=torch.empty(0, dtype=dtype).element_size())
     spare = max(1, shape.blocks // 4)
     hnd = shape.num_heads * shape.block_size * shape.head_size
-    cache = _random_bits((shape.layers, 2, shape.blocks + spare, hnd), device, gen)  # LHBNC: [L, 2, B, HND]
+    words = hnd * shape.elem_bytes // 2  # random bits are drawn as int16 and viewed as the page dtype
+    cache = _random_bits((shape.layers, 2, shape.blocks + spare, words), device, gen)  # LHBNC: [L, 2, B, HND]
     ids = torch.randperm(shape.blocks + spare, generator=torch.Generator().manual_seed(0))[: shape.blocks]
     moved = 2 * shape.request_bytes  # read + written
     gbps = lambda seconds: moved / seconds / 1e9
@@ -223,7 +231,7 @@ def measure(shape: Shape, device: torch.device, dtype: torch.dtype, timer, varia
 
     from sidecar.convert import triton_kernel
 
-    src = _random_bits((shape.layers, shape.blocks, 2 * hnd), device, gen)  # a staging buffer of pages
+    src = _random_bits((shape.layers, shape.blocks, 2 * words), device, gen)  # a staging buffer of pages
     rows = []
     for name, tuning in variants:
         step(f"kernel {name}")
