@@ -220,6 +220,15 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             "polling, so it is off by default"
         ),
     ] = False
+    nixl_num_threads: Annotated[
+        int,
+        _doc(
+            "UCX worker threads of the daemon's NIXL agent (the UCX backend's num_threads, as vLLM sets it): "
+            "with N > 0 a READ's descriptors are posted by N threads in parallel instead of inside the "
+            "event loop's transfer() call; 0 keeps UCX's single worker",
+            ge=0,
+        ),
+    ] = 0
     poll_interval_s: Annotated[
         float,
         _doc(

@@ -85,7 +85,7 @@ def test_committed_table_is_current():
 
 def _vllm_normalize():
     """vLLM's normalize_e4m3fn_to_e4m3fnuz, compiled from the downloaded wheel (never copied here)."""
-    src_dir = os.environ.get("KV_SIDECAR_VLLM_SRC")
+    src_dir = os.environ.get("VLLM_ORACLE_SRC")
     rel = "vllm/model_executor/layers/quantization/utils/w8a8_utils.py"
     if src_dir and (pathlib.Path(src_dir) / rel).exists():
         text = (pathlib.Path(src_dir) / rel).read_text()
@@ -94,7 +94,7 @@ def _vllm_normalize():
             pathlib.Path(os.environ.get("KV_SIDECAR_VLLM_WHEEL_DIR", "/tmp/vllm-wheel")).glob("vllm-*.whl")
         )
         if not wheels:
-            pytest.skip("no vLLM source: set KV_SIDECAR_VLLM_SRC or put a wheel in KV_SIDECAR_VLLM_WHEEL_DIR")
+            pytest.skip("no vLLM source: set VLLM_ORACLE_SRC or put a wheel in KV_SIDECAR_VLLM_WHEEL_DIR")
         with zipfile.ZipFile(wheels[-1]) as z:
             text = z.read(rel).decode()
     tree = ast.parse(text)
