@@ -65,7 +65,11 @@ def test_pd_greedy_outputs_equal_one_engine_and_daemon_accounts_for_all(
             abs(a - b)
             for a, b in zip(out["logprobs"]["token_logprobs"], ref["logprobs"]["token_logprobs"], strict=True)
         )
-        assert diff < 1e-3, diff
+        # The decoder runs the prompt's last token as a decode step, the single engine inside its prefill
+        # batch; in bf16 that can move a logit by one rounding step (seen: 0.0078 on one of five prompts, with
+        # the landed code and today's transformers' random init of the tiny model, tokens identical). One bf16
+        # step of a logit below 8 is 2**-5; a wrong or stale block moves logprobs far more, and tokens too.
+        assert diff <= 2**-5, diff
 
     # The daemon pulled every request (the decoder computed no prompt itself) and says so.
     def delta(name: str, **labels: str) -> float:
