@@ -259,3 +259,37 @@ def test_demo_command_passes_and_cleans_up() -> None:
     assert summary["ok_overall"] and summary["ok"] == 16 and summary["metrics"]["consistent"]
     assert summary["prefill_not_freed"] == [] and "cleanup_errors" not in summary
     assert time.monotonic() - t0 < 120
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e4m3fnuz"])
+def test_fp8_pages_of_the_same_flavour_are_bit_exact_and_freed(work, make_standin, dtype) -> None:
+    """fp8 KV on both sides, one flavour, equal (default) scales: shuffled with x = 16 elements, bit for bit."""
+    import msgspec
+
+    fmt = msgspec.structs.replace(REMOTE_FMT, dtype=dtype)
+    emulator = start_emulator(work, "--dtype", dtype)
+    daemon = start_daemon(work, name=f"fp8-{dtype}", declared=fmt)
+    try:
+        shape = msgspec.structs.replace(SHAPE, dtype=dtype)
+        standin = make_standin(daemon.socket, dict(emulator.ready.compat_factors), shape=shape)
+        assert standin.register(), standin.worker.client.status_reason
+        results = run_session(
+            standin,
+            emulator.client,
+            requests=12,
+            seed=0,
+            remote_fmt=fmt,
+            tokens=(1, 200),
+            rng_seed=13,
+            timeout_s=60,
+        )
+        summary = summarize(results)
+        assert summary["ok"] == 12 and summary["mismatched"] == 0, summary["failures"] + [
+            log_tail(work, f"fp8-{dtype}")
+        ]
+        for r in results:
+            st = emulator.client.wait_state(r.remote_request_id, "freed_by_notif", 10.0)
+            assert st.notif_counts == [1] and st.late_notifications == 0
+    finally:
+        daemon.stop()
+        emulator.stop()
