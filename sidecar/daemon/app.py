@@ -27,20 +27,20 @@ from sidecar.convert.gpu_share import mode_line
 from sidecar.convert.launch import limits_for
 from sidecar.daemon.caches import CacheRegistry
 from sidecar.daemon.conversion import Conversions
-from sidecar.daemon.errors import Refused
+from sidecar.daemon.heartbeats import Heartbeats
 from sidecar.daemon.jobs import SHUTTING_DOWN, Ending, JobTable, Outcome, Session
 from sidecar.daemon.leases import Leases, LeaseTracker
 from sidecar.daemon.peers import Peers
 from sidecar.daemon.pipeline import Pipeline
-from sidecar.daemon.port import PeerTarget, TransferPort
+from sidecar.daemon.port import TransferPort
 from sidecar.daemon.reads import Reads
+from sidecar.daemon.registration import Registrations
 from sidecar.daemon.router import Router
 from sidecar.daemon.staging import Staging
 from sidecar.ops import sdnotify
 from sidecar.ops.config import Config, reload_changes
 from sidecar.ops.metrics import Health, Metrics, MetricsServer, start_http_server
 from sidecar.ops.socket_files import refuse_if_served, resolve_group, secure_socket_dir
-from sidecar.wire import ipc as ipc_mod
 from sidecar.wire import protocol as p
 
 log = logging.getLogger("kv_sidecar.daemon")
@@ -100,10 +100,11 @@ class Daemon:
         self.reads: Reads | None = None
         self.staging: Staging | None = None
         self.pipeline: Pipeline | None = None
+        self.registrations: Registrations | None = None
+        self.heartbeats: Heartbeats | None = None
         self._stop = asyncio.Event()
         self._stopping = False
         self._background: set[asyncio.Task] = set()
-        self._owner_timer: asyncio.TimerHandle | None = None
 
     # -- lifecycle
 
@@ -143,8 +144,8 @@ class Daemon:
             )
             self.health.socket_bound = True
             self._spawn(self.router.receive_loop())
-        assert self.reads is not None
-        loops = [self.reads.poll_loop(), self._tick_loop(), self._heartbeat_loop()]
+        assert self.reads is not None and self.heartbeats is not None
+        loops = [self.reads.poll_loop(), self._tick_loop(), self.heartbeats.renew_loop()]
         if not cfg.nixl_progress_thread:
             loops.append(self.reads.progress_loop())
         for coro in loops:
@@ -169,7 +170,39 @@ class Daemon:
         self.caches = CacheRegistry(port, cfg.device, cfg.gpu)
         self.reads = reads = Reads(port, lambda: self.config.poll_interval_s, self.conversions.convert_group)
         self.leases = Leases(tracker, port, self.metrics, reads.sent)
-        self.peers = Peers(port, lambda: self.config, self.metrics, self._admitted, self._spawn, reads.sent)
+        stopping = lambda: self._stopping  # noqa: E731
+        self.peers = Peers(
+            port,
+            lambda: self.config,
+            self.metrics,
+            lambda k, peer: self._admitted(k, peer),
+            self._spawn,
+            reads.sent,
+        )
+        self.heartbeats = Heartbeats(
+            leases=self.leases,
+            peers=self.peers,
+            caches=self.caches,
+            jobs=self.jobs,
+            send=self.router.send,
+            metrics=self.metrics,
+            interval_s=lambda: self.config.heartbeat_interval_s,
+            stopping=stopping,
+        )
+        self.registrations = regs = Registrations(
+            caches=self.caches,
+            jobs=self.jobs,
+            peers=self.peers,
+            send=self.router.send,
+            metrics=self.metrics,
+            health=self.health,
+            config=lambda: self.config,
+            spawn=self._spawn,
+            stopping=stopping,
+            bound=lambda identity: (
+                self.router.completions is not None and self.router.completions.bound(identity)
+            ),
+        )
         self.pipeline = Pipeline(
             config=lambda: self.config,
             jobs=self.jobs,
@@ -182,16 +215,24 @@ class Daemon:
             send=self.router.send,
             metrics=self.metrics,
             spawn=self._spawn,
-            stopping=lambda: self._stopping,
+            stopping=stopping,
         )
         r = self.router
         r.on(p.Hello, self._on_hello)
         r.on(p.Ping, lambda env, _s, msg, _t: r.send(env, p.Pong(nonce=msg.nonce, sent_at_ns=_now_ns())))
-        r.on(p.RegisterCaches, lambda env, s, msg, _t: self._spawn(self._on_register(env, s, msg)))
-        r.on(p.Unregister, lambda env, s, _m, _t: self._spawn(self._on_unregister(env, s)))
+        r.on(p.RegisterCaches, lambda env, s, msg, _t: self._spawn(regs.on_register(env, s, msg)))
+        r.on(p.Unregister, lambda env, s, _m, _t: self._spawn(regs.on_unregister(env, s)))
         r.on(p.Pull, self.pipeline.on_pull)
         r.on(p.Abort, self.pipeline.on_abort)
-        r.on(p.Heartbeat, self._on_heartbeat)
+        r.on(p.Heartbeat, self.heartbeats.on_heartbeat)
+
+    def _admitted(self, key: tuple[str, int], peer: Any) -> None:
+        if self.heartbeats is not None:
+            self.heartbeats.admitted(key, peer)
+
+    def _shim_gone(self, identity: bytes) -> None:
+        if self.registrations is not None:
+            self.registrations.shim_gone(identity)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -204,7 +245,8 @@ class Daemon:
         if self._stopping:
             return
         self._stopping = True
-        self._cancel_owner_timer()
+        if self.registrations is not None:
+            self.registrations.cancel_owner_timer()
         self.health.stopping = True
         self.metrics.ready.set(0)
         sdnotify.stopping("draining")
@@ -216,7 +258,8 @@ class Daemon:
         await self.jobs.cancel_all(
             Ending(Outcome.FAILED, f"{SHUTTING_DOWN}: daemon stopped before the pull finished")
         )
-        await self._release_caches()
+        if self.registrations is not None:
+            await self.registrations.release()
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -301,155 +344,6 @@ class Daemon:
                 completion_socket=completions.path if completions is not None else "",
             ),
         )
-
-    async def _on_register(self, envelope: list[bytes], session: Session, msg: p.RegisterCaches) -> None:
-        assert self.caches is not None and self.peers is not None
-        if session.hello is None:
-            self.router.send(
-                envelope, p.Error(reason="say Hello before RegisterCaches", in_reply_to="RegisterCaches")
-            )
-            return
-        if self._stopping:
-            self.router.send(envelope, p.Error(reason=SHUTTING_DOWN, in_reply_to="RegisterCaches"))
-            return
-        self._cancel_owner_timer()
-        try:
-            caches = await self.caches.map(session.identity, msg)
-        except (Refused, ipc_mod.IpcError, ValueError) as exc:
-            self._refuse_registration(envelope, exc)
-            return
-        if self.caches.current is not None:
-            log.warning("new registration replaces generation %d", self.caches.current.generation)
-            await self.jobs.cancel_all(Ending(Outcome.FAILED, "caches re-registered by the shim"))
-            await self._release_caches()
-        try:
-            self.caches.install(caches)  # NIXL stays on the loop thread
-        except Exception as exc:  # noqa: BLE001 - NIXL refused the memory: report, keep serving
-            self._refuse_registration(envelope, exc)
-            return
-        self.peers.invalidate()  # prefills admitted against the old caches' format are admitted again
-        self.health.caches_registered = True
-        self.metrics.registered_bytes.set(caches.nbytes)
-        self.metrics.ready.set(1)
-        log.info(
-            "registered %d layers, %d bytes, %s (generation %d)",
-            len(caches.layers),
-            caches.nbytes,
-            caches.page_format,
-            caches.generation,
-        )
-        self.router.send(
-            envelope,
-            p.Registered(
-                generation=caches.generation, registered_bytes=caches.nbytes, num_layers=len(caches.layers)
-            ),
-        )
-
-    def _refuse_registration(self, envelope: list[bytes], exc: Exception) -> None:
-        field_name = exc.field if isinstance(exc, Refused) else getattr(exc, "field", None) or "buffers"
-        self.metrics.refused(field_name)
-        log.warning("RegisterCaches refused: %s", exc)
-        self.router.send(envelope, p.Error(reason=str(exc), in_reply_to="RegisterCaches"))
-
-    async def _on_unregister(self, envelope: list[bytes], session: Session) -> None:
-        assert self.caches is not None
-        current = self.caches.current
-        if current is not None and current.owner != session.identity:
-            self.metrics.foreign_messages.inc()
-            reason = "session: the caches were registered by another shim connection"
-            self.router.send(envelope, p.Error(reason=reason, in_reply_to="Unregister"))
-            return
-        await self.jobs.cancel_all(Ending(Outcome.FAILED, "caches unregistered by the shim"))
-        await self._release_caches()
-        self.router.send(envelope, p.Unregistered())
-
-    async def _release_caches(self) -> None:
-        self.health.caches_registered = False
-        self.metrics.ready.set(0)
-        self.metrics.registered_bytes.set(0)
-        if self.caches is not None:
-            await self.caches.release()
-
-    def _shim_gone(self, identity: bytes) -> None:
-        """A shim's completion socket closed: if it owns the caches, release them after a grace period
-        (a decoder that died leaves nothing mapped; one that reconnects in time keeps them)."""
-        current = self.caches.current if self.caches is not None else None
-        if self._stopping or current is None or current.owner != identity:
-            return
-        log.warning(
-            "the shim that registered cache generation %d disconnected; releasing them in %g s unless it "
-            "comes back",
-            current.generation,
-            self.config.owner_grace_s,
-        )
-        self._cancel_owner_timer()
-        loop = asyncio.get_running_loop()
-        self._owner_timer = loop.call_later(
-            self.config.owner_grace_s, lambda: self._spawn(self._release_if_owner_still_gone(identity))
-        )
-
-    def _cancel_owner_timer(self) -> None:
-        if self._owner_timer is not None:
-            self._owner_timer.cancel()
-            self._owner_timer = None
-
-    async def _release_if_owner_still_gone(self, identity: bytes) -> None:
-        assert self.caches is not None
-        self._owner_timer = None
-        current = self.caches.current
-        completions = self.router.completions
-        if current is None or current.owner != identity or self._stopping:
-            return
-        if completions is not None and completions.bound(identity):
-            return  # it came back
-        await self.jobs.cancel_all(Ending(Outcome.FAILED, "the shim that registered the caches disconnected"))
-        await self._release_caches()
-        log.warning("released the caches of a disconnected shim (generation %d)", current.generation)
-
-    # -- heartbeats
-
-    def _on_heartbeat(
-        self, envelope: list[bytes], session: Session, msg: p.Heartbeat, received: float
-    ) -> None:
-        assert self.leases is not None and self.peers is not None and self.caches is not None
-        now = received
-        for t in msg.targets:
-            if t.remote_tp_size != session.tp_size or not t.remote_request_ids:
-                continue
-            key = (t.remote_engine_id, session.rank)
-            self.leases.shim_heartbeat(key, t.remote_request_ids, now)
-            peer = self.peers.admitted(key)
-            if peer is not None:
-                self.leases.send(peer, t.remote_request_ids)
-            elif not self.peers.known(key) and self.caches.current is not None and not self._stopping:
-                # like stock vLLM, the first heartbeat starts the handshake early; it heartbeats when done
-                target = PeerTarget(t.remote_engine_id, session.rank, t.remote_host, t.remote_port)
-                self.peers.start(target, self.caches.current)
-
-    def _admitted(self, key: tuple[str, int], peer: Any) -> None:
-        """A handshake went through: heartbeat what the shim heartbeated before we knew this prefill."""
-        assert self.leases is not None
-        pending = self.leases.heartbeated_for(key)
-        if pending:
-            self.leases.send(peer, pending)
-
-    async def _heartbeat_loop(self) -> None:
-        """Renew the leases of requests we hold (queued or reading) that are due."""
-        assert self.leases is not None and self.peers is not None
-        while True:
-            await asyncio.sleep(min(1.0, self.config.heartbeat_interval_s / 2))
-            now = time.monotonic()
-            held = {j.msg.remote_request_id: j for j in self.jobs.jobs()}
-            by_peer: dict[tuple[str, int], list[str]] = {}
-            for rid in self.leases.due(now):
-                job = held.get(rid)
-                if job is not None and job.peer_entry is not None:
-                    by_peer.setdefault((job.msg.remote_engine_id, job.session.rank), []).append(rid)
-            for key, ids in by_peer.items():
-                peer = self.peers.admitted(key)
-                if peer is not None:
-                    self.leases.send(peer, ids)
-            self.leases.forget_lapsed(set(held), now)
 
     async def _tick_loop(self) -> None:
         while True:

@@ -547,10 +547,10 @@ def test_the_caches_of_a_shim_that_went_away_are_released_after_the_grace():
         try:
             h.pull("a")
             await h.until_stage("a", "transfer")
-            h.daemon._shim_gone(b"someone-else")  # not the owner: nothing happens
+            h.daemon.registrations.shim_gone(b"someone-else")  # not the owner: nothing happens
             await asyncio.sleep(0.1)
             assert h.daemon.caches.current is not None
-            h.daemon._shim_gone(b"shim")
+            h.daemon.registrations.shim_gone(b"shim")
             done = await h.reply(p.Done, "a")
             assert not done.ok and "disconnected" in done.reason
             while h.daemon.caches.current is not None:

@@ -1,0 +1,87 @@
+"""Heartbeats: the shim's Heartbeat messages forwarded to prefills, and the renewal of leases we hold.
+
+Like stock vLLM, the first heartbeat for a prefill rank we do not know yet starts its handshake early; the
+requests heartbeated meanwhile are heartbeated as soon as it is through (``admitted``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sidecar.daemon.caches import CacheRegistry
+from sidecar.daemon.jobs import JobTable, Session
+from sidecar.daemon.leases import Leases
+from sidecar.daemon.peers import Key, Peers
+from sidecar.daemon.port import PeerTarget
+from sidecar.ops.metrics import Metrics
+from sidecar.wire import protocol as p
+
+
+class Heartbeats:
+    """Forwards the shim's heartbeats and renews the leases of the requests in flight."""
+
+    def __init__(
+        self,
+        *,
+        leases: Leases,
+        peers: Peers,
+        caches: CacheRegistry,
+        jobs: JobTable,
+        send: Callable[[list[bytes], p.ToShim], None],
+        metrics: Metrics,
+        interval_s: Callable[[], float],
+        stopping: Callable[[], bool],
+    ) -> None:
+        self._leases = leases
+        self._peers = peers
+        self._caches = caches
+        self._jobs = jobs
+        self._send = send
+        self._metrics = metrics
+        self._interval_s = interval_s
+        self._stopping = stopping
+
+    def on_heartbeat(
+        self, envelope: list[bytes], session: Session, msg: p.Heartbeat, received: float
+    ) -> None:
+        if session.hello is None:
+            self._metrics.foreign_messages.inc()
+            self._send(envelope, p.Error(reason="say Hello before Heartbeat", in_reply_to="Heartbeat"))
+            return
+        for t in msg.targets:
+            if t.remote_tp_size != session.tp_size or not t.remote_request_ids:
+                continue
+            key = (t.remote_engine_id, session.rank)
+            self._leases.shim_heartbeat(key, t.remote_request_ids, received)
+            peer = self._peers.admitted(key)
+            if peer is not None:
+                self._leases.send(peer, t.remote_request_ids)
+            elif not self._peers.known(key) and self._caches.current is not None and not self._stopping():
+                target = PeerTarget(t.remote_engine_id, session.rank, t.remote_host, t.remote_port)
+                self._peers.start(target, self._caches.current)
+
+    def admitted(self, key: Key, peer: Any) -> None:
+        """A handshake went through: heartbeat what the shim heartbeated before we knew this prefill."""
+        pending = self._leases.heartbeated_for(key)
+        if pending:
+            self._leases.send(peer, pending)
+
+    async def renew_loop(self) -> None:
+        """Renew the leases of requests we hold (queued or reading) that are due."""
+        while True:
+            await asyncio.sleep(min(1.0, self._interval_s() / 2))
+            now = time.monotonic()
+            held = {j.msg.remote_request_id: j for j in self._jobs.jobs()}
+            by_peer: dict[Key, list[str]] = {}
+            for rid in self._leases.due(now):
+                job = held.get(rid)
+                if job is not None and job.peer_entry is not None:
+                    by_peer.setdefault((job.msg.remote_engine_id, job.session.rank), []).append(rid)
+            for key, ids in by_peer.items():
+                peer = self._peers.admitted(key)
+                if peer is not None:
+                    self._leases.send(peer, ids)
+            self._leases.forget_lapsed(set(held), now)
