@@ -5,6 +5,7 @@ caches are real shared memory and the conversion runs on them (the CPU twin's co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -106,6 +107,17 @@ class Harness:
             await asyncio.sleep(0.002)
 
 
+@contextlib.asynccontextmanager
+async def started(**overrides):
+    """A started Harness, stopped on the way out."""
+    h = Harness(**overrides)
+    await h.start()
+    try:
+        yield h
+    finally:
+        await h.stop()
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 10))
 
@@ -133,9 +145,7 @@ def blocked_conversion(monkeypatch):
 @pytest.mark.parametrize("mode", ["direct", "staged"])
 def test_a_pull_is_read_converted_and_answered_once(mode):
     async def main():
-        h = Harness(pull_mode=mode, staging_bytes=64 * PAGE_BYTES if mode == "staged" else 0)
-        await h.start()
-        try:
+        async with started(pull_mode=mode, staging_bytes=64 * PAGE_BYTES if mode == "staged" else 0) as h:
             h.pull("a")
             done = await h.reply(p.Done, "a")
             assert done.ok, done
@@ -144,18 +154,14 @@ def test_a_pull_is_read_converted_and_answered_once(mode):
             assert h.port.reads[0].mode == mode and h.port.reads[0].handles == []  # released after Done
             await asyncio.sleep(0.01)
             assert len(h.answers("a")) == 1 and len(h.daemon.jobs) == 0
-        finally:
-            await h.stop()
 
     run(main())
 
 
 def test_layer_groups_landing_out_of_order_are_all_converted():
     async def main():
-        h = Harness(layer_groups=4)
-        await h.start()
-        h.port.auto_land = False
-        try:
+        async with started(layer_groups=4) as h:
+            h.port.auto_land = False
             h.pull("a")
             await h.until_stage("a", "transfer")
             while not h.port.reads:
@@ -168,26 +174,20 @@ def test_layer_groups_landing_out_of_order_are_all_converted():
             done = await h.reply(p.Done, "a")
             assert done.ok, done
             assert h.daemon.jobs.get("a") is None
-        finally:
-            await h.stop()
 
     run(main())
 
 
 def test_a_group_that_never_lands_fails_the_pull_even_if_the_others_converted():
     async def main():
-        h = Harness(layer_groups=2)
-        await h.start()
-        h.port.auto_land = False
-        try:
+        async with started(layer_groups=2) as h:
+            h.port.auto_land = False
             h.pull("a", timeout_s=0.3)
             while not h.port.reads:
                 await asyncio.sleep(0.001)
             h.port.land(h.port.reads[0], 1)
             done = await h.reply(p.Done, "a")
             assert not done.ok and done.reason.startswith("deadline") and "transfer" in done.reason
-        finally:
-            await h.stop()
 
     run(main())
 
@@ -278,33 +278,25 @@ def test_deadline_in_every_stage_answers_failed_before_it(stage, blocked_convers
 
 def test_a_deadline_beyond_max_timeout_is_cut_to_it():
     async def main():
-        h = Harness(max_timeout_s=0.2)
-        await h.start()
-        h.port.auto_land = False
-        try:
+        async with started(max_timeout_s=0.2) as h:
+            h.port.auto_land = False
             h.pull("x", timeout_s=1e300)
             done = await h.reply(p.Done, "x")
             assert not done.ok and done.reason.startswith("deadline: 0.2 s"), done
-        finally:
-            await h.stop()
 
     run(main())
 
 
 def test_an_abort_of_a_read_nixl_will_not_release_at_once_waits_until_it_does():
     async def main():
-        h = Harness()
-        await h.start()
-        h.port.auto_land = False
-        h.port.stuck_abort = 3
-        try:
+        async with started() as h:
+            h.port.auto_land = False
+            h.port.stuck_abort = 3
             h.pull("x")
             await h.until_stage("x", "transfer")
             h.send(p.Abort(req_id="x"))
             aborted = await h.reply(p.Aborted, "x")
             assert aborted.safe and h.port.stuck_abort == 0
-        finally:
-            await h.stop()
 
     run(main())
 
@@ -338,26 +330,20 @@ def test_a_staged_pull_waits_for_slots_and_goes_on_when_they_are_given_back():
 
 def test_a_pull_larger_than_the_whole_pool_is_refused_naming_staging_bytes():
     async def main():
-        h = Harness(pull_mode="staged", staging_bytes=LAYERS * 2 * PAGE_BYTES)
-        await h.start()
-        try:
+        async with started(pull_mode="staged", staging_bytes=LAYERS * 2 * PAGE_BYTES) as h:
             h.pull("big", blocks=[1, 2, 3])
             done = await h.reply(p.Done, "big")
             assert not done.ok and done.reason.startswith("staging_bytes:"), done
             assert h.daemon.metrics.refusals.labels(field="staging_bytes")._value.get() == 1
             assert "r-big" in h.port.notified  # admitted, never read: the prefill is told at once
-        finally:
-            await h.stop()
 
     run(main())
 
 
 def test_a_reload_during_a_staged_wait_leaves_the_waiting_pull_to_finish():
     async def main():
-        h = Harness(pull_mode="staged", staging_bytes=LAYERS * 3 * PAGE_BYTES)
-        await h.start()
-        h.port.auto_land = False
-        try:
+        async with started(pull_mode="staged", staging_bytes=LAYERS * 3 * PAGE_BYTES) as h:
+            h.port.auto_land = False
             h.pull("a")
             await h.until_stage("a", "transfer")
             h.pull("b")
@@ -373,8 +359,6 @@ def test_a_reload_during_a_staged_wait_leaves_the_waiting_pull_to_finish():
                 await asyncio.sleep(0.002)
             h.port.land(h.port.reads[1])
             assert (await h.reply(p.Done, "b")).ok
-        finally:
-            await h.stop()
 
     run(main())
 
@@ -384,9 +368,7 @@ def test_a_reload_during_a_staged_wait_leaves_the_waiting_pull_to_finish():
 
 def test_a_failing_read_fails_the_pull_and_the_daemon_goes_on():
     async def main():
-        h = Harness()
-        await h.start()
-        try:
+        async with started() as h:
             h.port.fail_reads = True
             h.pull("a")
             done = await h.reply(p.Done, "a")
@@ -395,17 +377,13 @@ def test_a_failing_read_fails_the_pull_and_the_daemon_goes_on():
             h.pull("b")
             assert (await h.reply(p.Done, "b")).ok
             assert h.port.connects == 1  # a failed READ is not a lost peer
-        finally:
-            await h.stop()
 
     run(main())
 
 
 def test_a_peer_lost_between_handshake_and_read_is_handshaken_again():
     async def main():
-        h = Harness()
-        await h.start()
-        try:
+        async with started() as h:
             h.pull("a")
             assert (await h.reply(p.Done, "a")).ok
             h.port.disconnect_reads = True  # the prefill restarted after the handshake
@@ -416,17 +394,13 @@ def test_a_peer_lost_between_handshake_and_read_is_handshaken_again():
             h.pull("c")
             assert (await h.reply(p.Done, "c")).ok
             assert h.port.connects == 2 and h.port.peers[0].removed
-        finally:
-            await h.stop()
 
     run(main())
 
 
 def test_a_refused_handshake_is_answered_naming_the_field_and_not_cached():
     async def main():
-        h = Harness()
-        await h.start()
-        try:
+        async with started() as h:
             h.port.refuse_handshake = "remote page format"
             h.pull("a")
             done = await h.reply(p.Done, "a")
@@ -437,18 +411,14 @@ def test_a_refused_handshake_is_answered_naming_the_field_and_not_cached():
             h.pull("b")
             assert (await h.reply(p.Done, "b")).ok
             assert h.port.connects == 2
-        finally:
-            await h.stop()
 
     run(main())
 
 
 def test_a_repeated_req_id_is_an_error_and_the_first_goes_on():
     async def main():
-        h = Harness()
-        await h.start()
-        h.port.auto_land = False
-        try:
+        async with started() as h:
+            h.port.auto_land = False
             h.pull("a")
             h.pull("a")
             err = await h.reply(p.Error, "a")
@@ -456,8 +426,6 @@ def test_a_repeated_req_id_is_an_error_and_the_first_goes_on():
             await h.until_stage("a", "transfer")
             h.port.land(h.port.reads[0])
             assert (await h.reply(p.Done, "a")).ok
-        finally:
-            await h.stop()
 
     run(main())
 
@@ -473,10 +441,8 @@ def _values(cfg: Config) -> dict:
 
 def test_only_the_shim_that_registered_the_caches_may_pull_abort_or_unregister():
     async def main():
-        h = Harness()
-        await h.start()
-        h.port.auto_land = False
-        try:
+        async with started() as h:
+            h.port.auto_land = False
             h.send(
                 p.Pull(
                     req_id="intruder",
@@ -518,33 +484,25 @@ def test_only_the_shim_that_registered_the_caches_may_pull_abort_or_unregister()
             h.port.land(h.port.reads[0])
             assert (await h.reply(p.Done, "mine")).ok
             assert h.daemon.metrics.foreign_messages._value.get() == 4
-        finally:
-            await h.stop()
 
     run(main())
 
 
 def test_more_block_ids_than_the_caches_hold_are_refused_before_any_work():
     async def main():
-        h = Harness()
-        await h.start()
-        try:
+        async with started() as h:
             h.pull("huge", blocks=list(range(B + 1)))
             done = await h.reply(p.Done, "huge")
             assert not done.ok and done.reason.startswith("local_block_ids:"), done
             assert h.port.connects == 0
-        finally:
-            await h.stop()
 
     run(main())
 
 
 def test_the_caches_of_a_shim_that_went_away_are_released_after_the_grace():
     async def main():
-        h = Harness(owner_grace_s=0.05)
-        await h.start()
-        h.port.auto_land = False
-        try:
+        async with started(owner_grace_s=0.05) as h:
+            h.port.auto_land = False
             h.pull("a")
             await h.until_stage("a", "transfer")
             h.daemon.registrations.shim_gone(b"someone-else")  # not the owner: nothing happens
@@ -556,7 +514,5 @@ def test_the_caches_of_a_shim_that_went_away_are_released_after_the_grace():
             while h.daemon.caches.current is not None:
                 await asyncio.sleep(0.005)
             assert h.daemon.metrics.ready._value.get() == 0 and h.port.registrations == 0
-        finally:
-            await h.stop()
 
     run(main())
