@@ -174,9 +174,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(json.dumps({"event": "ready", "pid": os.getpid(), "socket": cfg.socket_endpoint,
                           "device": cfg.device, "metrics_port": port}), flush=True)
 
+    from sidecar.ops.errors import StartupError
+
+    for warning in config_mod.startup_warnings(cfg):
+        logging.getLogger("kv_sidecar").warning("%s", warning)
     try:
         return uvloop.run(service.run(cfg, reload=reload, on_started=announce))
-    except Refused as exc:
+    except (Refused, StartupError) as exc:
         raise CliError(str(exc)) from None
     except RuntimeError as exc:
         if "already serves" in str(exc):
