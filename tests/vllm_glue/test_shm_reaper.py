@@ -36,7 +36,7 @@ def test_files_are_unlinked_after_the_owner_is_killed() -> None:
 
 
 def test_decoder_standin_files_go_when_it_is_killed(tmp_path) -> None:
-    """Issue 15 item 6. Main: the stand-in's /dev/shm file stays after SIGKILL (the reaper did not cover it)."""
+    """Issue 15 item 6. Main: the stand-in's /dev/shm file stays after SIGKILL (not reaped)."""
     code = (
         "import sys, time\n"
         "from sidecar.standins.decoder import DecoderStandin, StandinShape\n"
