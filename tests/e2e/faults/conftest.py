@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
@@ -14,15 +16,14 @@ import pytest
 from sidecar.standins.faults import Rig
 
 
-@pytest.fixture
-def rig(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Rig]:
-    """Started and registered; every test ends with the canary check (no late or foreign write anywhere)."""
-    marker = request.node.get_closest_marker("rig")
-    r = Rig(str(tmp_path), **(marker.kwargs if marker else {}))
-    r.start_emulator()
-    r.start_daemon()
-    r.start_decoder()
+@contextlib.contextmanager
+def open_rig(work: str, **kw: Any) -> Iterator[Rig]:
+    """Started and registered; ends with the canary check (no late or foreign write anywhere)."""
+    r = Rig(work, **kw)
     try:
+        r.start_emulator()
+        r.start_daemon()
+        r.start_decoder()
         yield r
         if r.decoder is not None:
             time.sleep(0.3)  # a late write has time to land before the check
@@ -36,3 +37,7 @@ def rig(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Rig]:
             r.emu.stop()
 
 
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    with open_rig(str(tmp_path)) as r:
+        yield r
