@@ -27,6 +27,7 @@ BENCHES = {
     "pull": "sidecar.bench.pull",
     "signal": "sidecar.bench.completion_signal",
     "e2e": "sidecar.bench.e2e",
+    "soak": "sidecar.bench.soak",
 }
 # What `serve` needs, and where it comes from.
 SERVE_NEEDS = {
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", metavar="FILE", help="TOML file (default: $KV_SIDECAR_CONFIG if set)")
     _add_config_flags(serve)
 
-    bench = sub.add_parser("bench", help="benchmarks: convert, pull, signal, e2e")
+    bench = sub.add_parser("bench", help="benchmarks: convert, pull, signal, e2e, soak")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
     for name, module in BENCHES.items():
         b = bench_sub.add_parser(name, help=f"run {module}", add_help=False)

@@ -40,6 +40,7 @@ SEED = 0  # the emulator's page seed: the expected bytes of every request follow
 
 # Reason text -> cause, first match wins (the shim's and the daemon's wording).
 _CAUSES = (
+    ("shutting down", "daemon_restart"),
     ("exited", "daemon_gone"),
     ("disconnected", "daemon_gone"),
     ("connection was lost", "daemon_gone"),
@@ -115,7 +116,7 @@ class Rig:
         from sidecar.standins.emulator_control import spawn_emulator
 
         args = ["--layers", str(LAYERS), "--heads", str(HEADS), "--head-size", str(HEAD_SIZE),
-                "--block-size", str(BLOCK), "--num-blocks", "2048", "--seed", str(SEED),
+                "--block-size", str(BLOCK), "--num-blocks", "4096", "--seed", str(SEED),
                 "--control", f"ipc://{self.work}/emu-{uuid.uuid4().hex[:8]}.sock", "--no-progress-thread",
                 "--port", str(port), "--ready-file", self.emulator_ready_file]
         if engine_id:
