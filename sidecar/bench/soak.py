@@ -50,11 +50,12 @@ def _growth(samples: list[dict[str, Any]], key: str) -> dict[str, Any]:
 
 
 def soak(work: str, duration_s: float, *, seed: int = 1, batch: int = 32, wave: int = 8,
-         log: Any = None) -> dict[str, Any]:
+         log: Any = None, faults_weights: dict[str, int] | None = None) -> dict[str, Any]:
     """Run the soak in ``work`` for ``duration_s`` seconds; returns the report."""
     rng = random.Random(seed)
     rig = Rig(work)
-    names, weights = zip(*FAULTS.items(), strict=True)
+    weights_used = dict(FAULTS if faults_weights is None else faults_weights)
+    names, weights = zip(*weights_used.items(), strict=True)
     totals = Counter()
     causes: Counter[str] = Counter()
     faults: Counter[str] = Counter()
@@ -134,6 +135,7 @@ def soak(work: str, duration_s: float, *, seed: int = 1, batch: int = 32, wave: 
         "mismatched_blocks": len(mismatched),
         "canary_violations": len(canary),
         "canary_examples": canary[:20],
+        "fault_weights": weights_used,
         "faults": dict(faults),
         "answered_after_fault_s": {k: {"max": max(v), "median": sorted(v)[len(v) // 2]}
                                    for k, v in recovery.items()},
@@ -151,10 +153,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=32, help="pulls per batch")
     ap.add_argument("--out", help="also write the JSON report here")
     ap.add_argument("--progress", action="store_true", help="one JSON line per batch on stderr")
+    ap.add_argument("--faults", default="", help="weights, e.g. 'none=4,aborts=2,sighup=2' (default: "
+                    + ",".join(f"{k}={v}" for k, v in FAULTS.items()) + ")")
     args = ap.parse_args(argv)
+    weights = None
+    if args.faults:
+        weights = {k: int(v) for k, v in (item.split("=") for item in args.faults.split(","))}
+        unknown = set(weights) - set(FAULTS)
+        if unknown:
+            ap.error(f"--faults: unknown fault(s) {sorted(unknown)}; known: {sorted(FAULTS)}")
     with tempfile.TemporaryDirectory(prefix="kv-sidecar-soak-") as work:
         report = soak(work, args.duration, seed=args.seed, batch=args.batch,
-                      log=sys.stderr if args.progress else None)
+                      log=sys.stderr if args.progress else None, faults_weights=weights)
     report["command"] = " ".join(["kv-sidecar bench soak", *(argv if argv is not None else sys.argv[1:])])
     text = json.dumps(report, indent=2)
     print(text)
