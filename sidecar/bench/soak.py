@@ -63,7 +63,7 @@ def soak(work: str, duration_s: float, *, seed: int = 1, batch: int = 32, wave: 
     mismatched: list[str] = []
     recovery: dict[str, list[float]] = {}
     samples: list[dict[str, Any]] = []
-    examples: dict[str, str] = {}
+    examples: dict[str, list[str]] = {}  # cause -> up to 4 distinct reasons
     t0 = time.monotonic()
     rig.start_emulator()
     rig.start_daemon()
@@ -96,7 +96,10 @@ def soak(work: str, duration_s: float, *, seed: int = 1, batch: int = 32, wave: 
             for reason in res.failed.values():
                 c = cause_of(reason)
                 causes[c] += 1
-                examples.setdefault(c, reason)
+                seen = examples.setdefault(c, [])
+                short = reason.split(" from tcp://")[0].split(" at ipc://")[0]
+                if short not in seen and len(seen) < 4:
+                    seen.append(short)
             unanswered += res.unanswered
             mismatched += res.mismatched
             if res.answered_after_fault_s is not None:

@@ -40,6 +40,7 @@ SEED = 0  # the emulator's page seed: the expected bytes of every request follow
 
 # Reason text -> cause, first match wins (the shim's and the daemon's wording).
 _CAUSES = (
+    ("remote agent", "prefill"),  # NIXL's words for the prefill's agent going away
     ("shutting down", "daemon_restart"),
     ("exited", "daemon_gone"),
     ("disconnected", "daemon_gone"),
