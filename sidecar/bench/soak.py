@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import random
+import re
 import signal
 import sys
 import tempfile
@@ -97,7 +98,7 @@ def soak(work: str, duration_s: float, *, seed: int = 1, batch: int = 32, wave: 
                 c = cause_of(reason)
                 causes[c] += 1
                 seen = examples.setdefault(c, [])
-                short = reason.split(" from tcp://")[0].split(" at ipc://")[0]
+                short = re.sub(r"(tcp|ipc)://\S+", "<address>", reason)
                 if short not in seen and len(seen) < 4:
                     seen.append(short)
             unanswered += res.unanswered
