@@ -101,15 +101,7 @@ def test_fd_pressure_on_the_completion_socket(tmp_path) -> None:
         path = rig.socket.removeprefix("ipc://") + ".done"
         idle = []
         try:
-            for _ in range(400):
-                c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-                c.settimeout(1.0)
-                try:
-                    c.connect(path)
-                except OSError:
-                    c.close()
-                    continue
-                idle.append(c)
+            idle = open_idle(path, 400, 10.0)
             log = os.path.join(rig.work, "d.log")
             size0 = os.path.getsize(log)
             cpu0 = _cpu_s(rig.daemon.proc.pid)
@@ -130,6 +122,23 @@ def test_fd_pressure_on_the_completion_socket(tmp_path) -> None:
             for c in idle:
                 c.close()
         assert rig.daemon.proc.poll() is None
+
+
+def open_idle(path: str, n: int, within_s: float) -> list[socket.socket]:
+    """Up to ``n`` idle connections, retrying while the daemon's listen backlog is full."""
+    out: list[socket.socket] = []
+    deadline = time.monotonic() + within_s
+    while len(out) < n and time.monotonic() < deadline:
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        c.settimeout(0.2)
+        try:
+            c.connect(path)
+        except OSError:
+            c.close()
+            time.sleep(0.005)
+            continue
+        out.append(c)
+    return out
 
 
 def _cpu_s(pid: int) -> float:
