@@ -46,6 +46,7 @@ BENCHES = {
         "what conversions cost a decoder's running steps on the same GPU, and the settings that bound it",
     ),
     "break-even": ("sidecar.bench.break_even", "output tokens after which converting pays, from a results file"),
+    "soak": ("sidecar.bench.soak", "random faults injected into a live rig: pulls, causes, RSS and fds as JSON"),
 }
 # What `serve` needs, and where it comes from.
 SERVE_NEEDS = {
@@ -193,9 +194,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(json.dumps({"event": "ready", "pid": os.getpid(), "socket": cfg.socket_endpoint,
                           "device": cfg.device, "metrics_port": port}), flush=True)
 
+    from sidecar.ops.errors import StartupError
+
+    for warning in config_mod.startup_warnings(cfg):
+        logging.getLogger("kv_sidecar").warning("%s", warning)
     try:
         return uvloop.run(app.run(cfg, reload=reload, on_started=announce))
-    except Refused as exc:
+    except (Refused, StartupError) as exc:
         raise CliError(str(exc)) from None
     except RuntimeError as exc:
         if "already serves" in str(exc):

@@ -7,6 +7,13 @@ they arrived and taken with ``poll_events``. The thread says Hello and registers
 daemon's Welcome offers a completion socket, the thread binds it before registering and takes every reply
 from there (one unix packet instead of ZMQ's four thread hops; see ``sidecar/daemon/completions.py``). Importable
 without vLLM and without torch.
+
+Epochs: each connection to a daemon gets a number. ``send`` returns the epoch a message goes out on, every
+reply and loss carries the epoch it belongs to, and a message queued for an epoch that has ended is never
+sent on the next one (a Pull gets a local failed Done instead). So a loss fails only what was sent on that
+connection, whenever the engine thread gets to it. The daemon's process is watched through a pidfd (its pid
+from SO_PEERCRED on the completion socket, so it is right across pid namespaces): ``Gone`` says when the
+process that served some epochs has exited and can no longer write into any block.
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -30,6 +39,8 @@ log = logging.getLogger(__name__)
 
 _STOP = b"\x00stop"
 _REGISTER = b"\x00register"
+_DATA = b"\x01"  # then the 8-byte epoch the caller sent it for, then the message
+_EPOCH = struct.Struct("!Q")
 _UP = getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", zmq.EVENT_CONNECTED)
 
 
@@ -43,17 +54,31 @@ class Reply:
 
     message: p.ToShim
     received_at_ns: int
+    epoch: int = 0  # the connection it came on (or, for a local failure, the one its message was for)
 
 
 @dataclass(frozen=True)
 class Lost:
-    """The connection to the daemon dropped (or registration failed): every outstanding load is lost."""
+    """Connection ``epoch`` dropped (or its registration failed): what was sent on it gets no reply there.
 
+    The daemon may still be running what it got: a load sent on ``epoch`` is not safe to release yet.
+    """
+
+    reason: str
+    received_at_ns: int
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class Gone:
+    """The daemon process that served connections ``epochs`` has exited: nothing sent on them can write."""
+
+    epochs: frozenset[int]
     reason: str
     received_at_ns: int
 
 
-Event = Reply | Lost
+Event = Reply | Lost | Gone
 
 
 class SidecarClient:
@@ -88,6 +113,9 @@ class SidecarClient:
         self._changed = threading.Condition()
         self._bound = threading.Event()
         self._fast: socket.socket | None = None  # the completion socket, owned by the I/O thread
+        self._epoch = 0  # the current connection's number; only the I/O thread changes it
+        self._connected = False
+        self._daemons: dict[int, tuple[int, set[int]]] = {}  # pidfd -> (daemon pid, epochs it served)
         self._thread = threading.Thread(target=self._run, name="kv-sidecar-client", daemon=True)
         self._thread.start()
         self._bound.wait()
@@ -106,6 +134,11 @@ class SidecarClient:
         return self._state == "ready"
 
     @property
+    def epoch(self) -> int:
+        """The current connection's number (0 before the first)."""
+        return self._epoch
+
+    @property
     def uses_completion_socket(self) -> bool:
         """Whether replies now come over the daemon's completion socket (else over ZMQ)."""
         return self._fast is not None
@@ -121,18 +154,22 @@ class SidecarClient:
                 self._changed.wait(left)
         return True
 
-    def send(self, msg: p.ToDaemon) -> None:
-        """Queue one message for the daemon; NotReady if it is not registered (the caller fails the load)."""
+    def send(self, msg: p.ToDaemon) -> int:
+        """Queue one message for the daemon and return the epoch it goes out on; NotReady if it is not
+        registered (the caller fails the load). Should that connection end before the I/O thread sends it,
+        it is not sent at all (a Pull then gets a local failed Done of that epoch)."""
         if self._closed:
             raise NotReady("client is closed")
+        epoch = self._epoch
         if self._state != "ready":
             raise NotReady(f"kv-sidecar at {self.address} is {self._state}: {self.status_reason}")
-        data = p.encode(msg)
+        data = _DATA + _EPOCH.pack(epoch) + p.encode(msg)
         with self._send_lock:
             try:
                 self._push.send(data, zmq.NOBLOCK)
             except zmq.Again:
                 raise NotReady("client queue is full: the I/O thread is not keeping up") from None
+        return epoch
 
     def set_registration(self, register: p.RegisterCaches) -> None:
         """Set (or replace) the caches to register; sent now if connected, and again after each reconnect."""
@@ -174,7 +211,7 @@ class SidecarClient:
         except Exception as e:  # never die silently: the engine must see loads fail, not hang
             log.exception("kv-sidecar client I/O thread failed")
             self._set_state("failed", f"client I/O thread failed: {e!r}")
-            self._events.append(Lost(self.status_reason, time.monotonic_ns()))
+            self._events.append(Lost(self.status_reason, time.monotonic_ns(), self._epoch))
             self._bound.set()
 
     def _loop(self) -> None:
@@ -197,7 +234,6 @@ class SidecarClient:
             poller.register(s, zmq.POLLIN)
         self._poller = poller
         self._phase, self._deadline = "idle", float("inf")
-        connected = False
         try:
             while True:
                 timeout_ms = (
@@ -209,13 +245,16 @@ class SidecarClient:
                 if monitor in ready:
                     ev = recv_monitor_message(monitor)
                     if ev["event"] == _UP:
-                        connected = True
+                        self._epoch += 1
+                        self._connected = True
                         self._say_hello(dealer)
-                    elif ev["event"] == zmq.EVENT_DISCONNECTED and connected:
-                        connected = False
+                    elif ev["event"] == zmq.EVENT_DISCONNECTED and self._connected:
+                        self._connected = False
                         self._close_fast()
                         self._phase, self._deadline = "idle", float("inf")
                         self._lose(f"kv-sidecar at {self.address} disconnected")
+                for pidfd in [fd for fd in self._daemons if fd in ready]:
+                    self._daemon_exited(pidfd)
                 if self._fast is not None and self._fast.fileno() in ready:
                     self._on_fast(dealer)
                 if dealer in ready:
@@ -235,6 +274,9 @@ class SidecarClient:
                     self._phase, self._deadline = "idle", float("inf")
         finally:
             self._close_fast()
+            for pidfd in list(self._daemons):
+                os.close(pidfd)
+            self._daemons.clear()
             dealer.disable_monitor()
             for s in (monitor, dealer, inbox):
                 s.close(linger=0)
@@ -244,10 +286,16 @@ class SidecarClient:
             if self._phase == "ready" and self._register is not None:
                 self._send_register(dealer)
             return
+        (epoch,) = _EPOCH.unpack_from(data, 1)
+        payload = data[1 + _EPOCH.size :]
+        if epoch != self._epoch or not self._connected:
+            # Its connection ended while it waited here: never hand it to another one (or another daemon).
+            self._reply_failure(payload, epoch, "kv-sidecar connection was lost before the message went out")
+            return
         try:
-            dealer.send(data, zmq.NOBLOCK)
+            dealer.send(payload, zmq.NOBLOCK)
         except zmq.Again:
-            self._reply_failure(data, "kv-sidecar is not reachable (send would block)")
+            self._reply_failure(payload, epoch, "kv-sidecar is not reachable (send would block)")
 
     def _say_hello(self, dealer: zmq.Socket) -> None:
         self._set_state("connecting", "waiting for Welcome")
@@ -299,7 +347,7 @@ class SidecarClient:
         if isinstance(msg, p.Error) and msg.req_id is None and self._phase in ("hello", "register"):
             self._refused(f"kv-sidecar refused {msg.in_reply_to or 'a message'}: {msg.reason}", at)
             return
-        self._events.append(Reply(msg, at))
+        self._events.append(Reply(msg, at, self._epoch))
 
     def _after_welcome(self, dealer: zmq.Socket) -> None:
         if self._register is None:
@@ -317,6 +365,7 @@ class SidecarClient:
         fast.settimeout(1.0)  # a full listen backlog must not stall this thread
         try:
             fast.connect(path)
+            self._watch_daemon(fast)
             fast.send(p.encode(p.BindCompletions(routing_id=self._routing_id)))
         except OSError as e:
             fast.close()
@@ -353,6 +402,34 @@ class SidecarClient:
                 return
             self._on_payload(dealer, data, time.monotonic_ns())
 
+    def _watch_daemon(self, fast: socket.socket) -> None:
+        """Watch the process behind the completion socket (the daemon) with a pidfd, for ``Gone``."""
+        creds = fast.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid = struct.unpack("3i", creds)[0]
+        if pid <= 0:
+            return  # not visible from our pid namespace: the deadlines still bound every load
+        for _pid, epochs in (v for v in self._daemons.values() if v[0] == pid):
+            epochs.add(self._epoch)
+            return
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError) as e:  # no pidfd (old kernel or Python), or it is gone already
+            log.debug("kv-sidecar daemon pid %d not watched: %s", pid, e)
+            return
+        self._daemons[pidfd] = (pid, {self._epoch})
+        self._poller.register(pidfd, zmq.POLLIN)
+        if select.select([pidfd], [], [], 0)[0]:
+            self._daemon_exited(pidfd)
+
+    def _daemon_exited(self, pidfd: int) -> None:
+        pid, epochs = self._daemons.pop(pidfd)
+        with contextlib.suppress(KeyError):
+            self._poller.unregister(pidfd)
+        os.close(pidfd)
+        self._events.append(
+            Gone(frozenset(epochs), f"kv-sidecar daemon (pid {pid}) exited", time.monotonic_ns())
+        )
+
     def _close_fast(self) -> None:
         if self._fast is None:
             return
@@ -364,24 +441,23 @@ class SidecarClient:
     def _refused(self, reason: str, at: int) -> None:
         self._phase, self._deadline = "idle", float("inf")
         self._set_state("failed", reason)
-        self._events.append(Lost(reason, at))
+        self._events.append(Lost(reason, at, self._epoch))
 
     def _lose(self, reason: str) -> None:
         self._set_state("lost", reason)
-        self._events.append(Lost(reason, time.monotonic_ns()))
+        self._events.append(Lost(reason, time.monotonic_ns(), self._epoch))
 
-    def _reply_failure(self, data: bytes, reason: str) -> None:
-        """A message that could not be sent: a Pull gets a failed Done so its load ends now."""
+    def _reply_failure(self, data: bytes, epoch: int, reason: str) -> None:
+        """A message that was not sent: a Pull gets a failed Done (of its epoch) so its load ends now.
+
+        An Abort gets nothing: the load was sent, so the daemon may still be writing; the Lost of its
+        connection and what follows (``Gone``, an Abort on the next connection, the deadline) release it.
+        """
         try:
             msg = p.decode_to_daemon(data)
         except p.DecodeError:
             return
         if isinstance(msg, p.Pull):
             self._events.append(
-                Reply(p.Done(req_id=msg.req_id, ok=False, reason=reason), time.monotonic_ns())
-            )
-        elif isinstance(msg, p.Abort):
-            # No daemon: nothing it runs can write into the blocks any more.
-            self._events.append(
-                Reply(p.Aborted(req_id=msg.req_id, safe=True, reason=reason), time.monotonic_ns())
+                Reply(p.Done(req_id=msg.req_id, ok=False, reason=reason), time.monotonic_ns(), epoch)
             )

@@ -6,7 +6,13 @@ Rules (vLLM 0.32/0.33 ``get_transfer_results`` + ``get_block_ids_with_load_error
   confirmed an abort (Aborted safe), or when it failed (then also in ``failed_recving``, and its blocks in the
   load-error set of the same step, so ``kv_load_failure_policy`` applies);
 * vLLM frees an aborted request's blocks on that one report; reporting it twice would free them twice;
-* a load whose daemon vanished, or that got no answer by its deadline plus a grace, fails: nothing hangs.
+* a load whose daemon vanished, or that got no answer by its deadline plus a grace, fails: nothing hangs;
+* a load is tied to the connection (``epoch``) it was sent on: a lost connection touches only its own loads,
+  and a reply from another connection is not theirs;
+* a load whose connection dropped is *orphaned*, not failed: the daemon may still be writing into its blocks,
+  so vLLM gets them back only once nothing can write — the daemon process is gone (:meth:`gone`), a later
+  connection confirmed the abort (Aborted safe or Done), or the deadline plus the grace passed (the daemon
+  ends every pull by its deadline).
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ class _Load:
     awaiting: bool
     deadline: float
     abort_requested: bool = False
+    epoch: int | None = None  # the client connection it was sent on; None: not sent (yet)
+    orphaned: str | None = None  # why its connection dropped; the blocks stay held until it is safe
+    abort_sent_on: int | None = None  # the epoch an orphan's Abort went out on
 
 
 @dataclass
@@ -56,18 +65,45 @@ class LoadTracker:
     def is_outstanding(self, req_id: str) -> bool:
         return req_id in self._loads
 
-    def started(self, req_id: str, local_block_ids: list[int], awaiting: bool, deadline: float) -> None:
+    def started(
+        self,
+        req_id: str,
+        local_block_ids: list[int],
+        awaiting: bool,
+        deadline: float,
+        epoch: int | None = None,
+    ) -> None:
         if req_id in self._loads:
             raise ValueError(f"request {req_id!r} already has a load in flight")
-        self._loads[req_id] = _Load(list(local_block_ids), awaiting, deadline)
+        self._loads[req_id] = _Load(list(local_block_ids), awaiting, deadline, epoch=epoch)
+
+    def sent(self, req_id: str, epoch: int) -> None:
+        """The load's Pull went to the daemon on connection ``epoch``."""
+        load = self._loads.get(req_id)
+        if load is not None:
+            load.epoch = epoch
 
     def abort_requested(self, req_id: str) -> bool:
-        """Mark an abort; True if the daemon must be told (a load is still outstanding)."""
+        """Mark an abort; True if the daemon must be told (a load is still outstanding on a live connection).
+
+        An orphan is not told here: its abort goes out once a connection is back (:meth:`orphans_to_abort`).
+        """
         load = self._loads.get(req_id)
         if load is None or load.abort_requested:
             return False
         load.abort_requested = True
-        return True
+        return load.orphaned is None
+
+    def epoch_of(self, req_id: str) -> int | None:
+        load = self._loads.get(req_id)
+        return None if load is None else load.epoch
+
+    def release_unsent(self, req_id: str, reason: str, received_at: float = 0.0) -> bool:
+        """An aborted load whose Pull never reached a daemon: nothing can write, release it now."""
+        load = self._loads.get(req_id)
+        if load is None or load.epoch is not None:
+            return False
+        return self.fail(req_id, reason, received_at)
 
     def done(
         self,
@@ -76,22 +112,40 @@ class LoadTracker:
         reason: str | None = None,
         timings: dict[str, float] | None = None,
         received_at: float = 0.0,
+        epoch: int | None = None,
     ) -> bool:
-        """A Done arrived. False if the request was not outstanding (late or duplicate: ignored)."""
-        load = self._loads.pop(req_id, None)
-        if load is None:
+        """A Done arrived (on connection ``epoch``). False if the request was not outstanding (late or
+        duplicate) or the Done came over another connection than its Pull: ignored.
+
+        An orphan's Done from a later connection ends it too (the daemon is quiet on it), but never as ok:
+        the shim already gave up on the load.
+        """
+        load = self._loads.get(req_id)
+        if load is None or not self._from_its_daemon(load, epoch):
             return False
+        del self._loads[req_id]
+        if load.orphaned is not None:
+            ok, reason = False, f"{load.orphaned} (then {reason or 'completed'})"
         self.outcomes.append(LoadOutcome(req_id, ok, reason, dict(timings or {}), received_at))
         # An aborted request is already finished in vLLM: it only needs its blocks back, never a failure.
         self._report(req_id, load, failed=not ok and not load.abort_requested)
         return True
 
-    def aborted(self, req_id: str, safe: bool, reason: str | None = None, received_at: float = 0.0) -> bool:
+    def aborted(
+        self,
+        req_id: str,
+        safe: bool,
+        reason: str | None = None,
+        received_at: float = 0.0,
+        epoch: int | None = None,
+    ) -> bool:
         """An Aborted arrived. Only a safe one releases the blocks; an unsafe one keeps waiting for Done."""
         load = self._loads.get(req_id)
-        if load is None or not safe:
+        if load is None or not safe or not self._from_its_daemon(load, epoch):
             return False
         del self._loads[req_id]
+        if load.orphaned is not None:
+            reason = f"{load.orphaned} (then aborted: {reason or 'safe'})"
         self.outcomes.append(LoadOutcome(req_id, False, reason or "aborted", {}, received_at))
         self._report(req_id, load, failed=not load.abort_requested)
         return True
@@ -106,10 +160,49 @@ class LoadTracker:
         return True
 
     def fail_all(self, reason: str, received_at: float = 0.0) -> list[str]:
+        """Fail every load (only when nothing can write any more, e.g. the shim shuts down its caches)."""
         ids = list(self._loads)
         for req_id in ids:
             self.fail(req_id, reason, received_at)
         return ids
+
+    def lost(self, epoch: int, reason: str) -> list[str]:
+        """Connection ``epoch`` dropped: its loads become orphans (held, not reported). Loads sent on another
+        connection, or not sent yet, are untouched."""
+        ids = [r for r, load in self._loads.items() if load.epoch == epoch and load.orphaned is None]
+        for req_id in ids:
+            self._loads[req_id].orphaned = reason
+        return ids
+
+    def gone(self, epochs: frozenset[int] | set[int], reason: str, received_at: float = 0.0) -> list[str]:
+        """The daemon process that served these connections has exited: nothing can write into their loads'
+        blocks any more; fail them now."""
+        ids = [r for r, load in self._loads.items() if load.epoch in epochs]
+        for req_id in ids:
+            load = self._loads[req_id]
+            self.fail(req_id, f"{load.orphaned}; {reason}" if load.orphaned else reason, received_at)
+        return ids
+
+    def orphans_to_abort(self, epoch: int) -> list[str]:
+        """Orphans whose Abort has not gone out on connection ``epoch`` yet (marked as sent now)."""
+        ids = []
+        for req_id, load in self._loads.items():
+            if load.orphaned is not None and load.epoch is not None and load.epoch < epoch \
+                    and load.abort_sent_on != epoch:
+                load.abort_sent_on = epoch
+                ids.append(req_id)
+        return ids
+
+    def orphans(self) -> frozenset[str]:
+        return frozenset(r for r, load in self._loads.items() if load.orphaned is not None)
+
+    @staticmethod
+    def _from_its_daemon(load: _Load, epoch: int | None) -> bool:
+        """A reply on connection ``epoch`` may end ``load``: its own connection, or for an orphan a later one
+        (the Abort sent there). None: the caller does not track connections."""
+        if epoch is None or load.epoch is None:
+            return True
+        return epoch == load.epoch or (load.orphaned is not None and epoch > load.epoch)
 
     def expire(self, now: float) -> list[str]:
         """Fail loads whose deadline plus the grace has passed without any answer."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from sidecar import __version__
 from sidecar.wire import protocol as p
 from sidecar.wire.formats import PageFormat
-from vllm_glue.client import Lost, NotReady, Reply, SidecarClient
+from vllm_glue.client import Gone, Lost, NotReady, Reply, SidecarClient
 from vllm_glue.load_tracker import LoadTracker, TransferResults
 from vllm_glue.orders import StepOrders
 
@@ -145,7 +145,7 @@ class WorkerHalf:
                     lease_started_at_ns=order.lease_started_at_ns,
                     sent_at_ns=time.monotonic_ns(),
                 )
-                self._send(msg)
+                self.tracker.sent(order.req_id, self._send(msg))
                 log.debug(
                     "pull %s sent: %d local block(s) from %s:%d (%s)",
                     order.req_id,
@@ -162,8 +162,9 @@ class WorkerHalf:
                 try:
                     self._send(p.Abort(req_id=req_id))
                 except NotReady as e:
-                    # No registered daemon: nothing of ours can still write into the blocks.
-                    self.tracker.aborted(req_id, True, str(e), now)
+                    # A Pull that never went out can be released now; one that did waits for its connection's
+                    # Lost and then for the daemon to be gone, to confirm an abort, or for the deadline.
+                    self.tracker.release_unsent(req_id, str(e), now)
         if orders.heartbeats:
             try:
                 targets = [
@@ -191,12 +192,35 @@ class WorkerHalf:
             for ev in self.client.poll_events():
                 at = ev.received_at_ns / 1e9
                 if isinstance(ev, Lost):
-                    lost = self.tracker.fail_all(ev.reason, at)
+                    lost = self.tracker.lost(ev.epoch, ev.reason)
                     if lost:
-                        log.warning("kv-sidecar lost (%s): failing %d load(s)", ev.reason, len(lost))
-                    continue
-                self._apply(ev)
-        self.tracker.expire(time.monotonic())
+                        log.warning(
+                            "kv-sidecar lost (%s): %d load(s) of that connection held until the daemon is "
+                            "gone or confirms an abort", ev.reason, len(lost)
+                        )
+                elif isinstance(ev, Gone):
+                    failed = self.tracker.gone(ev.epochs, ev.reason, at)
+                    if failed:
+                        log.warning("%s: failing %d load(s)", ev.reason, len(failed))
+                else:
+                    self._apply(ev)
+            self._abort_orphans()
+        late = self.tracker.expire(time.monotonic())
+        if late:
+            log.warning("%d load(s) failed: no answer from kv-sidecar by the deadline", len(late))
+
+    def _abort_orphans(self) -> None:
+        """Ask the daemon on the current connection to stop the loads of a dropped one: Aborted(safe) (or a
+        Done) releases them. A new daemon never saw them and answers at once."""
+        client = self.client
+        if client is None or not client.is_ready():
+            return
+        epoch = client.epoch
+        for req_id in self.tracker.orphans_to_abort(epoch):
+            try:
+                client.send(p.Abort(req_id=req_id))
+            except NotReady:
+                return  # the connection went again: the next one retries
 
     def transfer_results(self) -> TransferResults:
         self.collect()
@@ -218,15 +242,15 @@ class WorkerHalf:
 
     # ------------------------------------------------------------------------------------------- internals
 
-    def _send(self, msg: p.ToDaemon) -> None:
+    def _send(self, msg: p.ToDaemon) -> int:
         if self.client is None:
             raise NotReady("caches not registered with kv-sidecar")
-        self.client.send(msg)
+        return self.client.send(msg)
 
     def _apply(self, ev: Reply) -> None:
         msg, at = ev.message, ev.received_at_ns / 1e9
         if isinstance(msg, p.Done):
-            if not self.tracker.done(msg.req_id, msg.ok, msg.reason, msg.timings, at):
+            if not self.tracker.done(msg.req_id, msg.ok, msg.reason, msg.timings, at, ev.epoch):
                 log.debug("Done for unknown request %s ignored", msg.req_id)
             elif not msg.ok:
                 log.warning("request %s: load failed: %s", msg.req_id, msg.reason)
@@ -237,9 +261,10 @@ class WorkerHalf:
                     ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in msg.timings.items()),
                 )
         elif isinstance(msg, p.Aborted):
-            self.tracker.aborted(msg.req_id, msg.safe, msg.reason, at)
+            self.tracker.aborted(msg.req_id, msg.safe, msg.reason, at, ev.epoch)
         elif isinstance(msg, p.Error):
-            if msg.req_id is not None and msg.in_reply_to in ("Pull", None):
+            refused = msg.req_id is not None and msg.in_reply_to in ("Pull", None)
+            if refused and self.tracker.epoch_of(msg.req_id) in (ev.epoch, None):
                 self.tracker.fail(msg.req_id, f"kv-sidecar refused the pull: {msg.reason}", at)
             else:
                 log.error("kv-sidecar error (in reply to %s): %s", msg.in_reply_to, msg.reason)

@@ -38,7 +38,7 @@ from sidecar.daemon.registration import Registrations
 from sidecar.daemon.router import Router
 from sidecar.daemon.staging import Staging
 from sidecar.ops import sdnotify
-from sidecar.ops.config import Config, reload_changes
+from sidecar.ops.config import Config, reload_changes, startup_warnings
 from sidecar.ops.metrics import Health, Metrics, MetricsServer, start_http_server
 from sidecar.ops.socket_files import refuse_if_served, resolve_group, secure_socket_dir
 from sidecar.wire import protocol as p
@@ -290,6 +290,8 @@ class Daemon:
         except Exception as exc:  # noqa: BLE001 - a bad reload keeps the running config
             log.error("SIGHUP: configuration not reloaded: %s", exc)
             return
+        for warning in startup_warnings(new):
+            log.warning("SIGHUP: %s", warning)
         applied, restart = reload_changes(self.config, new)
         if restart:
             log.warning(

@@ -40,6 +40,14 @@ class Caches:
     reencode_sets: dict[tuple, Any] = field(default_factory=dict)  # fp8 re-encode PlaneSets, by scales
     users: int = 0
 
+    owner_session: Any = None  # the jobs.Session that registered them
+
+    def owned_by(self, session: Any) -> bool:
+        """Whether ``session`` (or a reconnected connection of the same shim) registered these caches."""
+        if self.owner == session.identity:
+            return True
+        return self.owner_session is not None and self.owner_session.same_shim(session)
+
     @property
     def max_blocks(self) -> int:
         """The most block ids one request can name: every kernel block of one region."""
@@ -135,11 +143,18 @@ class CacheRegistry:
         self._generation += 1
         return self._generation
 
-    async def map(self, owner: bytes, msg: p.RegisterCaches) -> Caches:
+    async def map(self, session: Any, msg: p.RegisterCaches) -> Caches:
         """Import and check a registration's buffers in a worker thread (no NIXL yet)."""
-        return await asyncio.to_thread(
-            map_caches, owner, msg, device=self._device, gpu=self._gpu, next_generation=self._next_generation
+        caches = await asyncio.to_thread(
+            map_caches,
+            session.identity,
+            msg,
+            device=self._device,
+            gpu=self._gpu,
+            next_generation=self._next_generation,
         )
+        caches.owner_session = session
+        return caches
 
     def install(self, caches: Caches) -> None:
         """Register mapped caches with NIXL (on the loop thread) and make them current; the caller has

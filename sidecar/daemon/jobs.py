@@ -66,6 +66,16 @@ class Session:
     def tp_size(self) -> int:
         return self.hello.tp_size if self.hello else 1
 
+    @property
+    def shim(self) -> tuple[int, str, int] | None:
+        """Who is behind the connection: (pid, engine id, rank) from its Hello; None before or without pid."""
+        h = self.hello
+        return (h.pid, h.engine_id, h.worker_rank) if h is not None and h.pid else None
+
+    def same_shim(self, other: Session) -> bool:
+        """This connection, or a new connection of the same shim process after a reconnect."""
+        return self is other or (self.shim is not None and self.shim == other.shim)
+
 
 @dataclass(eq=False)
 class Job:

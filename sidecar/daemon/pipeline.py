@@ -99,13 +99,13 @@ class Pipeline:
         if session.hello is None:
             return "say Hello (and RegisterCaches) before Pull"
         caches = self._caches.current
-        if caches is not None and caches.owner != session.identity:
+        if caches is not None and not caches.owned_by(session):
             return "the caches were registered by another shim connection"
         return None
 
     def on_abort(self, envelope: list[bytes], session: Session, msg: p.Abort, received: float) -> None:
         job = self._jobs.get(msg.req_id)
-        if job is not None and job.session is not session:
+        if job is not None and not job.session.same_shim(session):
             self._metrics.foreign_messages.inc()
             reason = f"req_id {msg.req_id!r} was pulled by another shim connection"
             self._send(envelope, p.Error(reason=f"session: {reason}", in_reply_to="Abort", req_id=msg.req_id))

@@ -64,7 +64,7 @@ class Registrations:
             return
         self.cancel_owner_timer()
         try:
-            caches = await self._caches.map(session.identity, msg)
+            caches = await self._caches.map(session, msg)
         except (Refused, ipc_mod.IpcError, ValueError) as exc:
             self._refuse(envelope, exc)
             return
@@ -103,7 +103,7 @@ class Registrations:
 
     async def on_unregister(self, envelope: list[bytes], session: Session) -> None:
         current = self._caches.current
-        if current is not None and current.owner != session.identity:
+        if current is not None and not current.owned_by(session):
             self._metrics.foreign_messages.inc()
             reason = "session: the caches were registered by another shim connection"
             self._send(envelope, p.Error(reason=reason, in_reply_to="Unregister"))

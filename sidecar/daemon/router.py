@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from sidecar.daemon.completions import CompletionSocket, completion_path
 from sidecar.daemon.jobs import Session
+from sidecar.ops.errors import StartupError
 from sidecar.ops.metrics import Metrics
 from sidecar.ops.ratelog import RateLimitedLog
 from sidecar.ops.socket_files import MAX_UNIX_PATH, bind_socket_file, refuse_if_served
@@ -72,7 +73,14 @@ class Router:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
-        bind_socket_file(lambda: sock.bind(endpoint), path, gid)
+        try:
+            bind_socket_file(lambda: sock.bind(endpoint), path, gid)
+        except (zmq.ZMQError, OSError) as exc:
+            # a bound-but-unclosed ROUTER would hang shutdown in ctx.term()
+            sock.close(0)
+            self._ctx.term()
+            self._ctx = None
+            raise StartupError("socket", f"cannot bind {endpoint}: {exc}") from None
         self._sock, self._path = sock, path
         if fast_completions:
             done_path = completion_path(path)

@@ -118,6 +118,11 @@ def admit_remote(
         allow_lossy_fp8=getattr(settings, "allow_lossy_fp8", False),
     )
     if isinstance(plan, Refusal):
+        rule = None if getattr(meta, "page_format", None) is not None else _declaration(address, settings)
+        if rule is not None and plan.field in _DECLARED_SHAPE:
+            raise RemoteRefused(
+                _blame_declaration(rule, plan, meta, remote_format, local_format, layers, settings), plan.field
+            )
         raise RemoteRefused(plan.reason, plan.field)
     try:
         regions = RemoteRegions.from_metadata(meta, default_mem_type=settings.remote_mem_type)
@@ -125,3 +130,40 @@ def admit_remote(
     except GeometryError as exc:
         raise RemoteRefused(exc.reason, exc.field) from exc
     return plan, regions
+
+
+_DECLARED_SHAPE = ("dtype", "num_heads", "block_size", "head_size")
+
+
+def _declaration(address: str, settings: Any) -> RemoteFormatRule | None:
+    return next((r for r in settings.remote_formats if fnmatch.fnmatchcase(address, r.address)), None)
+
+
+def _blame_declaration(
+    rule: RemoteFormatRule,
+    refusal: Refusal,
+    meta: Any,
+    declared: PageFormat,
+    local: PageFormat,
+    layers: int,
+    settings: Any,
+) -> str:
+    """A refusal on a shape field of a *declared* format: vLLM publishes no tag, so the operator's
+    [[remotes]] entry is the first suspect. Say so, and whether the prefill's registered pages even fit it."""
+    name = refusal.field
+    said = (
+        f"the [[remotes]] declaration matching {rule.address!r} gives {name} {getattr(declared, name)!r}, "
+        f"the decoder's is {getattr(local, name)!r}"
+    )
+    try:
+        regions = RemoteRegions.from_metadata(meta, default_mem_type=settings.remote_mem_type)
+        check_remote(regions, declared, layers)
+    except (GeometryError, ValueError, TypeError, AttributeError) as exc:
+        return (
+            f"{said}, and the prefill's registered pages do not fit the declaration either "
+            f"({getattr(exc, 'reason', exc)}): fix the declaration's page_format"
+        )
+    return (
+        f"{said}; the prefill's registered pages fit the declaration, so if it is right: "
+        f"{refusal.reason.split('; ', 1)[-1]}"
+    )

@@ -6,6 +6,7 @@ the code. Errors name the key (and the source: file, variable or flag).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
@@ -29,11 +30,13 @@ ENV_NOT_KEYS = frozenset(
     }
 )
 DEFAULT_SOCKET_DIR = "/run/kv-sidecar"
+MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 # Keys SIGHUP may change; the others need a restart.
 RELOADABLE = frozenset(
     {
         "remotes",
         "default_timeout_s",
+        "max_timeout_s",
         "heartbeat_interval_s",
         "log_level",
         "pull_mode",
@@ -150,8 +153,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     max_timeout_s: Annotated[
         float,
         _doc(
-            "longest deadline a Pull may ask for (seconds); longer ones are cut to it, so a stalled "
-            "prefill can hold a request (and its blocks) no longer than this",
+            "the longest deadline a Pull may ask for (seconds): longer ones are clamped to it, so a stalled "
+            "prefill can hold a request (and its decoder blocks) no longer than this",
             gt=0,
         ),
     ] = 600.0
@@ -247,6 +250,17 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     def __post_init__(self) -> None:
         if self.socket and not self.socket.startswith("ipc://"):
             raise ValueError(f"socket {self.socket!r} must be an ipc:// endpoint (local sockets only)")
+        n = len(self.socket_path.encode())
+        if n > MAX_UNIX_PATH:
+            raise ValueError(f"socket path is {n} bytes, a unix socket path may have at most "
+                             f"{MAX_UNIX_PATH}: "
+                             f"{self.socket_path}")
+        for key in ("default_timeout_s", "max_timeout_s", "handshake_timeout_s", "lease_s"):
+            if not math.isfinite(getattr(self, key)):
+                raise ValueError(f"{key} must be finite, got {getattr(self, key)}")
+        if self.default_timeout_s > self.max_timeout_s:
+            raise ValueError(f"default_timeout_s {self.default_timeout_s:g} must not exceed max_timeout_s "
+                             f"{self.max_timeout_s:g}")
         if self.lease_margin_s >= self.lease_s:
             raise ValueError(f"lease_margin_s {self.lease_margin_s} must be below lease_s {self.lease_s}")
         if self.pull_mode == "staged" and self.staging_bytes == 0:
@@ -266,6 +280,18 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     @property
     def socket_path(self) -> str:
         return self.socket_endpoint.removeprefix("ipc://")
+
+
+def startup_warnings(cfg: Config) -> list[str]:
+    """What the daemon should log at WARNING when it starts with ``cfg``: settings that refuse every pull."""
+    out = []
+    if not cfg.remotes:
+        out.append("no [[remotes]] declared: every pull will be refused (declare the prefills, e.g. "
+                   "[[remotes]] match='*:5600' page_format={kind='standard', ...})")
+    for r in cfg.remotes:
+        if r.page_format is None:
+            out.append(f"[[remotes]] match={r.match!r} has no page_format: pulls from it will be refused")
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ key docs

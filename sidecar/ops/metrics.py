@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from sidecar import __version__
+from sidecar.ops.errors import StartupError
 
 OUTCOMES = ("ok", "failed", "refused", "aborted", "expired")
 FP8_REENCODE_KINDS = ("saturated", "nan")
@@ -177,7 +178,11 @@ class MetricsServer:
 
     def __init__(self, metrics: Metrics, health: Health, host: str = "127.0.0.1", port: int = 9464) -> None:
         handler = _handler(metrics, health)
-        self._server = ThreadingHTTPServer((host, port), handler)
+        try:
+            self._server = ThreadingHTTPServer((host, port), handler)
+        except OSError as e:  # a busy port, an address not on this host: the operator fixes the config
+            raise StartupError("metrics_port", f"cannot serve metrics on {host}:{port}: {e.strerror or e}. "
+                               "Pick another metrics_port (0: any free port, -1: no endpoint)") from None
         self._server.daemon_threads = True
         self.host, self.port = self._server.server_address[:2]
         self._thread = threading.Thread(

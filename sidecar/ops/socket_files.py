@@ -1,4 +1,8 @@
-"""The daemon's socket file: a private directory, its group, its mode, and never stealing a live daemon's."""
+"""The daemon's socket file: a private directory, its group, its mode, and never stealing a live daemon's.
+
+A directory the daemon did not create (a shared 1777 /tmp, systemd's RuntimeDirectory) is never changed:
+its owner chose its mode. Only a directory created here is made 0700 (0750 with the socket group).
+"""
 
 from __future__ import annotations
 
@@ -12,24 +16,50 @@ from collections.abc import Callable
 import zmq
 
 from sidecar.daemon.errors import Refused
+from sidecar.ops.config import MAX_UNIX_PATH
+from sidecar.ops.errors import StartupError
 from sidecar.wire import protocol as p
 
 log = logging.getLogger("kv_sidecar.socket_files")
 
-MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
+__all__ = ["MAX_UNIX_PATH", "bind_socket_file", "refuse_if_served", "resolve_group", "secure_socket_dir"]
 
 
-def secure_socket_dir(path: str, group_gid: int | None) -> None:
-    """Create the socket's directory owner-only (0700), or 0750 with the configured group."""
+def secure_socket_dir(path: str, group_gid: int | None) -> bool:
+    """Make sure the socket's directory exists; one created here is owner-only (0700), or 0750 with the
+    group. An existing directory is left exactly as it is. True if it was created here.
+
+    StartupError (one line, naming ``socket``) for a path too long for a unix socket or a directory that
+    cannot be made (a file in the way, no permission).
+    """
+    n = len(path.encode())
+    if n > MAX_UNIX_PATH:
+        raise StartupError("socket", f"the path is {n} bytes, a unix socket path may have at most "
+                                     f"{MAX_UNIX_PATH}: {path}")
     directory = os.path.dirname(path) or "."
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    st = os.stat(directory)
-    if st.st_uid == os.getuid():
-        os.chmod(directory, 0o750 if group_gid is not None else 0o700)
+    created = False
+    if not os.path.isdir(directory):
+        try:
+            os.makedirs(directory, mode=0o700)
+            created = True
+        except FileExistsError:
+            if not os.path.isdir(directory):
+                raise StartupError("socket", f"{directory} exists and is not a directory") from None
+        except OSError as e:
+            raise StartupError("socket", f"cannot create the directory {directory}: {e.strerror}") from None
+    if created:
+        os.chmod(directory, 0o750 if group_gid is not None else 0o700)  # makedirs' mode obeys the umask
         if group_gid is not None:
             os.chown(directory, -1, group_gid)
-    elif stat.S_IMODE(st.st_mode) & 0o007:
-        log.warning("socket directory %s is not ours and is world-accessible", directory)
+        return True
+    mode = stat.S_IMODE(os.stat(directory).st_mode)
+    if mode & 0o002 and not mode & stat.S_ISVTX:
+        log.warning("socket directory %s is world-writable without the sticky bit: anyone may replace "
+                    "the socket", directory)
+    if group_gid is not None and os.stat(directory).st_gid != group_gid and not mode & 0o001:
+        log.warning("socket directory %s (mode %o) may not be reachable by socket_group %d", directory,
+                    mode, group_gid)
+    return False
 
 
 def resolve_group(name: str) -> int:

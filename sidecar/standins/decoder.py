@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -105,6 +106,7 @@ class DecoderStandin:
         register_timeout_s: float = 30.0,
         seed: int = 0,
         device: str = "cpu",
+        reap_shm: bool = True,
     ) -> None:
 
         from sidecar.wire.ipc import create_shm_buffer, torch_dtype
@@ -115,6 +117,10 @@ class DecoderStandin:
         nbytes = shape.layers * shape.layer_bytes
         if device == "cpu":
             self.buffer: Any = create_shm_buffer(nbytes)
+            if reap_shm:  # gone with this process, even after SIGKILL (vLLM's connector does the same)
+                from vllm_glue.shm_reaper import unlink_when_gone
+
+                unlink_when_gone(os.getpid(), [self.buffer.path])
         else:
             import torch
 

@@ -25,6 +25,7 @@ measurements.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Union
 
 import msgspec
@@ -174,8 +175,8 @@ class Pull(_Msg):
         _block_ids("local_block_ids", self.local_block_ids)
         if len(set(self.local_block_ids)) != len(self.local_block_ids):
             raise ValueError("local_block_ids must not repeat a block")
-        if self.timeout_s is not None and not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.timeout_s is not None and not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"timeout_s must be a finite number > 0, got {self.timeout_s}")
         if self.remote_num_tokens is not None and self.remote_num_tokens < 0:
             raise ValueError(f"remote_num_tokens must be >= 0, got {self.remote_num_tokens}")
         if self.lease_started_at_ns < 0:

@@ -98,3 +98,67 @@ def test_second_load_for_same_request_is_refused() -> None:
     t.started("r1", [1], True, deadline=100.0)
     with pytest.raises(ValueError, match="already"):
         t.started("r1", [2], True, deadline=100.0)
+
+
+def test_lost_connection_orphans_only_its_own_loads() -> None:
+    t = LoadTracker()
+    t.started("old", [1], True, deadline=100.0, epoch=1)
+    t.started("new", [2], True, deadline=100.0, epoch=2)
+    t.started("unsent", [3], True, deadline=100.0)
+    assert t.lost(1, "disconnected") == ["old"]
+    assert t.take_results().finished == set() and t.take_bad_blocks() == set()  # held, not released
+    assert t.orphans() == {"old"}
+
+
+def test_done_from_another_connection_is_ignored() -> None:
+    t = LoadTracker()
+    t.started("r", [1], True, deadline=100.0, epoch=2)
+    assert not t.done("r", True, epoch=1)
+    assert not t.done("r", True, epoch=3)  # not an orphan: only its own connection answers it
+    assert t.done("r", True, epoch=2)
+
+
+def test_orphan_released_by_safe_abort_on_a_later_connection_as_failed() -> None:
+    t = LoadTracker()
+    t.started("r", [5, 6], True, deadline=100.0, epoch=1)
+    t.lost(1, "lost")
+    assert t.orphans_to_abort(2) == ["r"] and t.orphans_to_abort(2) == []  # once per connection
+    assert t.orphans_to_abort(3) == ["r"]
+    assert not t.aborted("r", safe=False, epoch=3)
+    assert t.aborted("r", safe=True, reason="not in flight", epoch=3)
+    res = t.take_results()
+    assert res.finished == {"r"} and res.failed == {"r"} and t.take_bad_blocks() == {5, 6}
+
+
+def test_orphan_done_ok_still_fails_and_gone_releases_at_once() -> None:
+    t = LoadTracker()
+    t.started("a", [1], True, deadline=100.0, epoch=1)
+    t.started("b", [2], True, deadline=100.0, epoch=1)
+    t.started("c", [3], True, deadline=100.0, epoch=2)
+    t.lost(1, "lost")
+    assert t.done("a", True, epoch=2)
+    assert not t.outcomes[-1].ok
+    assert t.gone(frozenset({1}), "daemon exited") == ["b"]
+    res = t.take_results()
+    assert res.failed == {"a", "b"} and t.take_bad_blocks() == {1, 2}
+    assert t.outstanding() == {"c"}
+
+
+def test_orphan_expires_at_deadline_plus_grace() -> None:
+    t = LoadTracker(grace_s=1.0)
+    t.started("r", [1], True, deadline=10.0, epoch=1)
+    t.lost(1, "lost")
+    assert t.expire(10.5) == []
+    assert t.expire(11.5) == ["r"]
+
+
+def test_vllm_abort_of_orphan_is_not_sent_and_released_without_failure() -> None:
+    t = LoadTracker()
+    t.started("r", [1], True, deadline=100.0, epoch=1)
+    t.lost(1, "lost")
+    assert not t.abort_requested("r")  # the orphan path sends the Abort on the next connection
+    assert t.aborted("r", safe=True, epoch=2)
+    res = t.take_results()
+    assert res.finished == {"r"} and res.failed == set()
+    t.started("u", [2], True, deadline=100.0)
+    assert t.release_unsent("u", "not ready")

@@ -278,7 +278,7 @@ def test_deadline_in_every_stage_answers_failed_before_it(stage, blocked_convers
 
 def test_a_deadline_beyond_max_timeout_is_cut_to_it():
     async def main():
-        async with started(max_timeout_s=0.2) as h:
+        async with started(max_timeout_s=0.2, default_timeout_s=0.1) as h:
             h.port.auto_land = False
             h.pull("x", timeout_s=1e300)
             done = await h.reply(p.Done, "x")

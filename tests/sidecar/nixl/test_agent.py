@@ -826,3 +826,25 @@ def test_metadata_helpers_accept_plain_objects():
     )
     plan, regions = _admit(meta, layers=1)
     assert plan.convert and regions.mem_type == "VRAM"
+
+
+def test_declared_head_count_mismatch_blames_the_declaration(reply):
+    """Issue 15 item 9. Main: 'heterogeneous TP (different heads per rank) is not supported'."""
+    wrong = TransferSettings(
+        remote_formats=(
+            RemoteFormatRule("127.0.0.1:*", msgspec.structs.replace(STD, num_heads=STD.num_heads * 2)),
+        )
+    )
+    with pytest.raises(RemoteRefused) as e:
+        _admit(reply.metadata, settings=wrong)
+    assert e.value.field == "num_heads"
+    text = str(e.value)
+    assert "[[remotes]] declaration matching '127.0.0.1:*' gives num_heads" in text
+    assert "do not fit the declaration" in text and "fix the declaration's page_format" in text
+
+
+def test_declared_format_fitting_the_prefill_names_the_real_difference(reply):
+    local = msgspec.structs.replace(SHUF, num_heads=SHUF.num_heads * 2)
+    with pytest.raises(RemoteRefused) as e:
+        _admit(reply.metadata, local_format=local)
+    assert "registered pages fit the declaration" in str(e.value) and "heterogeneous TP" in str(e.value)

@@ -1,0 +1,133 @@
+"""Issue 15 items 3, 4, 10: start-up failures end in one line naming the key, and the socket directory is
+changed only when the daemon created it. Unit tests of sidecar.ops.socket_files / metrics, and the real
+``kv-sidecar serve`` for the one-line errors (marker e2e)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from sidecar.ops import config as config_mod
+from sidecar.ops.errors import StartupError
+from sidecar.ops.metrics import Health, Metrics, MetricsServer
+from sidecar.ops.socket_files import secure_socket_dir
+
+
+def test_shared_sticky_directory_is_left_as_it_is(tmp_path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    assert not secure_socket_dir(str(shared / "cpu.sock"), None)
+    assert stat.S_IMODE(os.stat(shared).st_mode) == 0o1777
+
+
+def test_existing_own_directory_keeps_its_mode(tmp_path) -> None:
+    d = tmp_path / "mine"
+    d.mkdir()
+    os.chmod(d, 0o755)
+    secure_socket_dir(str(d / "cpu.sock"), None)
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o755
+
+
+@pytest.mark.parametrize("gid,mode", [(None, 0o700), (os.getgid(), 0o750)])
+def test_created_directory_is_private(tmp_path, gid, mode) -> None:
+    d = tmp_path / "a" / "b"
+    assert secure_socket_dir(str(d / "cpu.sock"), gid)
+    assert stat.S_IMODE(os.stat(d).st_mode) == mode
+
+
+def test_directory_under_a_file_is_one_clear_error(tmp_path) -> None:
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(StartupError, match=r"^socket: cannot create the directory .*/f/d: Not a directory$"):
+        secure_socket_dir(str(tmp_path / "f" / "d" / "cpu.sock"), None)
+    with pytest.raises(StartupError, match="exists and is not a directory"):
+        secure_socket_dir(str(tmp_path / "f" / "cpu.sock"), None)
+
+
+def test_over_long_socket_path_is_refused_by_config_and_socket_files(tmp_path) -> None:
+    long = f"{tmp_path}/{'x' * 120}.sock"
+    with pytest.raises(StartupError, match=r"socket: the path is \d+ bytes, .* at most 107"):
+        secure_socket_dir(long, None)
+    with pytest.raises(config_mod.ConfigError, match="at most 107"):
+        config_mod.build({"socket": f"ipc://{long}"})
+    edge = "/" + "y" * 106  # exactly 107 bytes: allowed
+    assert config_mod.build({"socket": f"ipc://{edge}"}).socket_path == edge
+
+
+def test_busy_metrics_port_is_one_clear_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        with pytest.raises(StartupError, match=rf"^metrics_port: cannot serve metrics on 127.0.0.1:{port}: "):
+            MetricsServer(Metrics(), Health(), "127.0.0.1", port)
+
+
+def test_max_timeout_s_and_finite_timeouts() -> None:
+    assert config_mod.Config().max_timeout_s == 600.0
+    assert "max_timeout_s" in config_mod.RELOADABLE
+    with pytest.raises(config_mod.ConfigError, match="default_timeout_s 700 must not exceed max_timeout_s"):
+        config_mod.build({"default_timeout_s": 700})
+    with pytest.raises(config_mod.ConfigError, match="max_timeout_s must be finite"):
+        config_mod.build({"max_timeout_s": float("inf")})
+    assert any(d.name == "max_timeout_s" and "clamped" in d.description for d in config_mod.key_docs())
+
+
+def test_startup_warnings_blame_missing_remotes() -> None:
+    (w,) = config_mod.startup_warnings(config_mod.Config())
+    assert w.startswith("no [[remotes]] declared: every pull will be refused")
+    cfg = config_mod.build({"remotes": [{"match": "*:5600"}]})
+    assert config_mod.startup_warnings(cfg) == [
+        "[[remotes]] match='*:5600' has no page_format: pulls from it will be refused"
+    ]
+
+
+def serve(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KV_SIDECAR_LOG_LEVEL": "WARNING"}
+    return subprocess.run([sys.executable, "-m", "sidecar.cli", "serve", *args], capture_output=True,
+                          text=True, timeout=60, env=env)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", ["long path", "file in the way", "busy metrics port"])
+def test_serve_start_failures_are_one_line(tmp_path, case) -> None:
+    """Main: the long path hangs in ctx.term() (this times out); the other two end in a traceback."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        sock, port = f"{tmp_path}/cpu.sock", "0"
+        if case == "long path":
+            sock = f"{tmp_path}/{'x' * 120}.sock"
+        elif case == "file in the way":
+            (tmp_path / "f").write_text("x")
+            sock = f"{tmp_path}/f/cpu.sock"
+        else:
+            port = str(busy.getsockname()[1])
+        r = serve("--socket", f"ipc://{sock}", "--metrics-port", port)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("kv-sidecar: ")]
+    assert len(errors) == 1, r.stderr
+    key = "metrics_port" if case == "busy metrics port" else "socket"
+    assert key in errors[0]
+
+
+@pytest.mark.e2e
+def test_serve_in_a_shared_directory_leaves_it_alone(tmp_path) -> None:
+    """Main: the shared 1777 directory is 0700 after the daemon ran."""
+    from sidecar import cli
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    proc = cli.spawn_serve(["--socket", f"ipc://{shared}/cpu.sock", "--metrics-port", "-1"],
+                           stderr=subprocess.DEVNULL)
+    assert stat.S_IMODE(os.stat(shared).st_mode) == 0o1777
+    assert stat.S_IMODE(os.stat(shared / "cpu.sock").st_mode) == 0o600
+    assert proc.stop() == 0
+    assert stat.S_IMODE(os.stat(shared).st_mode) == 0o1777

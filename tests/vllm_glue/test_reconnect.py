@@ -1,0 +1,193 @@
+"""Issue 15 item 8: a daemon connection that drops fails only the loads sent on it, and the blocks of those
+loads go back to vLLM only once nothing can write into them. Real ZMQ ipc against the scripted ROUTER peer
+of test_client.py (and a peer in a subprocess, killed with SIGKILL, for the pidfd path)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import zmq
+
+from sidecar.wire import protocol as p
+from tests.vllm_glue.test_client import Peer, register_msg
+from vllm_glue.client import Reply, SidecarClient
+from vllm_glue.orders import PullOrder, RemoteRef, StepOrders
+from vllm_glue.worker import WorkerHalf
+
+
+def order(req_id: str, blocks: list[int]) -> PullOrder:
+    remote = RemoteRef(engine_id="e", host="127.0.0.1", port=5600, request_id=f"{req_id}-p", block_ids=[1])
+    return PullOrder(req_id=req_id, remote=remote, local_block_ids=blocks, awaiting=True)
+
+
+def connected(address: str, peer: Peer) -> WorkerHalf:
+    """A worker half registered with ``peer`` (answered here, so not through the blocking ``connect``)."""
+    w = WorkerHalf(address, pull_timeout_s=30.0, grace_s=1.0, register_timeout_s=5.0)
+    w.client = SidecarClient(address, w._hello, register_msg())
+    peer.welcome_and_register()
+    assert w.client.wait_ready(5)
+    return w
+
+
+def wait_until(cond, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def recv_all(peer: Peer, n: int) -> list[p.ToDaemon]:
+    return [peer.recv() for _ in range(n)]
+
+
+@pytest.fixture
+def address(tmp_path) -> str:
+    return f"ipc://{tmp_path}/d.sock"
+
+
+def test_reconnect_before_the_next_step_fails_only_the_old_connections_loads(address: str) -> None:
+    """Today's main: the queued Lost fails r2 too (sent after the reconnect) and r2's Done is 'unknown'."""
+    peer = Peer(address)
+    w = connected(address, peer)
+    try:
+        w.start_step(StepOrders(pulls=[order("r1", [3, 4])]))
+        assert isinstance(peer.recv(), p.Pull)
+        peer.close()  # the daemon restarts while the engine idles: no collect() in between
+        wait_until(lambda: not w.client.is_ready())
+        peer = Peer(address)
+        peer.welcome_and_register()
+        assert w.client.wait_ready(5)
+        w.start_step(StepOrders(pulls=[order("r2", [5, 6])]))
+        got = peer.recv()
+        assert isinstance(got, p.Pull) and got.req_id == "r2"
+        peer.send(p.Done(req_id="r2", ok=True))
+        finished: set[str] = set()
+        failed: set[str] = set()
+        bad: set[int] = set()
+
+        def step() -> bool:
+            res = w.transfer_results()
+            finished.update(res.finished)
+            failed.update(res.failed)
+            bad.update(w.load_errors())
+            return "r2" in finished
+
+        wait_until(step)
+        assert "r2" not in failed, "a load sent after the reconnect was failed by the old connection loss"
+        # r1 went to the old connection: the shim asks the new one to abort it; the new daemon never saw it.
+        ab = peer.recv()
+        assert isinstance(ab, p.Abort) and ab.req_id == "r1"
+        assert "r1" not in finished, "r1 released before the daemon confirmed nothing writes"
+        peer.send(p.Aborted(req_id="r1", safe=True, reason="not in flight"))
+        wait_until(lambda: step() and "r1" in finished)
+        assert "r1" in failed and bad == {3, 4}
+    finally:
+        w.shutdown()
+        peer.close()
+
+
+def test_blocks_of_a_dropped_load_are_held_while_the_same_daemon_could_write(address: str) -> None:
+    """Today's main: r1 is failed (blocks handed back) at the first step after the drop, while the daemon
+    that got its Pull is still alive and may write."""
+    peer = Peer(address)
+    w = connected(address, peer)
+    try:
+        w.start_step(StepOrders(pulls=[order("r1", [7])]))
+        assert isinstance(peer.recv(), p.Pull)
+        peer.sock.close(linger=0)  # a transient drop: the same process (this one) keeps running
+        wait_until(lambda: not w.client.is_ready())
+        time.sleep(0.1)
+        res = w.transfer_results()
+        assert "r1" not in res.finished and w.load_errors() == set()
+        peer.sock = peer.ctx.socket(zmq.ROUTER)
+        peer.sock.setsockopt(zmq.LINGER, 0)
+        peer.sock.bind(address)
+        peer.welcome_and_register()
+        assert w.client.wait_ready(5)
+        w.transfer_results()  # the step that sends the orphan's Abort on the new connection
+        ab = peer.recv()
+        assert isinstance(ab, p.Abort) and ab.req_id == "r1"
+        peer.send(p.Aborted(req_id="r1", safe=False, reason="still transferring"))
+        time.sleep(0.2)  # local ipc: delivered long before
+        res = w.transfer_results()
+        assert "r1" not in res.finished, "released on an unsafe Aborted"
+        peer.send(p.Done(req_id="r1", ok=True))  # the job ended: it can no longer write
+        wait_until(lambda: "r1" in (res := w.transfer_results()).finished and "r1" in res.failed)
+        assert w.load_errors() == {7}
+    finally:
+        w.shutdown()
+        peer.close()
+
+
+def test_message_queued_for_an_ended_connection_is_never_sent_on_the_next(address: str) -> None:
+    from vllm_glue.client import _DATA, _EPOCH
+    peer = Peer(address)
+    w = connected(address, peer)
+    try:
+        old = w.client.epoch
+        peer.close()
+        wait_until(lambda: not w.client.is_ready())
+        peer = Peer(address)
+        peer.welcome_and_register()
+        assert w.client.wait_ready(5)
+        w.client.poll_events()
+        pull = p.Pull(req_id="r9", remote_engine_id="e", remote_host="h", remote_port=1,
+                      remote_request_id="x", remote_block_ids=[1], local_block_ids=[2])
+        with w.client._send_lock:  # as if queued by send() just before the drop
+            w.client._push.send(_DATA + _EPOCH.pack(old) + p.encode(pull))
+        evs: list = []
+        wait_until(lambda: evs.extend(w.client.poll_events()) or evs)
+        (ev,) = evs
+        assert isinstance(ev, Reply) and ev.epoch == old and ev.message.req_id == "r9" and not ev.message.ok
+        assert not peer.sock.poll(200), "a message for the old connection reached the new daemon"
+    finally:
+        w.shutdown()
+        peer.close()
+
+
+_PEER = textwrap.dedent(
+    """
+    import socket, sys, time, zmq
+    from sidecar.wire import protocol as p
+    addr, path = sys.argv[1], sys.argv[2]
+    ctx = zmq.Context(); r = ctx.socket(zmq.ROUTER); r.bind(addr)
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET); lst.bind(path); lst.listen(4)
+    ident, hello = r.recv_multipart()
+    r.send_multipart([ident, p.encode(p.Welcome(protocol_version=p.PROTOCOL_VERSION, package_version="t",
+                                                 device="cpu", completion_socket=path))])
+    fast, _ = lst.accept(); fast.recv(65536); fast.send(p.encode(p.CompletionsBound(ok=True)))
+    r.recv_multipart()
+    fast.send(p.encode(p.Registered(generation=1, registered_bytes=1, num_layers=1)))
+    r.recv_multipart()  # the Pull
+    print("pulled", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_killed_daemon_fails_its_loads_at_once(address: str, tmp_path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen([sys.executable, "-c", _PEER, address, f"{tmp_path}/d.done"],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    w = WorkerHalf(address, pull_timeout_s=30.0, grace_s=1.0, register_timeout_s=10.0)
+    try:
+        assert w.connect(register_msg())
+        assert w.client.uses_completion_socket
+        w.start_step(StepOrders(pulls=[order("r1", [9])]))
+        assert proc.stdout.readline().strip() == "pulled"
+        os.kill(proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        wait_until(lambda: "r1" in w.transfer_results().failed, 5)
+        assert time.monotonic() - t0 < 1.0  # the pidfd, not the 30 s deadline
+        assert w.load_errors() == {9}
+        assert "exited" in w.tracker.outcomes[-1].reason
+    finally:
+        proc.kill()
+        proc.wait()
+        w.shutdown()
