@@ -110,17 +110,27 @@ def convert_blocks(
     grid cap (the launches are queued back to back; pacing is ``convert_paced``'s). ``planes``: the
     ``PlaneSet`` to use instead of the caches' own (one with an fp8 re-encode table). Returns the re-encode's
     (saturated, NaN) counts as an int64 [2] tensor on the planes' device, or None without a table."""
-    import torch
-
-    if planes is None and caches.plane_set is None:  # made at registration for a shuffled cache
-        caches.plane_set = conversion_planes(caches, fmt)
-    ids = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64))
+    ps, ids = _planes_and_ids(caches, fmt, block_ids, planes)
     counts = None
-    for piece in _pieces(planes if planes is not None else caches.plane_set, ids, src, layers, limits):
+    for piece in _pieces(ps, ids, src, layers, limits):
         got = piece()
         if got is not None:
             counts = got if counts is None else counts + got
     return counts
+
+
+def _planes_and_ids(
+    caches: Any, fmt: PageFormat, block_ids: np.ndarray, planes: Any = None
+) -> tuple[Any, Any]:
+    """The PlaneSet to convert with (``planes``, else the caches' own, made here for a non-shuffled cache)
+    and the block ids as an int64 tensor."""
+    import torch
+
+    if planes is None:
+        if caches.plane_set is None:  # made at registration for a shuffled cache
+            caches.plane_set = conversion_planes(caches, fmt)
+        planes = caches.plane_set
+    return planes, torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64))
 
 
 def _pieces(
@@ -186,13 +196,11 @@ def convert_paced(
     calling thread (run it in a worker); returns the last slice's event (already complete)."""
     import torch
 
-    if caches.plane_set is None:
-        caches.plane_set = conversion_planes(caches, fmt)
-    ids = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64))
+    ps, ids = _planes_and_ids(caches, fmt, block_ids)
     gap = 0.0 if limits is None else limits.slice_gap_us * 1e-6
     event = torch.cuda.Event()
     with torch.cuda.stream(stream):
-        for piece in _pieces(caches.plane_set, ids, src, layers, limits):
+        for piece in _pieces(ps, ids, src, layers, limits):
             piece()
             event = torch.cuda.Event()
             event.record(stream)
