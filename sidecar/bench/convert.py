@@ -74,6 +74,7 @@ CPU_SHAPES = [
     Shape("l2-h8-n32-d256-4k", 2, 8, 32, 256, 4096),
 ]
 PRESETS = {s.name: s for s in GPU_SHAPES + CPU_SHAPES}
+PER_CALL_REPS = 20  # timed calls per per-call measurement (each ends in a device sync)
 _CUSTOM = re.compile(r"^L(\d+)-H(\d+)-N(\d+)-D(\d+)-T(\d+)$")
 
 # Must show (issue 2): thresholds checked by --check.
@@ -133,6 +134,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-verify", action="store_true", help="skip the kernel-vs-reference byte check")
     parser.add_argument("--variant", action="append", type=parse_variant, default=None,
                         help="GPU kernel tuning, name:field=value,... (repeatable; default: the shipped one)")
+    parser.add_argument("--cache-blocks", type=int, default=8192,
+                        help="blocks per layer in the cache the request's random ids are drawn from (GPU; the "
+                             "CPU uses the request's blocks + 25 %%)")
     parser.add_argument("--check", action="store_true", help="exit 1 unless the must-show ratios hold")
 
 
@@ -195,11 +199,30 @@ def _time_copy(nbytes: int, device: torch.device, gen: torch.Generator, timer) -
     return timer(lambda: b.copy_(a))
 
 
+def _wall_timer(reps: int) -> Callable[[Callable[[], None]], float]:
+    """Median wall seconds of ``fn`` and a device sync: what one request's conversion costs the caller,
+    the Python launch included."""
+
+    def wall_time(fn):
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return wall_time
+
+
 def measure(shape: Shape, device: torch.device, dtype: torch.dtype, timer, variants, verify: bool,
-            step: Callable[[str], None], kernel: bool) -> list[dict]:
+            step: Callable[[str], None], kernel: bool, cache_blocks: int = 0) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(0)
     shape = dataclasses.replace(shape, elem_bytes=torch.empty(0, dtype=dtype).element_size())
-    spare = max(1, shape.blocks // 4)
+    # The request's ids are random in a cache larger than the request (issue 12: at least 8,192 blocks).
+    spare = max(max(1, shape.blocks // 4), cache_blocks - shape.blocks)
     hnd = shape.num_heads * shape.block_size * shape.head_size
     words = hnd * shape.elem_bytes // 2  # random bits are drawn as int16 and viewed as the page dtype
     cache = _random_bits((shape.layers, 2, shape.blocks + spare, words), device, gen)  # LHBNC: [L, 2, B, HND]
@@ -220,6 +243,7 @@ def measure(shape: Shape, device: torch.device, dtype: torch.dtype, timer, varia
         "pair_KiB": shape.pair_bytes / 1024, "request_GB": shape.request_bytes / 1e9,
         "copy_ms": copy_s * 1e3, "copy_GBps": gbps(copy_s), "torch_ref_ms": ref_s * 1e3,
         "torch_ref_GBps": gbps(ref_s), "torch_ref_vs_copy": copy_s / ref_s,
+        "cache_blocks": shape.blocks + spare,
     }
     if not kernel:
         step("done")
@@ -229,15 +253,23 @@ def measure(shape: Shape, device: torch.device, dtype: torch.dtype, timer, varia
                  "in_place_vs_copy": None, "out_of_place_vs_copy": None, "in_place_vs_torch_ref": None,
                  "out_of_place_vs_torch_ref": None, "verified": None}]
 
-    from sidecar.convert import triton_kernel
+    from sidecar.convert import PlaneSet, triton_kernel
 
     src = _random_bits((shape.layers, shape.blocks, 2 * words), device, gen)  # a staging buffer of pages
+    planes = PlaneSet([cache[i, 0].view(dtype) for i in range(shape.layers)],
+                      [cache[i, 1].view(dtype) for i in range(shape.layers)], num_heads=shape.num_heads,
+                      block_size=shape.block_size, head_size=shape.head_size)
+    src_typed = src.view(dtype)
+    wall = _wall_timer(PER_CALL_REPS)
     rows = []
     for name, tuning in variants:
         step(f"kernel {name}")
         in_place = triton_kernel.Launcher(ref_job, tuning)
         out_of_place = triton_kernel.Launcher(_job(shape, cache, ids, dtype, src), tuning)
         ip_s, oop_s = timer(in_place), timer(out_of_place)
+        # Per call: what the daemon does per request (ids checked, tables built, launched), synced.
+        call_ip_s = wall(lambda t=tuning: planes.convert(ids, tuning=t))
+        call_oop_s = wall(lambda t=tuning: planes.convert(ids, src=src_typed, tuning=t))
         verified = None
         if verify:
             verified = _verify(shape, cache, ids, dtype, src, tuning)
@@ -251,6 +283,9 @@ def measure(shape: Shape, device: torch.device, dtype: torch.dtype, timer, varia
             "kernel_out_of_place_ms": oop_s * 1e3, "kernel_out_of_place_GBps": gbps(oop_s),
             "kernel_vs_copy": copy_s / best, "in_place_vs_copy": copy_s / ip_s,
             "out_of_place_vs_copy": copy_s / oop_s,
+            "per_call_in_place_ms": call_ip_s * 1e3, "per_call_out_of_place_ms": call_oop_s * 1e3,
+            "per_call_in_place_vs_copy": copy_s / call_ip_s,
+            "per_call_out_of_place_vs_copy": copy_s / call_oop_s,
             "in_place_vs_torch_ref": ref_s / ip_s, "out_of_place_vs_torch_ref": ref_s / oop_s,
             "verified": verified,
         })
@@ -316,7 +351,8 @@ def _table(rows: list[dict], title: str):
     cuda = rows and rows[0]["kernel_GBps"] is not None
     cols = ["shape", "GB", "copy GB/s", "torch ref GB/s"]
     if cuda:
-        cols += ["variant", "in place GB/s", "mode", "out of place GB/s", "kernel/copy", "x ref", "bit-exact"]
+        cols += ["variant", "in place GB/s", "mode", "out of place GB/s", "kernel/copy", "per call ip/oop",
+                 "x ref", "bit-exact"]
     for c in cols:
         t.add_column(c, justify="left" if c in ("shape", "variant", "mode") else "right")
     for r in rows:
@@ -327,6 +363,7 @@ def _table(rows: list[dict], title: str):
                       r["in_place_mode"],
                       f"{r['kernel_out_of_place_GBps']:.0f} ({r['out_of_place_vs_copy']:.0%})",
                       f"{r['kernel_vs_copy']:.0%}",
+                      f"{r['per_call_in_place_vs_copy']:.0%} / {r['per_call_out_of_place_vs_copy']:.0%}",
                       f"{min(r['in_place_vs_torch_ref'], r['out_of_place_vs_torch_ref']):.1f}",
                       {True: "yes", False: "NO", None: "-"}[r["verified"]]]
         t.add_row(*cells)
@@ -403,7 +440,8 @@ def run(args: argparse.Namespace) -> int:
                     progress.advance(task)
 
             rows += measure(shape, device, dtype, timer, variants or [], not args.no_verify, step,
-                            kernel=device.type == "cuda")
+                            kernel=device.type == "cuda",
+                            cache_blocks=args.cache_blocks if device.type == "cuda" else 0)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     meta = {"device": name, "date": now.isoformat(timespec="seconds"), "command": _command_line(),
