@@ -297,8 +297,8 @@ class ShimDecoder:
             self.standin.release(keep)
         # unanswered pulls keep their blocks: the daemon may still write them
         return PhaseReply(steps=steps, pulls=sorted(records, key=lambda r: r.arrival), unanswered=unanswered,
-                          sent_late=late, not_sent=not_sent, emulator_errors=feeder.errors[:5], emulator_full=feeder.full,
-                          verified=verified)
+                          sent_late=late, not_sent=not_sent, emulator_errors=feeder.errors[:5],
+                          emulator_full=feeder.full, verified=verified)
 
     def _verify(self, first: tuple[Any, list[int]]) -> Verified:
         """The first answered request of a phase, bit for bit against the emulator's pages converted by the
@@ -338,8 +338,8 @@ class ShimDecoder:
                 self.standin.release(local)
         finally:
             client.close()
-        return PhaseReply(steps=[], pulls=records, unanswered=unanswered, sent_late=0, not_sent=0, emulator_errors=[],
-                          emulator_full=0, verified=None)
+        return PhaseReply(steps=[], pulls=records, unanswered=unanswered, sent_late=0, not_sent=0,
+                          emulator_errors=[], emulator_full=0, verified=None)
 
     def close(self) -> None:
         self.standin.close()

@@ -99,7 +99,8 @@ def test_bit_exact_check_finds_one_flipped_byte() -> None:
 def test_daemon_source_end_to_end_on_cpu(tmp_path, capsys) -> None:
     rc = interference.main(["--tiny", "--device", "cpu", "--batch", "2", "--context-min", "32",
                             "--context-max", "64", "--cells", "64:0,20 128:20", "--settings", "none,mps",
-                            "--phase-s", "1", "--alone-reps", "2", "--pull-slots", "3", "--out", str(tmp_path)])
+                            "--phase-s", "1", "--alone-reps", "2", "--pull-slots", "3",
+                            "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
     r = json.loads((tmp_path / "interference.json").read_text())
