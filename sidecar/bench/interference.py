@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--spare-blocks", type=int, default=0, help="cache blocks for conversions (0: 2x the largest request)")
     a("--cells", default="", help="daemon source: CONTEXT:RATE,... groups, blank-separated, e.g. "
       "'4096:0,10,20,50 16384:0,10' (default: --contexts x --rates)")
-    a("--pull-slots", type=int, default=6, help="daemon source: pulls in flight at once (their blocks are "
+    a("--pull-slots", type=int, default=4, help="daemon source: pulls in flight at once (their blocks are "
       "reserved in the decoder's cache and the emulator's pool)")
     a("--pull-mode", choices=["direct", "staged"], default="direct",
       help="daemon source: the daemon's pull_mode")
