@@ -246,6 +246,10 @@ def run(args: argparse.Namespace, device: str, table: dict[str, Setting], names:
             out["groups"].append({"settings": [plan.setting], "skipped": "MPS needs an NVIDIA GPU and "
                                   "nvidia-cuda-mps-control"})
             continue
+        if time.monotonic() - t_start + 3 * args.phase_s > args.budget_s:
+            out["groups"].append({"settings": [plan.setting],
+                                  "skipped": f"--budget-s {args.budget_s:g} spent"})
+            continue
         mps_ctl = MpsControl() if plan.mps else None
         try:
             if mps_ctl is not None:
