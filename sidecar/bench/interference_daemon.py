@@ -162,6 +162,8 @@ def run_group(args: argparse.Namespace, device: str, plan: DaemonPlan, cells: li
         g.update(attention_rel_err=ready.attention_rel_err, kv_bytes_per_step=ready.kv_bytes_per_step)
         g["alone"] = {}
         g["alone_ms"] = {plan.setting: {}}
+        g["alone_ms_is"] = ("median Pull->Done of pulls one at a time with the decoder idle (read, convert "
+                            "and Done; an upper bound of the conversion's GPU time)")
         for c in contexts:
             dec.send(Alone(context=c, reps=args.alone_reps))
             rep = msgspec.convert(dec.recv(), PhaseReply)
