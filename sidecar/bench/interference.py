@@ -299,7 +299,12 @@ def main(argv: list[str] | None = None) -> int:
 
     print(markdown_table(result))
     print(f"wrote {args.out}/interference.json and .png ({result['wall_s']:.0f} s)")
-    failed = [f"{g['settings']}: {g['error']}" for g in result["groups"] if "error" in g]
+    if args.source == "daemon":
+        from sidecar.bench.interference_daemon import problems
+
+        failed = problems(result)
+    else:
+        failed = [f"{g['settings']}: {g['error']}" for g in result["groups"] if "error" in g]
     for f in failed:
         print(f"FAILED {f}")
     return 1 if failed else 0

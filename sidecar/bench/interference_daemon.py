@@ -109,6 +109,22 @@ def analyse(reply: PhaseReply, base: dict[str, float], base_mean_s: float) -> di
     }
 
 
+def problems(result: dict[str, Any]) -> list[str]:
+    """What makes a daemon-source run fail: a group that broke, a pull that failed or got no answer, a phase
+    whose first answered request was not checked or not bit-exact."""
+    out = [f"{g['settings']}: {g['error']}" for g in result["groups"] if "error" in g]
+    for g in result["groups"]:
+        for p in g.get("phases", []):
+            where = f"{p['setting']} {p['context']} @ {p['rate']:g}/s"
+            n = p["pulls"]
+            if n["failed"] or n["unanswered"] or n["not_sent"] or n["emulator_errors"]:
+                out.append(f"{where}: pulls {n}")
+            v = p["verified"]
+            if not v or v["requests"] != 1 or v["mismatches"]:
+                out.append(f"{where}: bit-exact check {v}")
+    return out
+
+
 def _ucx_env(cuda: bool) -> dict[str, str]:
     env = {"NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
            "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),

@@ -246,6 +246,8 @@ class ShimDecoder:
         def answered() -> None:
             nonlocal free_slots, first
             for o in self._collect():
+                if o.req_id not in inflight:
+                    continue  # a late answer to an earlier phase's pull (counted unanswered there)
                 arrival, sent, reply, local = inflight.pop(o.req_id)
                 records.append(PullRecord(arrival=arrival, sent=sent, done=o.received_at, ok=o.ok,
                                           reason=o.reason or "", timings=dict(o.timings)))

@@ -72,6 +72,20 @@ def test_analyse_counts_pulls_and_steps_overlapping_them() -> None:
     assert r["interference_ms_per_conversion"] == pytest.approx(10.0)
 
 
+def test_problems_fail_the_run() -> None:
+    from sidecar.bench.interference_daemon import problems
+
+    ok_pulls = {"failed": 0, "unanswered": 0, "not_sent": 0, "emulator_errors": []}
+    good = {"setting": "none", "context": 64, "rate": 20.0, "pulls": ok_pulls,
+            "verified": {"requests": 1, "mismatches": 0}}
+    assert problems({"groups": [{"settings": ["none"], "phases": [good]}, {"skipped": "MPS"}]}) == []
+    bad = [{**good, "pulls": {**ok_pulls, "failed": 1}}, {**good, "verified": None},
+           {**good, "verified": {"requests": 1, "mismatches": 3}}]
+    groups = [{"settings": ["none"], "phases": bad}, {"settings": ["mps"], "error": "boom"}]
+    out = problems({"groups": groups})
+    assert len(out) == 4 and out[0] == "['mps']: boom" and all("none 64 @ 20/s" in o for o in out[1:])
+
+
 def test_bit_exact_check_finds_one_flipped_byte() -> None:
     """The check the bench runs per phase: the decoder's blocks hold the reference conversion of the
     emulator's pages -> no mismatch; one byte changed -> exactly that (layer, block, plane)."""
