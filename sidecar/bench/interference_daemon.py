@@ -48,7 +48,7 @@ def daemon_plan(s: Setting, slice_us: float) -> DaemonPlan:
     """How ``s`` applies to a ``kv-sidecar serve`` process; settings it has no key for are refused."""
     if s.max_ctas or s.slice_gap_us:
         what = "a grid cap (max_ctas)" if s.max_ctas else "paced slices (slice_gap_us)"
-        raise ValueError(f"setting {s.name!r}: {what} exists only for conversions launched by the bench "
+        raise ValueError(f"setting {s.name!r}: {what} applies only to conversions launched by the bench "
                          "(--source launch); the daemon has no config key for it")
     cfg = {}
     if s.max_slice_pairs:
