@@ -268,7 +268,20 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     phases = [(g, p) for g in result["groups"] for p in g.get("phases", [])]
     contexts = sorted({p["context"] for _, p in phases})
-    fig, axes = plt.subplots(1, max(1, len(contexts)), figsize=(6 * max(1, len(contexts)), 4), squeeze=False)
+    cols = max(1, len(contexts))
+    fig, axes = plt.subplots(2, cols, figsize=(6 * cols, 8), squeeze=False)
+    for ax, c in zip(axes[1], contexts, strict=False):  # each request's own time, against the must-show 10 ms
+        for name in result["settings"]:
+            pts = sorted((p["rate"], p["conversion_e2e"]["p99"]) for _, p in phases
+                         if p["context"] == c and p["setting"] == name)
+            if pts:
+                ax.plot([x[0] for x in pts], [x[1] for x in pts], marker="o", label=f"{name} p99")
+        ax.axhline(10.0, color="grey", lw=0.5)
+        ax.set_title(f"{c}-token requests: " + ("Pull -> Done" if result.get("source") == "daemon"
+                                                 else "arrival -> conversion done"))
+        ax.set_xlabel("requests per second")
+        ax.set_ylabel("ms (p99)")
+        ax.legend(fontsize=7)
     for ax, c in zip(axes[0], contexts, strict=False):
         for name in result["settings"]:
             pts = sorted((p["rate"], p["step_p99_ratio"], p["step_p50_ratio"]) for _, p in phases
