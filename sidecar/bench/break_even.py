@@ -32,8 +32,9 @@ def markdown_table(result: dict[str, Any]) -> str:
     rows = ["| setting | MPS | context | conv/s | step p50 ms (x base) | step p99 ms (x base) | step max ms "
             "| collided steps | conversion e2e p50 / p99 ms |", "|" + "---|" * 9]
     for g in result["groups"]:
-        if "skipped" in g:
-            rows.append(f"| {', '.join(g['settings'])} | skipped: {g['skipped']} |||||||| ")
+        if "skipped" in g or "baseline" not in g:
+            why = g.get("skipped") or g.get("error", "no baseline")
+            rows.append(f"| {', '.join(g['settings'])} | skipped: {why} |||||||| ")
             continue
         b = g["baseline"]
         mps = f"{g['mps_percent']}%" if g["mps"] and g["mps_percent"] else ("on" if g["mps"] else "off")
@@ -56,7 +57,7 @@ def break_even_rows(result: dict[str, Any], savings: list[tuple[str, float, int]
         for name in g.get("settings", []):
             if "skipped" in g:
                 continue
-            for ctx, kernel in sorted(g["alone_ms"].get(name, {}).items(), key=lambda kv: int(kv[0])):
+            for ctx, kernel in sorted(g.get("alone_ms", {}).get(name, {}).items(), key=lambda kv: int(kv[0])):
                 inter = sorted(p["interference_ms_per_conversion"] for p in g["phases"]
                                if p["setting"] == name and p["context"] == int(ctx) and p["conversions"])
                 med = inter[len(inter) // 2] if inter else math.nan

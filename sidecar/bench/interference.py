@@ -1,12 +1,14 @@
 """``kv-sidecar bench interference``: what conversions cost a decoder's running requests on the same GPU.
 
-A decoder stand-in process (Qwen3-8B weight GEMMs + paged attention over ``--batch`` running requests of
-``--context-min..max`` tokens, shuffled pages, one CUDA graph a step, every step timed by GPU events) and a
-converter process converting requests of each ``--contexts`` size arriving as a Poisson process at each
-``--rates`` value, through the daemon's launch code on IPC-imported planes (interference_roles.py says what
-is and is not the real daemon). Per settings group (MPS on/off and its percentage need fresh processes):
-a baseline with no conversions first, then every (setting, context, rate) phase, then a closing baseline.
-Writes ``interference.json`` and ``interference.png`` under ``--out`` and prints a summary table.
+``--source daemon`` (the default): the real daemon converting pulled requests; interference_daemon.py says
+how. ``--source launch``: a decoder stand-in process (Qwen3-8B weight GEMMs + paged attention over
+``--batch`` running requests of ``--context-min..max`` tokens, shuffled pages, one CUDA graph a step, every
+step timed by GPU events) and a converter process converting requests of each ``--contexts`` size arriving
+as a Poisson process at each ``--rates`` value, through the daemon's launch code on IPC-imported planes
+(interference_roles.py says what is and is not the real daemon). Per settings group (MPS on/off and its
+percentage need fresh processes): a baseline with no conversions first, then every (setting, context, rate)
+phase, then a closing baseline. Writes ``interference.json`` and ``interference.png`` under ``--out`` and
+prints a summary table.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import datetime as dt
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -47,6 +50,10 @@ def settings_table(args: argparse.Namespace) -> dict[str, Setting]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
+    a("--source", choices=["daemon", "launch"], default="daemon",
+      help="daemon: a real prefill emulator and kv-sidecar serve, pulls through the shim; launch: a "
+      "converter "
+      "process launching the daemon's kernels on IPC-imported planes (no NIXL, no socket)")
     a("--device", default="auto", help="cuda:N or cpu (auto: cuda:0 if there is a GPU)")
     a("--tiny", action="store_true", help="a tiny model (CPU tests); default: Qwen3-8B")
     a("--batch", type=int, default=32, help="running requests in the decode step")
@@ -67,6 +74,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--mps-percent", type=int, default=20, help="mps-cap: converter's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
     a("--alone-reps", type=int, default=10, help="conversions timed alone per (context, setting)")
     a("--spare-blocks", type=int, default=0, help="cache blocks for conversions (0: 2x the largest request)")
+    a("--cells", default="", help="daemon source: CONTEXT:RATE,... groups, blank-separated, e.g. "
+      "'4096:0,10,20,50 16384:0,10' (default: --contexts x --rates)")
+    a("--pull-slots", type=int, default=4, help="daemon source: pulls in flight at once (their blocks are "
+      "reserved in the decoder's cache and the emulator's pool)")
+    a("--pull-mode", choices=["direct", "staged"], default="direct",
+      help="daemon source: the daemon's pull_mode")
+    a("--pull-timeout-s", type=float, default=30.0, help="daemon source: each Pull's deadline")
+    a("--verify-layers", type=int, default=3, help="daemon source: layers checked bit for bit per phase")
     a("--seed", type=int, default=0)
     a("--out", type=Path, default=Path("bench/results/interference"), help="output directory")
 
@@ -74,9 +89,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class Child:
     """One role process; JSON lines in, ``@@`` JSON lines out (other output passes through to stderr)."""
 
-    def __init__(self, role: str, cfg: dict[str, Any], env: dict[str, str]) -> None:
+    def __init__(self, role: str, cfg: dict[str, Any], env: dict[str, str],
+                 module: str = "sidecar.bench.interference_roles") -> None:
         self.role = role
-        self.proc = subprocess.Popen([sys.executable, "-m", "sidecar.bench.interference_roles", role],
+        roles = module == "sidecar.bench.interference_roles"
+        argv = [sys.executable, "-m", module] + ([role] if roles else [])
+        self.proc = subprocess.Popen(argv,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.send(cfg)
 
@@ -141,11 +159,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     groups: dict[tuple[bool, int], list[str]] = {}
     for n in names:
         groups.setdefault((table[n].mps, table[n].mps_percent), []).append(n)
+    if args.source == "launch" and args.cells:
+        raise SystemExit("--cells: only with --source daemon (launch uses --contexts x --rates)")
     t_start = time.monotonic()
-    out: dict[str, Any] = {"bench": "interference", "date": dt.date.today().isoformat(), "device": device,
+    out: dict[str, Any] = {"bench": "interference", "source": args.source,
+                           "date": dt.date.today().isoformat(), "device": device,
                            "device_name": torch.cuda.get_device_name(device) if device != "cpu" else "cpu",
-                           "command": " ".join(sys.argv), "args": {k: str(v) for k, v in vars(args).items()},
+                           "command": _command(args), "args": {k: str(v) for k, v in vars(args).items()},
                            "settings": {n: msgspec.to_builtins(table[n]) for n in names}, "groups": []}
+    if args.source == "daemon":
+        from sidecar.bench import interference_daemon
+
+        interference_daemon.run(args, device, table, names, out, t_start)
+        out["wall_s"] = time.monotonic() - t_start
+        return out
     for (mps, pct), members in groups.items():
         if mps and (device == "cpu" or not mps_available()):
             out["groups"].append({"settings": members, "skipped": "MPS needs an NVIDIA GPU and "
@@ -220,6 +247,12 @@ def _run_group(args: argparse.Namespace, device: str, table: dict[str, Setting],
         dec.close()
 
 
+def _command(args: argparse.Namespace) -> str:
+    """The command line that ran this bench (``main(argv)`` records argv, not the test runner's)."""
+    argv = getattr(args, "argv", None)
+    return "kv-sidecar bench interference " + shlex.join(argv) if argv is not None else shlex.join(sys.argv)
+
+
 def _print_phase(p: dict[str, Any]) -> None:
     print(f"{p['setting']:>14} {p['context']:>6} {p['rate']:>5g}/s  step p50 {p['step']['p50']:.3f} "
           f"p99 {p['step']['p99']:.3f} max {p['step']['max']:.3f} ms (x{p['step_p50_ratio']:.3f}, "
@@ -235,7 +268,20 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     phases = [(g, p) for g in result["groups"] for p in g.get("phases", [])]
     contexts = sorted({p["context"] for _, p in phases})
-    fig, axes = plt.subplots(1, max(1, len(contexts)), figsize=(6 * max(1, len(contexts)), 4), squeeze=False)
+    cols = max(1, len(contexts))
+    fig, axes = plt.subplots(2, cols, figsize=(6 * cols, 8), squeeze=False)
+    for ax, c in zip(axes[1], contexts, strict=False):  # each request's own time, against the must-show 10 ms
+        for name in result["settings"]:
+            pts = sorted((p["rate"], p["conversion_e2e"]["p99"]) for _, p in phases
+                         if p["context"] == c and p["setting"] == name)
+            if pts:
+                ax.plot([x[0] for x in pts], [x[1] for x in pts], marker="o", label=f"{name} p99")
+        ax.axhline(10.0, color="grey", lw=0.5)
+        ax.set_title(f"{c}-token requests: " + ("Pull -> Done" if result.get("source") == "daemon"
+                                                 else "arrival -> conversion done"))
+        ax.set_xlabel("requests per second")
+        ax.set_ylabel("ms (p99)")
+        ax.legend(fontsize=7)
     for ax, c in zip(axes[0], contexts, strict=False):
         for name in result["settings"]:
             pts = sorted((p["rate"], p["step_p99_ratio"], p["step_p50_ratio"]) for _, p in phases
@@ -257,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kv-sidecar bench interference", description=__doc__.split("\n")[0])
     add_arguments(p)
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     args.out.mkdir(parents=True, exist_ok=True)
     result = run(args)
     (args.out / "interference.json").write_text(json.dumps(result, indent=1, allow_nan=True))
@@ -265,7 +312,15 @@ def main(argv: list[str] | None = None) -> int:
 
     print(markdown_table(result))
     print(f"wrote {args.out}/interference.json and .png ({result['wall_s']:.0f} s)")
-    return 0
+    if args.source == "daemon":
+        from sidecar.bench.interference_daemon import problems
+
+        failed = problems(result)
+    else:
+        failed = [f"{g['settings']}: {g['error']}" for g in result["groups"] if "error" in g]
+    for f in failed:
+        print(f"FAILED {f}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

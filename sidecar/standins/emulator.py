@@ -93,6 +93,10 @@ class EmulatorConfig(msgspec.Struct, frozen=True, kw_only=True):
     progress_thread: bool = True
     # Where the KV pages live: "cpu" (DRAM) or "cuda:N" (VRAM, registered as such; needs torch with CUDA).
     device: str = "cpu"
+    # Keep the pages' bytes when blocks are handed to a new request (no rewrite, same generation): a long
+    # benchmark pulls the same few blocks many times without the emulator writing to the GPU between pulls.
+    # Expired leases still rewrite (a late reader must see different bytes).
+    keep_bytes: bool = False
 
     def __post_init__(self) -> None:
         if self.connector_version not in wire.CONNECTOR_VERSIONS:
@@ -527,7 +531,8 @@ class PrefillEmulator:
         if self._churn is not None and req.order != "churn":
             self._churn.remove(logical)
         kblocks = kernel_blocks(logical, self.cfg.blocks_per_logical)
-        self._reuse(kblocks)  # a new prefill overwrites whatever the blocks held
+        if not self.cfg.keep_bytes:
+            self._reuse(kblocks)  # a new prefill overwrites whatever the blocks held
         external = req.external_id or f"cmpl-{uuid.uuid4().hex[:16]}-0"
         request_id = f"{external}-{uuid.uuid4().hex[:8]}"
         lease = req.lease_s if req.lease_s is not None else self.cfg.lease_s
@@ -665,6 +670,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.device,
         help="where the KV pages live: cpu (DRAM) or cuda:N (VRAM, registered as VRAM, like a GPU prefill)",
     )
+    a(
+        "--keep-bytes",
+        action="store_true",
+        help="new requests keep the blocks' bytes and generation (no rewrite): many pulls of the same pages",
+    )
     a("--log-level", default="WARNING")
 
 
@@ -691,6 +701,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         hma=args.hma,
         progress_thread=args.progress_thread,
         device=args.device,
+        keep_bytes=args.keep_bytes,
     )
 
 

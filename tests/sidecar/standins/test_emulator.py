@@ -225,6 +225,32 @@ def meta(emu: EmulatorProcess) -> vllm_wire.NixlAgentMetadata:
     return out[(0, 0)].metadata
 
 
+def test_keep_bytes_hands_out_blocks_without_rewriting_them() -> None:
+    """--keep-bytes: the next request on the same blocks gets the same generation and the same bytes;
+    without it the blocks are rewritten at a new generation."""
+    from sidecar.standins.emulator_control import NewRequest
+
+    for keep in (True, False):
+        cfg = emulator.EmulatorConfig(layers=2, heads=HEADS, head_size=HEAD, num_blocks=3, keep_bytes=keep,
+                                      progress_thread=False, control=f"ipc:///tmp/kvs-keep-{uuid.uuid4().hex}")
+        emu = emulator.PrefillEmulator(cfg)
+        try:
+            first = emu._handle(NewRequest(num_blocks=2, order="contiguous"))
+            before = [emu.ranks[0].pages[layer][first.kernel_block_ids].copy() for layer in range(2)]
+            emu._on_notif(0, f"{first.kv_transfer_params['remote_request_id']}:1".encode())
+            again = emu._handle(NewRequest(num_blocks=2, order="contiguous"))
+            assert again.kernel_block_ids == first.kernel_block_ids
+            after = [emu.ranks[0].pages[layer][again.kernel_block_ids] for layer in range(2)]
+            same = all(np.array_equal(b, a) for b, a in zip(before, after, strict=True))
+            assert same is keep
+            assert again.block_generations == ([g + (0 if keep else 1) for g in first.block_generations])
+            for layer in range(2):
+                want = expected_pages(0, layer, again.kernel_block_ids, again.block_generations, cfg.fmt)
+                assert np.array_equal(after[layer], want)
+        finally:
+            emu.close()
+
+
 def _expected(reply, gens: list[int] | None = None, tp_rank: int = 0) -> np.ndarray:
     gens = reply.block_generations if gens is None else gens
     return np.stack(
