@@ -179,8 +179,9 @@ class ShimDecoder:
         raw = self.standin.buffer.tensor
         gen = torch.Generator(device=dev).manual_seed(cfg.seed)
         chunk = 1 << 28
-        for lo in range(0, raw.numel() // 2, chunk):  # never zeros: random bf16 bits in every page
-            raw.view(torch.int16)[lo : lo + chunk].random_(-(2**12), 2**12, generator=gen)
+        # Every page random and finite (random bf16 bits would hold NaNs and make the attention check NaN).
+        for lo in range(0, raw.numel() // 2, chunk):
+            raw.view(torch.bfloat16)[lo : lo + chunk].normal_(generator=gen)
         tables = torch.zeros((cfg.batch, max(pages)), dtype=torch.int32)
         for b, n in enumerate(pages):  # the running requests' pages, scattered as vLLM's free queue has them
             tables[b, :n] = torch.tensor(self.standin.allocate(n), dtype=torch.int32)

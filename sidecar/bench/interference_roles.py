@@ -151,8 +151,8 @@ def role_decoder(cfg: dict[str, Any]) -> None:
         raw, desc = shm.tensor, shm.description
     cache = raw.view(torch.bfloat16).view(s.layers, 2, nb, s.row)
     gen = torch.Generator(device=dev).manual_seed(cfg["seed"])
-    for layer in range(s.layers):  # never zeros: random bf16 bits in every page
-        cache[layer].view(torch.int16).random_(-(2**12), 2**12, generator=gen)
+    for layer in range(s.layers):  # random finite values (random bf16 bits would hold NaNs)
+        cache[layer].normal_(generator=gen)
     step = DecodeStep(s, [cache[lay, 0] for lay in range(s.layers)], [cache[lay, 1] for lay in range(s.layers)],
                       tables, torch.from_numpy(lens.astype(np.int32)), seed=cfg["seed"])
     err = step.check_attention() if cuda else 0.0
