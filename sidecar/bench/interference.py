@@ -78,8 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       "'4096:0,10,20,50 16384:0,10' (default: --contexts x --rates)")
     a("--pull-slots", type=int, default=4, help="daemon source: pulls in flight at once (their blocks are "
       "reserved in the decoder's cache and the emulator's pool)")
-    a("--pull-mode", choices=["direct", "staged"], default="direct",
-      help="daemon source: the daemon's pull_mode")
+    a("--pull-mode", choices=["direct", "staged"], default="staged",
+      help="daemon source: the daemon's pull_mode (staged: whole pages in merged runs, as deployed)")
+    a("--daemon-set", action="append", default=[], metavar="KEY=VALUE",
+      help="daemon source: one more daemon config key for every setting, e.g. nixl_num_threads=4")
     a("--pull-timeout-s", type=float, default=30.0, help="daemon source: each Pull's deadline")
     a("--verify-layers", type=int, default=3, help="daemon source: layers checked bit for bit per phase")
     a("--seed", type=int, default=0)

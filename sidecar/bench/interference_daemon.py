@@ -44,6 +44,17 @@ class DaemonPlan(msgspec.Struct, frozen=True):
     decoder_high_priority: bool
 
 
+def _daemon_sets(items: list[str]) -> dict[str, str]:
+    """``--daemon-set KEY=VALUE`` items as daemon config settings."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--daemon-set wants KEY=VALUE, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
 def daemon_plan(s: Setting, slice_us: float) -> DaemonPlan:
     """How ``s`` applies to a ``kv-sidecar serve`` process; settings it has no key for are refused."""
     if s.max_ctas or s.slice_gap_us:
@@ -164,7 +175,8 @@ def run_group(args: argparse.Namespace, device: str, plan: DaemonPlan, cells: li
         daemon = start_daemon(work, "daemon", remote_fmt=remote_fmt,
                               gpu=int(device.split(":")[1]) if cuda else None, mode=args.pull_mode,
                               staging_bytes=staging, env=denv, log_path=work / "daemon.log",
-                              settings={"max_inflight": str(max(8, args.pull_slots)), **plan.config})
+                              settings={"max_inflight": str(max(8, args.pull_slots)),
+                                        **_daemon_sets(args.daemon_set), **plan.config})
         cfg = DecoderConfig(device=device, tiny=args.tiny, batch=args.batch, context_min=args.context_min,
                             context_max=args.context_max, seed=args.seed, socket=daemon.socket,
                             emulator_control=emu.ready.control, compat_factors=dict(emu.ready.compat_factors),
