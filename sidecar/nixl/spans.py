@@ -13,8 +13,11 @@ layer count, so the choice is the same for every layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from sidecar.nixl.geometry import GeometryError, kernel_block_ids
 
 _I64 = np.int64
 
@@ -59,6 +62,14 @@ class Span:
     @property
     def gap_blocks(self) -> int:
         return int(self.gap_ids.size)
+
+
+@dataclass(frozen=True, eq=False)
+class GapRead:
+    """Remote kernel ids read into staging only to merge runs, and their slots ``[layers, g]``."""
+
+    remote_ids: np.ndarray  # int64 (g,)
+    slots: np.ndarray  # int64 (layers, g)
 
 
 def plan_gaps(needed: np.ndarray, page_bytes: int, cost: ReadCost | None, budget_blocks: int) -> np.ndarray:
@@ -126,3 +137,16 @@ def fit_read_cost(descriptors: np.ndarray, nbytes: np.ndarray, seconds: np.ndarr
     if inv <= 0:
         raise ValueError("the reads do not show a positive byte rate (need reads of different sizes)")
     return ReadCost(descriptor_us=max(0.0, a * 1e6), gbps=1.0 / inv / 1e9)
+
+
+def remote_kernel_ids(
+    remote_block_ids: Any, ratio: int, block_size: int | None, num_tokens: int | None, n: int
+) -> np.ndarray:
+    """The remote kernel blocks a staged read of ``n`` local blocks reads, in request order: what
+    ``PairGeometry.staged_descs`` pairs with the slots (padding past ``num_tokens`` trimmed, then the tail)."""
+    rk = kernel_block_ids(remote_block_ids, ratio, "remote_block_ids")
+    if num_tokens is not None and block_size:
+        rk = rk[: -(-num_tokens // block_size)]
+    if n > rk.size:
+        raise GeometryError("local_block_ids", f"{n} local kernel blocks, the prefill supplied {rk.size}")
+    return rk[rk.size - n :]
