@@ -139,6 +139,8 @@ class PlaneSet:
         ``block_ids[i]`` reads source row ``src_index[i]``, so ``src`` may hold rows that are not converted
         (a staged span read through gaps)."""
         counts = None if self.lut is None else torch.zeros(2, dtype=torch.int64, device=self.planes.device)
-        job = check_request(self.planes, block_ids, src, layers, lut=self.lut, counts=counts, src_index=src_index)
+        job = check_request(
+            self.planes, block_ids, src, layers, lut=self.lut, counts=counts, src_index=src_index
+        )
         _run(job, tuning)
         return counts

@@ -1,4 +1,4 @@
-"""Staged read spans: which gaps between a request's remote blocks to read through, and where each block lands.
+"""Staged read spans: which gaps between a request's remote blocks to read through, where each block lands.
 
 Pure (numpy, no I/O). A staged read puts whole remote pages into staging slots; pages adjacent on both sides
 merge into one descriptor. Slots are laid out in remote-address order, so neighbouring remote blocks merge
@@ -143,7 +143,7 @@ def remote_kernel_ids(
     remote_block_ids: Any, ratio: int, block_size: int | None, num_tokens: int | None, n: int
 ) -> np.ndarray:
     """The remote kernel blocks a staged read of ``n`` local blocks reads, in request order: what
-    ``PairGeometry.staged_descs`` pairs with the slots (padding past ``num_tokens`` trimmed, then the tail)."""
+    ``PairGeometry.staged_descs`` pairs with the slots (padding past ``num_tokens`` trimmed, the tail)."""
     rk = kernel_block_ids(remote_block_ids, ratio, "remote_block_ids")
     if num_tokens is not None and block_size:
         rk = rk[: -(-num_tokens // block_size)]

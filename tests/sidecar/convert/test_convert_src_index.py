@@ -167,7 +167,9 @@ def no_reference(monkeypatch):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize(("h", "n", "d"), [(1, 16, 64), (3, 32, 128), (8, 16, 128), (5, 16, 256), (8, 32, 64)])
+@pytest.mark.parametrize(
+    ("h", "n", "d"), [(1, 16, 64), (3, 32, 128), (8, 16, 128), (5, 16, 256), (8, 32, 64)]
+)
 @pytest.mark.parametrize("persistent", [False, True])
 def test_kernel_with_index_matches_reference(cases, no_reference, h, n, d, persistent):
     from sidecar.convert.tuning import Tuning

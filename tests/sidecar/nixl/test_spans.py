@@ -19,7 +19,9 @@ from sidecar.nixl.spans import (
 PAGE = 64 * 1024
 
 
-@pytest.mark.parametrize(("desc_us", "gbps"), [(0.0, 1.0), (8.0, 10.0), (8.0, 2000.0), (1.0, 0.5), (3.3, 7.7)])
+@pytest.mark.parametrize(
+    ("desc_us", "gbps"), [(0.0, 1.0), (8.0, 10.0), (8.0, 2000.0), (1.0, 0.5), (3.3, 7.7)]
+)
 def test_max_gap_blocks_is_the_largest_strictly_cheaper_gap(desc_us, gbps):
     cost = ReadCost(desc_us, gbps)
     for page in (1, 1000, PAGE, 10**6):
@@ -43,7 +45,7 @@ def test_bad_costs_are_refused(desc_us, gbps):
 
 
 def _gaps(ids):
-    return [(int(a), int(b)) for a, b in zip(ids[:-1], ids[1:]) if b - a > 1]
+    return [(int(a), int(b)) for a, b in zip(ids[:-1], ids[1:], strict=True) if b - a > 1]
 
 
 def brute_best(ids, limit, budget):
