@@ -201,8 +201,8 @@ class Pipeline:
         if converting:
             self._conversions.begin(job, src, job.peer.plan, None if staged is None else staged.pos)
         self._reads.post(job, mode, layer_groups, pool, slots, None if staged is None else staged.gaps)
-        if staged is not None and staged.gaps is not None:
-            self._metrics.gap_bytes_read.inc(staged.gap_bytes(fmt.page_bytes))
+        if staged is not None:
+            job.gap_bytes = staged.gap_bytes(fmt.page_bytes)
         return converting
 
     async def _take_span(self, job: Job, fmt: PageFormat, layers: int, blocks: int) -> Staged:
@@ -309,7 +309,9 @@ class Pipeline:
             )
         self._metrics.answered(ending.outcome.value)
         if ending.outcome is Outcome.OK and job.read is not None:
-            self._metrics.bytes_pulled.inc(getattr(job.read, "nbytes", 0))
+            # the read's bytes include gap blocks (other requests' KV): counted on their own
+            self._metrics.bytes_pulled.inc(getattr(job.read, "nbytes", 0) - job.gap_bytes)
+            self._metrics.gap_bytes_read.inc(job.gap_bytes)
         if job.abort_envelope is not None:
             self._send(
                 job.abort_envelope,

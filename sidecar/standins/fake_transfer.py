@@ -153,6 +153,8 @@ class FakePort:
             groups.reverse()
         read = FakeRead(peer, remote_request_id, time.monotonic() + timeout_s, groups, mode, slots, gaps)
         read.handles = [object() for _ in groups]
+        if pool is not None and slots is not None:  # what a real staged read's descriptors would cover
+            read.nbytes = (slots.size + (0 if gaps is None else gaps.slots.size)) * pool.slot_bytes
         self.reads.append(read)
         return read
 

@@ -548,6 +548,7 @@ def test_scattered_blocks_get_slots_in_remote_order_and_gaps_read_into_staging(c
             want_gap_slots = [[first + 5 * lay + r for r in (1, 3)] for lay in range(LAYERS)]
             assert read.gaps.slots.tolist() == want_gap_slots
             assert h.daemon.metrics.gap_bytes_read._value.get() == LAYERS * 2 * PAGE_BYTES
+            assert h.daemon.metrics.bytes_pulled._value.get() == LAYERS * 3 * PAGE_BYTES  # the request's own
             ids, shape, index = conversion_calls[0]
             assert ids == [5, 1, 3] and shape[:2] == (LAYERS, 5) and list(index) == [4, 0, 2]
             await asyncio.sleep(0.01)
