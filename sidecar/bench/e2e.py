@@ -115,6 +115,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="staging pool of the staged daemon and of the bare staged reads (GiB, capped at the largest "
         "batch); a batch that needs more is read in waves",
     )
+    a(
+        "--prefill-pool-factor",
+        type=float,
+        default=1.0,
+        help="the prefill's KV pool as a multiple of the largest batch (scattered orders draw their blocks "
+        "from it; at 1 a lone request holds every block, so any order sorts into one run)",
+    )
+    a(
+        "--staging-factor",
+        type=float,
+        default=1.0,
+        help="staging pools as a multiple of the largest batch (room beyond it is what gap blocks may use)",
+    )
     a("--peer-copy-max-gb", type=float, default=8.0, help="largest single peer copy timed (GiB)")
     a("--peer-copy-reps", type=int, default=5)
     a("--poll-sleep-us", type=float, default=50.0, help="sleep between the bare read's completion polls")
@@ -879,7 +892,9 @@ def _command_line() -> str:
     return shlex.join(sys.argv)
 
 
-def sizing(cells: list[Cell], layers: int, page: int, staging_gb: float) -> tuple[int, int]:
+def sizing(
+    cells: list[Cell], layers: int, page: int, staging_gb: float, staging_factor: float = 1.0
+) -> tuple[int, int]:
     """(kernel blocks of the largest live batch, staging pool bytes) for the cells still to run."""
     live = [c for c in cells if c.skipped is None]
     max_blocks = max((c.concurrency * c.blocks for c in live), default=0)
@@ -887,12 +902,20 @@ def sizing(cells: list[Cell], layers: int, page: int, staging_gb: float) -> tupl
     if not staged:
         return max_blocks, 0
     largest_request = max(c.blocks for c in staged) * layers * page
-    staging = max(min(int(staging_gb * 2**30), max_blocks * layers * page), largest_request)
+    batch = int(max_blocks * layers * page * staging_factor)
+    staging = max(min(int(staging_gb * 2**30), batch), largest_request)
     return max_blocks, staging - staging % page
 
 
 def memory_check(
-    cells: list[Cell], prefill: str, decoder: str, layers: int, page: int, staging_gb: float
+    cells: list[Cell],
+    prefill: str,
+    decoder: str,
+    layers: int,
+    page: int,
+    staging_gb: float,
+    prefill_factor: float = 1.0,
+    staging_factor: float = 1.0,
 ) -> None:
     """On GPUs, skip the largest batches until what they need fits the free memory (10 % slack): the
     emulator's pool on the prefill device; the planes and two staging pools (daemon, bare) on the decoder."""
@@ -901,12 +924,12 @@ def memory_check(
     import torch
 
     while True:
-        max_blocks, staging = sizing(cells, layers, page, staging_gb)
+        max_blocks, staging = sizing(cells, layers, page, staging_gb, staging_factor)
         if not max_blocks:
             return
         pool = (max_blocks + 1) * layers * page
         need = {prefill: 0, decoder: 0}
-        need[prefill] += pool
+        need[prefill] += int(pool * prefill_factor)
         need[decoder] += pool + 2 * staging
         short = [d for d, n in need.items() if n * 1.1 > torch.cuda.mem_get_info(parse_device(d))[0]]
         if not short:
@@ -932,14 +955,20 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.reps < 1 or args.warmup < 0:
         raise BenchError("--reps must be >= 1 and --warmup >= 0")
-    memory_check(cells, prefill, decoder, args.layers, page, args.staging_gb)
-    max_blocks, staging = sizing(cells, args.layers, page, args.staging_gb)
+    if args.prefill_pool_factor < 1 or args.staging_factor < 1:
+        raise BenchError("--prefill-pool-factor and --staging-factor must be >= 1")
+    memory_check(
+        cells, prefill, decoder, args.layers, page, args.staging_gb,
+        args.prefill_pool_factor, args.staging_factor,
+    )
+    max_blocks, staging = sizing(cells, args.layers, page, args.staging_gb, args.staging_factor)
     if not max_blocks:
         raise BenchError(f"every cell is skipped: {sorted({str(c.skipped) for c in cells})}")
     live = [c for c in cells if c.skipped is None]
     modes = [m for m in modes if any(c.mode == m for c in live)]
     # the emulator's and the decoder's pools: the largest batch, plus vLLM's null block 0
     pool_blocks = max_blocks + 1
+    prefill_blocks = math.ceil(max_blocks * args.prefill_pool_factor) + 1
 
     work = Path(tempfile.mkdtemp(prefix="kv-sidecar-e2e-"))
     logs = args.logs or work / "logs"
@@ -962,6 +991,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": args.dtype,
             "page_bytes": page,
             "pool_blocks": pool_blocks,
+            "prefill_pool_blocks": prefill_blocks,
         },
         "settings": {
             "reps": args.reps,
@@ -1005,7 +1035,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             [
                 *("--device", prefill, "--layers", str(args.layers), "--heads", str(args.heads)),
                 *("--head-size", str(args.head_size), "--block-size", str(args.block_size)),
-                *("--dtype", args.dtype, "--num-blocks", str(pool_blocks), "--lease", "600"),
+                *("--dtype", args.dtype, "--num-blocks", str(prefill_blocks), "--lease", "600"),
                 *("--seed", str(args.seed), "--control", f"ipc://{work}/emu.sock"),
             ],
             180.0,
