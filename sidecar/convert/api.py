@@ -121,6 +121,9 @@ class PlaneSet:
             ids = torch.tensor([1, 0])
             scratch.convert(ids)  # in place
             scratch.convert(ids, src=torch.zeros((1, 2, 2 * row), dtype=p.dtype, device=p.device))
+            # staged spans read through gaps convert with a source index: another kernel variant
+            scratch.convert(ids, src=torch.zeros((1, 3, 2 * row), dtype=p.dtype, device=p.device),
+                            src_index=torch.tensor([2, 0]))
             torch.cuda.current_stream().synchronize()
 
     def convert(

@@ -215,3 +215,29 @@ def test_kernel_index_with_layer_groups_and_no_index_unchanged(cases, no_referen
     torch.cuda.synchronize()
     np.testing.assert_array_equal(cases.bits(ks2), case.want_k)
     np.testing.assert_array_equal(cases.bits(vs2), case.want_v)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(("h", "n", "d"), [(5, 32, 64), (8, 16, 128)])
+def test_warm_up_compiles_the_indexed_variant_too(cases, no_reference, h, n, d):
+    """A first request read through gaps must not wait for a compile: warm_up covers the indexed kernel."""
+    from sidecar.convert import triton_kernel as tk
+
+    def compiled() -> int:
+        return sum(len(cache[0]) for cache in tk.convert_kernel.device_caches.values())
+
+    rng = np.random.default_rng(d)
+    case = cases.make_case(3, 9, [7, 2, 4], h, n, d, 0, seed=5)
+    span, rows = spanned(case, 6, rng)
+    ks = cases.planes(case.before_k, torch.bfloat16, "cuda")
+    vs = cases.planes(case.before_v, torch.bfloat16, "cuda")
+    ps = PlaneSet(ks, vs, num_heads=h, block_size=n, head_size=d)
+    ps.warm_up()
+    before = compiled()
+    ps.convert(torch.from_numpy(case.ids), src=torch.from_numpy(span).to("cuda").view(torch.bfloat16),
+               src_index=torch.from_numpy(rows))
+    torch.cuda.synchronize()
+    assert compiled() == before
+    np.testing.assert_array_equal(cases.bits(ks), case.want_k)
+    np.testing.assert_array_equal(cases.bits(vs), case.want_v)
