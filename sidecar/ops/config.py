@@ -197,7 +197,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     ] = 8.0
     read_gbps: Annotated[
         float,
-        _doc("cost model of a read: GB/s of a large contiguous read (bench e2e's read_cost_fit)", gt=0),
+        _doc(
+            "cost model of a read: GB/s of a large contiguous read (bench e2e's read_cost_fit); the default "
+            "is below README's bare contiguous reads on two H200s (207-248 GB/s)",
+            gt=0,
+        ),
     ] = 200.0
     gap_pool_share: Annotated[
         float,
