@@ -102,13 +102,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a("--reps", type=int, default=3, help="timed batches per cell")
     a("--warmup", type=int, default=1, help="untimed batches per cell first (handshake, JIT, prep)")
-    a("--layer-groups", type=int, default=1, help="READs per request (daemon's layer_groups, same for bare)")
+    a(
+        "--layer-groups",
+        type=int,
+        default=0,
+        help="READs per request (daemon's layer_groups, same for bare); 0: the daemon's auto rule",
+    )
     a(
         "--staging-gb",
         type=float,
         default=16.0,
         help="staging pool of the staged daemon and of the bare staged reads (GiB, capped at the largest "
         "batch); a batch that needs more is read in waves",
+    )
+    a(
+        "--prefill-pool-factor",
+        type=float,
+        default=1.0,
+        help="the prefill's KV pool as a multiple of the largest batch (scattered orders draw their blocks "
+        "from it; at 1 a lone request holds every block, so any order sorts into one run)",
+    )
+    a(
+        "--staging-factor",
+        type=float,
+        default=1.0,
+        help="staging pools as a multiple of the largest batch (room beyond it is what gap blocks may use)",
     )
     a("--peer-copy-max-gb", type=float, default=8.0, help="largest single peer copy timed (GiB)")
     a("--peer-copy-reps", type=int, default=5)
@@ -183,6 +201,45 @@ def daemon_settings(items: Sequence[str]) -> dict[str, str]:
     return out
 
 
+def gap_settings(settings: dict[str, str]) -> tuple[Any, float]:
+    """The daemons' gap cost model and pool share (their config defaults unless ``--daemon-set``), so the
+    bare staged reads read the very spans the daemon reads. (None, 0) when coalescing is off."""
+    import tomllib
+
+    from sidecar.nixl.spans import ReadCost
+    from sidecar.ops.config import Config
+
+    base = Config()
+    got = {k: tomllib.loads(f"v = {settings[k]}")["v"] for k in settings if k in _GAP_KEYS}
+    value = {k: got.get(k, getattr(base, k)) for k in _GAP_KEYS}
+    if not value["gap_coalescing"]:
+        return None, 0.0
+    cost = ReadCost(float(value["read_descriptor_us"]), float(value["read_gbps"]))
+    return cost, float(value["gap_pool_share"])
+
+
+_GAP_KEYS = ("gap_coalescing", "read_descriptor_us", "read_gbps", "gap_pool_share")
+
+
+def read_cost_fit(cells: Sequence[Any]) -> dict[str, Any]:
+    """``read_descriptor_us`` / ``read_gbps`` fitted to the bare reads' medians (descriptors, bytes
+    including gap blocks, seconds): what to set for this host's daemon."""
+    from sidecar.nixl.spans import fit_read_cost
+
+    rows = [
+        (c.bare_descriptors * c.concurrency, c.nbytes + c.bare_gap_bytes, statistics.median(c.bare_s))
+        for c in cells
+        if c.bare_s and c.skipped is None
+    ]
+    if len({r[0] for r in rows}) < 2:
+        return {"error": "needs bare reads with at least two different descriptor counts"}
+    try:
+        cost = fit_read_cost(*(np.array(col, dtype=float) for col in zip(*rows, strict=True)))
+    except ValueError as exc:
+        return {"error": str(exc), "points": len(rows)}
+    return {"read_descriptor_us": cost.descriptor_us, "read_gbps": cost.gbps, "points": len(rows)}
+
+
 def mode_order_pairs(args: argparse.Namespace) -> list[tuple[str, str]]:
     """``--pairs mode/order,...`` if given, else every --modes x --orders combination."""
     if args.pairs:
@@ -242,6 +299,8 @@ class Cell:
     bare_s: list[float] = field(default_factory=list)
     sidecar_s: list[float] = field(default_factory=list)
     bare_descriptors: int = 0  # per request
+    bare_descriptors_request_order: int = 0  # per request, slots in request order without gaps (before)
+    bare_gap_bytes: int = 0  # per batch: gap blocks read into staging to merge runs
     end_to_end_s: list[float] = field(default_factory=list)  # per request, from the daemon's Done
     stages_s: dict[str, list[float]] = field(default_factory=dict)
     round_trip_s: list[float] = field(default_factory=list)  # shim: Pull sent -> Done received
@@ -555,6 +614,8 @@ class BareReader:
         staging_bytes: int,
         layer_groups: int,
         sleep_s: float,
+        gap_cost: Any = None,
+        gap_share: float = 0.0,
     ) -> None:
         from sidecar.nixl.admission import RemoteFormatRule, admit_remote
         from sidecar.nixl.agent import NixlTransfer, TransferSettings
@@ -567,6 +628,10 @@ class BareReader:
         self.layer_groups = layer_groups
         self.sleep_s = sleep_s
         self.descriptors = 0  # per request, of the last batch
+        self.descriptors_request_order = 0  # per request: what request-order slots without gaps would post
+        self.gap_bytes = 0  # of the last batch
+        self.gap_cost, self.gap_share = gap_cost, gap_share
+        self.page_bytes = remote_fmt.page_bytes
         settings = TransferSettings(
             name_prefix="bench-bare",
             remote_formats=(RemoteFormatRule(address="*:*", format=remote_fmt),),
@@ -630,8 +695,11 @@ class BareReader:
         self.tx.prepare(self.peer, self.dest, "direct")
         self.prep_s = time.perf_counter() - t0
 
-    def _bounds(self) -> list[tuple[int, int]]:
-        b = np.linspace(0, self.layers, max(1, min(self.layer_groups, self.layers)) + 1).astype(int)
+    def _bounds(self, request_bytes: int = 0) -> list[tuple[int, int]]:
+        from sidecar.daemon.read_plan import layer_groups_for
+
+        groups = layer_groups_for(self.layer_groups, request_bytes)
+        b = np.linspace(0, self.layers, max(1, min(groups, self.layers)) + 1).astype(int)
         return list(zip(b[:-1].tolist(), b[1:].tolist(), strict=True))
 
     def _wait(self, handles: list[Any], deadline: float) -> None:
@@ -657,10 +725,11 @@ class BareReader:
         """Read every request at once (staged: in waves that fit the pool); seconds from the first post to the
         last completion. ``requests``: (local kernel ids, remote kernel ids, remote_num_tokens)."""
         from sidecar.nixl.geometry import contiguous_slots
+        from sidecar.nixl.spans import GapRead, plan_span, span_slots
 
         agent, peer, deadline = self.tx.agent, self.peer, time.monotonic() + timeout_s
-        bounds = self._bounds()
         handles: list[Any] = []
+        self.gap_bytes = 0
         try:
             if mode == "direct":
                 geo = self.tx.geometry(peer, self.dest, "direct")
@@ -668,8 +737,10 @@ class BareReader:
                 parts = []
                 for loc, rem, tokens in requests:
                     idx = geo.indices(loc, rem, tokens)
+                    bounds = self._bounds(self.layers * len(loc) * self.page_bytes)
                     parts += [idx.layer_slice(a, b) for a, b in bounds]
                 self.descriptors = sum(p[0].size for p in parts) // len(requests)
+                self.descriptors_request_order = self.descriptors
                 t0 = time.perf_counter()
                 for li, ri in parts:
                     self._post(lambda li=li, ri=ri: agent.make_prepped_xfer("READ", lh, li, rh, ri), handles)
@@ -679,25 +750,37 @@ class BareReader:
                 raise BenchError("staged bare reads need --staging-gb > 0")
             geo = self.tx.geometry(peer, self.dest, "staged", self.pool)
             waves: list[list[Any]] = [[]]
-            used = 0
+            used = before = 0
+            slots_all = self.pool.num_slots
             for loc, rem, tokens in requests:
                 need = self.layers * len(loc)
-                if need > self.pool.num_slots:
-                    raise BenchError(
-                        f"one request needs {need} staging slots, the pool has {self.pool.num_slots}"
-                    )
-                if used + need > self.pool.num_slots:
+                if need > slots_all:
+                    raise BenchError(f"one request needs {need} staging slots, the pool has {slots_all}")
+                if used + need > slots_all:
                     waves.append([])
                     used = 0
+                # the daemon's layout (Staging.take_span): remote order, gaps within the share of free slots
+                _, rk = geo.blocks(loc, rem, tokens)
+                budget = min(int(self.gap_share * slots_all), slots_all - used - need) // self.layers
+                span = plan_span(rk, self.page_bytes, self.gap_cost, budget)
+                gaps = None
+                if span.gap_blocks:
+                    gaps = GapRead(span.gap_ids, span_slots(used, self.layers, span.width, span.gap_pos))
                 d = geo.staged_descs(
                     rem,
-                    contiguous_slots(used, self.layers, len(loc)),
+                    span_slots(used, self.layers, span.width, span.pos),
                     local_block_ids=loc,
                     remote_num_tokens=tokens,
+                    gaps=gaps,
                 )
-                used += need
+                in_order = contiguous_slots(0, self.layers, len(loc))
+                before += geo.staged_descs(rem, in_order, local_block_ids=loc, remote_num_tokens=tokens).count
+                used += self.layers * span.width
+                self.gap_bytes += self.layers * span.gap_blocks * self.page_bytes
+                bounds = self._bounds(need * self.page_bytes)
                 waves[-1] += [d.layer_slice(a, b) for a, b in bounds]
             self.descriptors = sum(p[0].shape[0] for w in waves for p in w) // len(requests)
+            self.descriptors_request_order = before // len(requests)
             t0 = time.perf_counter()
             for wave in waves:
                 wave_handles: list[Any] = []
@@ -809,7 +892,9 @@ def _command_line() -> str:
     return shlex.join(sys.argv)
 
 
-def sizing(cells: list[Cell], layers: int, page: int, staging_gb: float) -> tuple[int, int]:
+def sizing(
+    cells: list[Cell], layers: int, page: int, staging_gb: float, staging_factor: float = 1.0
+) -> tuple[int, int]:
     """(kernel blocks of the largest live batch, staging pool bytes) for the cells still to run."""
     live = [c for c in cells if c.skipped is None]
     max_blocks = max((c.concurrency * c.blocks for c in live), default=0)
@@ -817,12 +902,20 @@ def sizing(cells: list[Cell], layers: int, page: int, staging_gb: float) -> tupl
     if not staged:
         return max_blocks, 0
     largest_request = max(c.blocks for c in staged) * layers * page
-    staging = max(min(int(staging_gb * 2**30), max_blocks * layers * page), largest_request)
+    batch = int(max_blocks * layers * page * staging_factor)
+    staging = max(min(int(staging_gb * 2**30), batch), largest_request)
     return max_blocks, staging - staging % page
 
 
 def memory_check(
-    cells: list[Cell], prefill: str, decoder: str, layers: int, page: int, staging_gb: float
+    cells: list[Cell],
+    prefill: str,
+    decoder: str,
+    layers: int,
+    page: int,
+    staging_gb: float,
+    prefill_factor: float = 1.0,
+    staging_factor: float = 1.0,
 ) -> None:
     """On GPUs, skip the largest batches until what they need fits the free memory (10 % slack): the
     emulator's pool on the prefill device; the planes and two staging pools (daemon, bare) on the decoder."""
@@ -831,12 +924,12 @@ def memory_check(
     import torch
 
     while True:
-        max_blocks, staging = sizing(cells, layers, page, staging_gb)
+        max_blocks, staging = sizing(cells, layers, page, staging_gb, staging_factor)
         if not max_blocks:
             return
         pool = (max_blocks + 1) * layers * page
         need = {prefill: 0, decoder: 0}
-        need[prefill] += pool
+        need[prefill] += int(pool * prefill_factor)
         need[decoder] += pool + 2 * staging
         short = [d for d, n in need.items() if n * 1.1 > torch.cuda.mem_get_info(parse_device(d))[0]]
         if not short:
@@ -862,14 +955,20 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.reps < 1 or args.warmup < 0:
         raise BenchError("--reps must be >= 1 and --warmup >= 0")
-    memory_check(cells, prefill, decoder, args.layers, page, args.staging_gb)
-    max_blocks, staging = sizing(cells, args.layers, page, args.staging_gb)
+    if args.prefill_pool_factor < 1 or args.staging_factor < 1:
+        raise BenchError("--prefill-pool-factor and --staging-factor must be >= 1")
+    memory_check(
+        cells, prefill, decoder, args.layers, page, args.staging_gb,
+        args.prefill_pool_factor, args.staging_factor,
+    )
+    max_blocks, staging = sizing(cells, args.layers, page, args.staging_gb, args.staging_factor)
     if not max_blocks:
         raise BenchError(f"every cell is skipped: {sorted({str(c.skipped) for c in cells})}")
     live = [c for c in cells if c.skipped is None]
     modes = [m for m in modes if any(c.mode == m for c in live)]
     # the emulator's and the decoder's pools: the largest batch, plus vLLM's null block 0
     pool_blocks = max_blocks + 1
+    prefill_blocks = math.ceil(max_blocks * args.prefill_pool_factor) + 1
 
     work = Path(tempfile.mkdtemp(prefix="kv-sidecar-e2e-"))
     logs = args.logs or work / "logs"
@@ -892,6 +991,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": args.dtype,
             "page_bytes": page,
             "pool_blocks": pool_blocks,
+            "prefill_pool_blocks": prefill_blocks,
         },
         "settings": {
             "reps": args.reps,
@@ -935,7 +1035,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             [
                 *("--device", prefill, "--layers", str(args.layers), "--heads", str(args.heads)),
                 *("--head-size", str(args.head_size), "--block-size", str(args.block_size)),
-                *("--dtype", args.dtype, "--num-blocks", str(pool_blocks), "--lease", "600"),
+                *("--dtype", args.dtype, "--num-blocks", str(prefill_blocks), "--lease", "600"),
                 *("--seed", str(args.seed), "--control", f"ipc://{work}/emu.sock"),
             ],
             180.0,
@@ -986,6 +1086,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             if not w.register(standin.kv_caches, shape.fmt, factors):
                 raise BenchError(f"the {mode} daemon did not register the planes: {w.client.status_reason}")
             workers[mode] = w
+        gap_cost, gap_share = gap_settings(settings)
+        result["settings"]["gaps"] = {
+            "read_descriptor_us": None if gap_cost is None else gap_cost.descriptor_us,
+            "read_gbps": None if gap_cost is None else gap_cost.gbps,
+            "gap_pool_share": gap_share,
+        }
         bare = BareReader(
             standin,
             emu.ready,
@@ -994,6 +1100,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             staging_bytes=staging,
             layer_groups=args.layer_groups,
             sleep_s=args.poll_sleep_us * 1e-6,
+            gap_cost=gap_cost,
+            gap_share=gap_share,
         )
         result["bare_setup"] = {"agent_create_s": bare.agent_s, "prep_direct_s": bare.prep_s}
         for cell in cells:
@@ -1029,6 +1137,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 traceback.print_exc()
 
     result["cells"] = [_cell_json(c, peer.get(min(c.nbytes, cap))) for c in cells]
+    result["read_cost_fit"] = read_cost_fit(cells)
+    print(f"read_cost_fit (bare reads): {result['read_cost_fit']}", flush=True)
     result["transports"] = _transports(logs, modes)
     result["must_show_failures"] = [
         f"{c['mode']}/{c['order']} {c['context']} tokens x {c['concurrency']}: {why}"
@@ -1098,6 +1208,8 @@ def run_cell(
             continue
         cell.bare_s.append(bare_s)
         cell.bare_descriptors = bare.descriptors
+        cell.bare_descriptors_request_order = bare.descriptors_request_order
+        cell.bare_gap_bytes = bare.gap_bytes
         cell.sidecar_s.append(side_s)
         for o in outcomes.values():
             if "end_to_end" in o.timings:
@@ -1172,6 +1284,8 @@ def _cell_json(c: Cell, peer: dict[str, Any] | None) -> dict[str, Any]:
                 "all_s": c.bare_s,
                 "GBps": c.nbytes / bare / 1e9,
                 "descriptors_per_request": c.bare_descriptors,
+                "descriptors_per_request_in_request_order": c.bare_descriptors_request_order,
+                "gap_bytes": c.bare_gap_bytes,
             },
             "sidecar": {
                 "median_s": side,
@@ -1211,7 +1325,8 @@ def _print_cell(c: Cell, peer_gbps: float) -> None:
     print(
         f"{c.mode:>6} {c.order:>10} {c.context:>6} tok x{c.concurrency:<3} {c.nbytes / 2**20:9.1f} MiB | "
         f"peer {peer_gbps:8.1f} GB/s | bare {c.nbytes / bare / 1e9:7.2f} GB/s {bare * 1e3:9.2f} ms "
-        f"({c.bare_descriptors} descs/req) | kv-sidecar {c.nbytes / side / 1e9:7.2f} GB/s "
+        f"({c.bare_descriptors} descs/req, {c.bare_descriptors_request_order} in request order, "
+        f"gaps {c.bare_gap_bytes / 2**20:.1f} MiB) | kv-sidecar {c.nbytes / side / 1e9:7.2f} GB/s "
         f"{side * 1e3:9.2f} ms "
         f"(x{side / bare:.3f}) | {ok}{check}",
         flush=True,

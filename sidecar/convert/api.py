@@ -121,6 +121,9 @@ class PlaneSet:
             ids = torch.tensor([1, 0])
             scratch.convert(ids)  # in place
             scratch.convert(ids, src=torch.zeros((1, 2, 2 * row), dtype=p.dtype, device=p.device))
+            # staged spans read through gaps convert with a source index: another kernel variant
+            scratch.convert(ids, src=torch.zeros((1, 3, 2 * row), dtype=p.dtype, device=p.device),
+                            src_index=torch.tensor([2, 0]))
             torch.cuda.current_stream().synchronize()
 
     def convert(
@@ -130,11 +133,17 @@ class PlaneSet:
         src: torch.Tensor | Sequence[torch.Tensor] | None = None,
         layers: tuple[int, int] | None = None,
         tuning: Tuning | None = None,
+        src_index: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """As ``convert_layers_standard_to_shuffled`` for layers ``[first, last)`` (default all); ``src``
         then holds exactly those layers. ``tuning``: launch shapes (default ``TUNING``; GPU only). With a
         re-encode table, returns int64 [2] on the planes' device: (saturated, NaN) elements of this call,
-        ready once the conversion's stream gets there; else None."""
+        ready once the conversion's stream gets there; else None. ``src_index`` (CPU ints, out of place):
+        ``block_ids[i]`` reads source row ``src_index[i]``, so ``src`` may hold rows that are not converted
+        (a staged span read through gaps)."""
         counts = None if self.lut is None else torch.zeros(2, dtype=torch.int64, device=self.planes.device)
-        _run(check_request(self.planes, block_ids, src, layers, lut=self.lut, counts=counts), tuning)
+        job = check_request(
+            self.planes, block_ids, src, layers, lut=self.lut, counts=counts, src_index=src_index
+        )
+        _run(job, tuning)
         return counts

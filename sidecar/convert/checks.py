@@ -43,6 +43,8 @@ class Job:
     elem_bytes: int = 2
     lut: torch.Tensor | None = None  # int32 [2, 256] on the planes' device
     counts: torch.Tensor | None = None  # int64 [2] on the planes' device, added into
+    # Out of place only: block ids[i] reads source row src_index[i] (int64, CPU) instead of row i.
+    src_index: torch.Tensor | None = None
 
     @property
     def x(self) -> int:
@@ -166,7 +168,8 @@ def aligned16(job: Job) -> bool:
     """16-byte vectors fit every tensor of the job (the planes were checked once, the sources now)."""
     if job.src_rows is None or not len(job.src_rows):
         return job.planes_aligned16
-    rows_ok = job.ids.numel() <= 1 or not (job.src_rows[:, 1] % job.x).any()
+    one_row = job.ids.numel() <= 1 and job.src_index is None
+    rows_ok = one_row or not (job.src_rows[:, 1] % job.x).any()
     return job.planes_aligned16 and rows_ok and not (job.src_rows[:, 0] % 16).any()
 
 
@@ -254,11 +257,15 @@ def _check_src_tensor(planes: Planes, name: str, s: object) -> torch.Tensor:
     return s
 
 
-def _batched_src(planes: Planes, src: torch.Tensor, layers: int, m: int) -> tuple[torch.Tensor, np.ndarray]:
-    """A [layers, M, page] source (the staging slots), checked as one tensor: its int16 view and rows."""
+def _batched_src(
+    planes: Planes, src: torch.Tensor, layers: int, m: int | None
+) -> tuple[torch.Tensor, np.ndarray]:
+    """A [layers, M, page] source (the staging slots), checked as one tensor: its int16 view and rows.
+    ``m`` None (a source index is given): any number of rows."""
     row = planes.num_heads * planes.block_size * planes.head_size
     if src.dim() != 3 or src.shape[0] != layers:
         raise ValueError(f"src shape {tuple(src.shape)} must be [num_layers={layers}, len(block_ids), page]")
+    m = src.shape[1] if m is None else m
     if src.shape[1] != m or src.shape[2] != 2 * row:
         raise ValueError(f"src shape {tuple(src.shape)} must be [num_layers, len(block_ids), "
                          f"2*num_heads*block_size*head_size] = [{layers}, {m}, {2 * row}]")
@@ -273,12 +280,15 @@ def _batched_src(planes: Planes, src: torch.Tensor, layers: int, m: int) -> tupl
     return src.view(BASE[planes.elem_bytes]), rows  # not unbound: 36 layer views cost ~25 µs a request
 
 
-def _listed_srcs(planes: Planes, srcs: Sequence[object], m: int) -> tuple[tuple, np.ndarray]:
+def _listed_srcs(planes: Planes, srcs: Sequence[object], m: int | None) -> tuple[tuple, np.ndarray]:
+    """``m`` None (a source index is given): every source needs the same number of rows, any number."""
     row = planes.num_heads * planes.block_size * planes.head_size
     src_list = []
     for i, s in enumerate(srcs):
         name = "src" if planes.single else f"src[{i}]"
         _check_src_tensor(planes, name, s)
+        if m is None and s.dim() == 2:
+            m = s.shape[0]
         if s.dim() != 2 or s.shape[0] != m or s.shape[1] != 2 * row:
             raise ValueError(f"{name} shape {tuple(s.shape)} must be [len(block_ids), "
                              f"2*num_heads*block_size*head_size] = [{m}, {2 * row}]")
@@ -297,20 +307,30 @@ def check_request(
     layers: tuple[int, int] | None = None,
     lut: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
+    src_index: object = None,
 ) -> Job:
     """Check one request against checked planes: its ids and its source for layers ``[first, last)``
-    (default all): None (in place), a [layers, M, page] tensor, or a sequence of [M, page] tensors."""
+    (default all): None (in place), a [layers, M, page] tensor, or a sequence of [M, page] tensors.
+    ``src_index`` (out of place only): block ``ids[i]`` reads source row ``src_index[i]``; the source
+    may then hold any number of rows (e.g. a staged span with other blocks in between)."""
     first, last = layers if layers is not None else (0, len(planes.k_planes))
     if not 0 <= first < last <= len(planes.k_planes):
         raise ValueError(
             f"layers [{first}, {last}) is not a non-empty range of the {len(planes.k_planes)} layers"
         )
     ids = _check_ids(block_ids, planes.device, planes.num_blocks)
+    if src_index is not None and src is None:
+        raise ValueError("src_index needs a src (it picks source rows; in place has none)")
+    m = ids.numel() if src_index is None else None
     srcs = src_rows = None
     if isinstance(src, torch.Tensor):
-        srcs, src_rows = _batched_src(planes, src, last - first, ids.numel())
+        srcs, src_rows = _batched_src(planes, src, last - first, m)
     elif src is not None:
-        srcs, src_rows = _listed_srcs(planes, _as_src_list(src, last - first), ids.numel())
+        srcs, src_rows = _listed_srcs(planes, _as_src_list(src, last - first), m)
+    index = None
+    if src_index is not None:
+        rows = srcs.shape[1] if isinstance(srcs, torch.Tensor) else srcs[0].shape[0]
+        index = _check_src_index(src_index, ids.numel(), rows)
     return Job(
         k_planes=planes.k_planes[first:last],
         v_planes=planes.v_planes[first:last],
@@ -325,7 +345,26 @@ def check_request(
         elem_bytes=planes.elem_bytes,
         lut=lut,
         counts=counts,
+        src_index=index,
     )
+
+
+def _check_src_index(src_index: object, m: int, rows: int) -> torch.Tensor:
+    """A CPU int64 [M] of source rows, each in [0, rows) (repeats allowed: reads never conflict)."""
+    if not isinstance(src_index, torch.Tensor):
+        raise ValueError(f"src_index must be a torch.Tensor, got {type(src_index).__name__}")
+    if src_index.dtype.is_floating_point or src_index.dtype.is_complex or src_index.dtype == torch.bool:
+        raise ValueError(f"src_index dtype {src_index.dtype} must be an integer type")
+    if src_index.dim() != 1 or src_index.numel() != m:
+        raise ValueError(f"src_index shape {tuple(src_index.shape)} must be [len(block_ids)] = [{m}]")
+    if src_index.device.type != "cpu":
+        raise ValueError(f"src_index is on {src_index.device}; it must be on the CPU")
+    index = src_index.to(torch.int64)
+    if m:
+        lo, hi = int(index.min()), int(index.max())
+        if lo < 0 or hi >= rows:
+            raise ValueError(f"src_index holds {lo if lo < 0 else hi}, out of range [0, {rows}) source rows")
+    return index
 
 
 def check_job(

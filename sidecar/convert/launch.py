@@ -104,15 +104,17 @@ def convert_blocks(
     layers: tuple[int, int] | None = None,
     limits: ConversionLimits | None = None,
     planes: Any = None,
+    src_index: np.ndarray | None = None,
 ) -> Any:
     """Convert a request's blocks in layers ``[first, last)`` (default all) on the current stream or the CPU.
     ``src``: None to convert in place, else the staged pages of exactly those layers. ``limits``: slices and
     grid cap (the launches are queued back to back; pacing is ``convert_paced``'s). ``planes``: the
     ``PlaneSet`` to use instead of the caches' own (one with an fp8 re-encode table). Returns the re-encode's
-    (saturated, NaN) counts as an int64 [2] tensor on the planes' device, or None without a table."""
+    (saturated, NaN) counts as an int64 [2] tensor on the planes' device, or None without a table.
+    ``src_index``: block ``i`` reads source row ``src_index[i]`` (a staged span with gap rows)."""
     ps, ids = _planes_and_ids(caches, fmt, block_ids, planes)
     counts = None
-    for piece in _pieces(ps, ids, src, layers, limits):
+    for piece in _pieces(ps, ids, src, layers, limits, _index(src_index)):
         got = piece()
         if got is not None:
             counts = got if counts is None else counts + got
@@ -133,18 +135,38 @@ def _planes_and_ids(
     return planes, torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64))
 
 
+def _index(src_index: np.ndarray | None) -> Any:
+    import torch
+
+    if src_index is None:
+        return None
+    return torch.from_numpy(np.ascontiguousarray(src_index, dtype=np.int64))
+
+
 def _pieces(
-    ps: Any, ids: Any, src: Any, layers: tuple[int, int] | None, limits: ConversionLimits | None
+    ps: Any,
+    ids: Any,
+    src: Any,
+    layers: tuple[int, int] | None,
+    limits: ConversionLimits | None,
+    index: Any = None,
 ) -> list[Any]:
-    """One callable per launch of the request (one unless ``limits`` slices it), on PlaneSet ``ps``."""
+    """One callable per launch of the request (one unless ``limits`` slices it), on PlaneSet ``ps``.
+    ``index``: source rows per block (int64 tensor); a slice then keeps every source row."""
     span = layers if layers is not None else (0, ps.num_layers)
     if limits is None or limits.unbounded:
-        return [lambda: ps.convert(ids, src=src, layers=layers)]
+        return [lambda: ps.convert(ids, src=src, layers=layers, src_index=index)]
     tuning = limits.tuning()
     out = []
     for l0, l1, b0, b1 in plan_slices(span, int(ids.numel()), limits.max_slice_pairs):
-        part = None if src is None else src[l0 - span[0] : l1 - span[0], b0:b1]
-        out.append(lambda i=ids[b0:b1], s=part, lr=(l0, l1): ps.convert(i, src=s, layers=lr, tuning=tuning))
+        rows = slice(None) if index is not None else slice(b0, b1)
+        part = None if src is None else src[l0 - span[0] : l1 - span[0], rows]
+        sub = None if index is None else index[b0:b1]
+        out.append(
+            lambda i=ids[b0:b1], s=part, lr=(l0, l1), x=sub: ps.convert(
+                i, src=s, layers=lr, tuning=tuning, src_index=x
+            )
+        )
     return out
 
 
@@ -168,13 +190,14 @@ def launch_gpu(
     limits: ConversionLimits | None = None,
     planes: Any = None,
     counts: list[Any] | None = None,
+    src_index: np.ndarray | None = None,
 ) -> Any:
     """Queue the conversion on the daemon's own stream (never the decoder's) and return its event.
-    ``planes`` as in ``convert_blocks``; the re-encode counts, if any, are appended to ``counts``."""
+    ``planes``, ``src_index`` as in ``convert_blocks``; the re-encode counts, if any, go to ``counts``."""
     import torch
 
     with torch.cuda.stream(stream):
-        got = convert_blocks(caches, block_ids, fmt, src, layers, limits, planes)
+        got = convert_blocks(caches, block_ids, fmt, src, layers, limits, planes, src_index)
         if got is not None and counts is not None:
             counts.append(got)
         event = torch.cuda.Event()
@@ -190,6 +213,7 @@ def convert_paced(
     src: Any,
     layers: tuple[int, int] | None = None,
     limits: ConversionLimits | None = None,
+    src_index: np.ndarray | None = None,
 ) -> Any:
     """As ``launch_gpu``, but each slice is waited for and followed by ``limits.slice_gap_us`` of host
     time before the next is queued, so the decoder's work finds the GPU free between slices. Blocks the
@@ -200,7 +224,7 @@ def convert_paced(
     gap = 0.0 if limits is None else limits.slice_gap_us * 1e-6
     event = torch.cuda.Event()
     with torch.cuda.stream(stream):
-        for piece in _pieces(ps, ids, src, layers, limits):
+        for piece in _pieces(ps, ids, src, layers, limits, _index(src_index)):
             piece()
             event = torch.cuda.Event()
             event.record(stream)

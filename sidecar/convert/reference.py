@@ -42,8 +42,10 @@ def run_reference(job: Job) -> None:
                 src = pages[:m]
                 torch.index_select(wide(kp), 0, ids, out=wide(src)[:, : half // unit])
                 torch.index_select(wide(vp), 0, ids, out=wide(src)[:, half // unit:])
-            else:
+            elif job.src_index is None:
                 src = job.srcs[layer][c0:c0 + m]
+            else:  # block ids[i] reads source row src_index[i]
+                src = job.srcs[layer].index_select(0, job.src_index[c0:c0 + m].to(job.device))
             # K tile [H, D/x, N, x]: whole 16-byte x-groups move, so permute in units of `unit` elements.
             k_src = wide(src).view(m, h, n, 2, d // x, x // unit)[:, :, :, 0].permute(0, 1, 3, 2, 4)
             wide(k_out[:m]).view(m, h, d // x, n, x // unit).copy_(k_src)

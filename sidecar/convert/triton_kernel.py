@@ -124,11 +124,24 @@ def _row_bases(meta, ids, pair, M):
     return k_base, v_base, s_base
 
 
+@triton.jit
+def _row_bases_src(meta, ids, pair, M, SRC_IDX: tl.constexpr):
+    """As ``_row_bases``; with SRC_IDX the source row of block i is ``ids[M + i]`` instead of i."""
+    k_base, v_base, s_base = _row_bases(meta, ids, pair, M)
+    if SRC_IDX:
+        layer = pair // M
+        i = pair - layer * M
+        src_row = tl.load(ids + M + i).to(tl.int64)
+        row = meta + layer * 6
+        s_base = tl.multiple_of(tl.load(row + 4) + src_row * tl.load(row + 5), 8)
+    return k_base, v_base, s_base
+
+
 @triton.jit(do_not_specialize=["M", "H", "pair0"])
 def convert_kernel(anchor, meta, ids, M, H, pair0, HC: tl.constexpr, HCHUNKS: tl.constexpr, NC: tl.constexpr,
                    DC: tl.constexpr, N: tl.constexpr, D: tl.constexpr, X: tl.constexpr,
                    FROM_SRC: tl.constexpr, KD: tl.constexpr, EVICT: tl.constexpr, lut, cnt,
-                   REENC: tl.constexpr):
+                   REENC: tl.constexpr, SRC_IDX: tl.constexpr):
     """Program = (pair, head chunk, token chunk, dim chunk); in place (not FROM_SRC) one covers a pair."""
     pid = tl.program_id(0)
     per_pair = HCHUNKS * (N // NC) * (D // DC)
@@ -137,7 +150,7 @@ def convert_kernel(anchor, meta, ids, M, H, pair0, HC: tl.constexpr, HCHUNKS: tl
     h0 = (c // ((N // NC) * (D // DC))) * HC
     n0 = ((c // (D // DC)) % (N // NC)) * NC
     d0 = (c % (D // DC)) * DC
-    k_base, v_base, s_base = _row_bases(meta, ids, pair, M)
+    k_base, v_base, s_base = _row_bases_src(meta, ids, pair, M, SRC_IDX)
     kv, vv = _load_sources(anchor, k_base, v_base, s_base, h0, n0, d0, HC, NC, DC, H, True, H, N, D, X,
                            FROM_SRC, KD, EVICT)
     if not FROM_SRC:
@@ -149,7 +162,7 @@ def convert_kernel(anchor, meta, ids, M, H, pair0, HC: tl.constexpr, HCHUNKS: tl
 def convert_persistent_kernel(anchor, meta, ids, M, H, pair0, programs, HC: tl.constexpr,
                               HCHUNKS: tl.constexpr, NC: tl.constexpr, DC: tl.constexpr, N: tl.constexpr,
                               D: tl.constexpr, X: tl.constexpr, KD: tl.constexpr, EVICT: tl.constexpr, lut, cnt,
-                              REENC: tl.constexpr):
+                              REENC: tl.constexpr, SRC_IDX: tl.constexpr):
     """Out of place with a capped grid: program ``pid`` does ``convert_kernel``'s programs pid, pid+grid, ...
     (caps the conversion's share of the SMs; every program's work is independent)."""
     per_pair = HCHUNKS * (N // NC) * (D // DC)
@@ -159,7 +172,7 @@ def convert_persistent_kernel(anchor, meta, ids, M, H, pair0, programs, HC: tl.c
         h0 = (c // ((N // NC) * (D // DC))) * HC
         n0 = ((c // (D // DC)) % (N // NC)) * NC
         d0 = (c % (D // DC)) * DC
-        k_base, v_base, s_base = _row_bases(meta, ids, pair, M)
+        k_base, v_base, s_base = _row_bases_src(meta, ids, pair, M, SRC_IDX)
         kv, vv = _load_sources(anchor, k_base, v_base, s_base, h0, n0, d0, HC, NC, DC, H, True, H, N, D, X,
                                True, KD, EVICT)
         _store_tiles(anchor, k_base, v_base, kv, vv, h0, n0, d0, HC, NC, DC, H, N, D, X, KD, EVICT, lut, cnt,
@@ -298,7 +311,10 @@ class Launcher:
         self.anchor = job.k_planes[0]
         self.layers = len(job.k_planes)
         self.m = job.ids.numel()
-        self.ids = job.ids.to(job.device, non_blocking=True)
+        # With a source index the ids tensor carries the M source rows after the M block ids.
+        self.src_idx = job.src_index is not None and job.srcs is not None
+        ids = torch.cat([job.ids, job.src_index]) if self.src_idx else job.ids
+        self.ids = ids.to(job.device, non_blocking=True)
         src_cols = None
         if job.src_rows is not None:
             offsets = (job.src_rows[:, 0] - self.anchor.data_ptr()) // job.elem_bytes
@@ -319,12 +335,12 @@ class Launcher:
             return
         total = self.layers * self.m
         if self.strategy == "out_of_place":
-            self._out_of_place(self.meta, 0, total)
+            self._out_of_place(self.meta, 0, total, self.src_idx)
         elif self.strategy == "whole":
             hp = _next_pow2(self.job.num_heads)
             convert_kernel[(total,)](self.anchor, self.meta, self.ids, self.m, self.job.num_heads, 0, HC=hp,
                                      HCHUNKS=1, NC=self.job.block_size, DC=self.job.head_size, FROM_SRC=False,
-                                     KD=self.t.k_direct, EVICT=self.t.evict,
+                                     KD=self.t.k_direct, EVICT=self.t.evict, SRC_IDX=False,
                                      num_warps=_warps(2 * hp * self.job.block_size * self.job.head_size,
                                                       self.t.in_place_elems_per_thread),
                                      **self.reenc, **self.geom, **self.extra)
@@ -350,8 +366,9 @@ class Launcher:
         else:
             self._in_place_scratch()
 
-    def _out_of_place(self, meta: torch.Tensor, pair0: int, pairs: int) -> None:
-        """Chunks of about ``oop_elems``: several heads of a small page, or tokens x dims of one head."""
+    def _out_of_place(self, meta: torch.Tensor, pair0: int, pairs: int, src_idx: bool = False) -> None:
+        """Chunks of about ``oop_elems``: several heads of a small page, or tokens x dims of one head.
+        ``src_idx``: source rows come from the ids tensor (the job's ``src_index``)."""
         job = self.job
         h, n, d, x = job.num_heads, job.block_size, job.head_size, job.x
         dc = min(d, self.t.oop_max_dims)
@@ -364,12 +381,12 @@ class Launcher:
         if self.t.oop_max_programs and grid > self.t.oop_max_programs:
             convert_persistent_kernel[(self.t.oop_max_programs,)](
                 self.anchor, meta, self.ids, self.m, h, pair0, grid, HC=hc, HCHUNKS=hchunks, NC=nc, DC=dc,
-                KD=self.t.k_direct_oop, EVICT=self.t.evict, num_warps=self.t.oop_warps, **self.reenc,
-                **self.geom)
+                KD=self.t.k_direct_oop, EVICT=self.t.evict, num_warps=self.t.oop_warps, SRC_IDX=src_idx,
+                **self.reenc, **self.geom)
             return
         convert_kernel[(grid,)](self.anchor, meta, self.ids, self.m, h, pair0, HC=hc, HCHUNKS=hchunks, NC=nc,
                                 DC=dc, FROM_SRC=True, KD=self.t.k_direct_oop, EVICT=self.t.evict,
-                                num_warps=self.t.oop_warps,
+                                num_warps=self.t.oop_warps, SRC_IDX=src_idx,
                                 **self.reenc, **self.geom)
 
     def _prepare_scratch(self) -> None:

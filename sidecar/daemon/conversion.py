@@ -47,7 +47,8 @@ def reencode_planes(caches: Any, plan: Plan) -> Any:
 class JobConversion:
     """What one job's conversion has started."""
 
-    src: Any  # staged: the job's slots as [layers, blocks, page]; None: convert in place
+    src: Any  # staged: the job's slots as [layers, width, page]; None: convert in place
+    src_index: Any = None  # staged: block i's row in ``src`` (slots in remote order, gap rows between)
     planes: Any = None  # a PlaneSet with an fp8 re-encode table; None: the caches' own
     counts: list[Any] = field(default_factory=list)  # re-encode (saturated, NaN) counts per launch
     groups: list[asyncio.Future] = field(default_factory=list)  # CPU twin: one per layer group
@@ -76,12 +77,12 @@ class Conversions:
         if self._gpu is not None:
             self._stream = make_stream(self._gpu, self.limits)
 
-    def begin(self, job: Job, src: Any, plan: Plan) -> None:
+    def begin(self, job: Job, src: Any, plan: Plan, src_index: Any = None) -> None:
         """The job will convert what it reads (call before its first layer group can land)."""
         planes = None
         if plan.reencode is not None:
             planes = reencode_planes(job.caches, plan)
-        job.conversion = JobConversion(src=src, planes=planes)
+        job.conversion = JobConversion(src=src, planes=planes, src_index=src_index)
 
     def convert_group(self, job: Job, first: int, last: int) -> None:
         """Start converting layers [first, last) of a job whose reads of them are DONE."""
@@ -104,6 +105,8 @@ class Conversions:
                         src,
                         (first, last),
                         self.limits,
+                        None,
+                        conv.src_index,
                     )
                 )
             else:
@@ -118,6 +121,7 @@ class Conversions:
                     self.limits,
                     conv.planes,
                     conv.counts,
+                    conv.src_index,
                 )
                 job.timings["launch"] = job.timings.get("launch", 0.0) + time.perf_counter() - t0
         except Exception as exc:  # noqa: BLE001 - a launch that fails fails the request, not the loop

@@ -101,6 +101,7 @@ class Job:
     read: Any = None  # the port's read handle once posted
     blocks: Any = None  # local kernel block ids read (numpy int64): what gets converted
     slots: tuple[int, int] | None = None  # staging: (first slot, count)
+    gap_bytes: int = 0  # staging: bytes of gap blocks read only to merge descriptors (not the request's)
     conversion: Any = None  # conversion.JobConversion
 
     @property

@@ -21,12 +21,16 @@ from sidecar.daemon.jobs import SHUTTING_DOWN, Ending, Job, JobTable, Outcome, S
 from sidecar.daemon.leases import Leases
 from sidecar.daemon.peers import Peers
 from sidecar.daemon.port import PeerTarget, ReadMode
+from sidecar.daemon.read_plan import gap_cost, layer_groups_for
 from sidecar.daemon.reads import Reads
-from sidecar.daemon.staging import Staging
+from sidecar.daemon.staging import Staged, Staging
+from sidecar.nixl.geometry import GeometryError
+from sidecar.nixl.spans import remote_kernel_ids
 from sidecar.ops.config import Config
 from sidecar.ops.metrics import Metrics
 from sidecar.ops.ratelog import RateLimitedLog
 from sidecar.wire import protocol as p
+from sidecar.wire.formats import PageFormat
 
 log = logging.getLogger("kv_sidecar.pipeline")
 
@@ -183,19 +187,39 @@ class Pipeline:
     async def _post(self, job: Job, caches: Caches, mode: ReadMode, layer_groups: int) -> bool:
         """Take staging slots if staged, prepare the conversion, post the reads; True if it converts."""
         job.blocks = self._reads.blocks(job, mode)
-        pool = slots = src = None
+        pool = slots = src = staged = None
         layers, blocks = len(caches.layers), int(job.blocks.size)
+        fmt = job.peer.plan.remote
+        layer_groups = layer_groups_for(layer_groups, layers * blocks * fmt.page_bytes)
         if mode == "staged":
             if self._staging is None:
                 raise Refused("pull_mode", "staged reads need a staging pool (staging_bytes = 0)")
-            fmt = job.peer.plan.remote
-            pool, slots, job.slots = await self._staging.take(fmt, layers, blocks)
-            src = self._staging.source(job.slots, caches.page_format, layers, blocks)
+            staged = await self._take_span(job, fmt, layers, blocks)
+            pool, slots, job.slots = staged.pool, staged.slots, staged.run
+            src = self._staging.source(job.slots, caches.page_format, layers, staged.width)
         converting = bool(job.peer.plan.convert and blocks)
         if converting:
-            self._conversions.begin(job, src, job.peer.plan)
-        self._reads.post(job, mode, layer_groups, pool, slots)
+            self._conversions.begin(job, src, job.peer.plan, None if staged is None else staged.pos)
+        self._reads.post(job, mode, layer_groups, pool, slots, None if staged is None else staged.gaps)
+        if staged is not None:
+            job.gap_bytes = staged.gap_bytes(fmt.page_bytes)
         return converting
+
+    async def _take_span(self, job: Job, fmt: PageFormat, layers: int, blocks: int) -> Staged:
+        """The job's staging slots in remote-address order, with the gaps worth reading (config)."""
+        cfg, msg, peer = self._config(), job.msg, job.peer
+        regions = getattr(peer, "regions", None)
+        try:
+            rk = remote_kernel_ids(
+                msg.remote_block_ids,
+                1 if regions is None else regions.blocks_per_logical,
+                None if regions is None else regions.block_size,
+                msg.remote_num_tokens,
+                blocks,
+            )
+        except GeometryError as exc:
+            raise Refused(exc.field, exc.reason) from None
+        return await self._staging.take_span(fmt, layers, rk, gap_cost(cfg, peer), cfg.gap_pool_share)
 
     # -- the way out
 
@@ -285,7 +309,9 @@ class Pipeline:
             )
         self._metrics.answered(ending.outcome.value)
         if ending.outcome is Outcome.OK and job.read is not None:
-            self._metrics.bytes_pulled.inc(getattr(job.read, "nbytes", 0))
+            # the read's bytes include gap blocks (other requests' KV): counted on their own
+            self._metrics.bytes_pulled.inc(getattr(job.read, "nbytes", 0) - job.gap_bytes)
+            self._metrics.gap_bytes_read.inc(job.gap_bytes)
         if job.abort_envelope is not None:
             self._send(
                 job.abort_envelope,

@@ -102,8 +102,10 @@ class TransferPort(Protocol):
         remote_num_tokens: int | None,
         pool: StagingPool | None = None,
         slots: np.ndarray | None = None,
+        gaps: Any = None,
     ) -> Any:
-        """Post the request's READs (one per layer group); the prefill is notified once all are DONE."""
+        """Post the request's READs (one per layer group); the prefill is notified once all are DONE.
+        ``gaps``: staged only, a ``spans.GapRead`` of blocks read into staging just to merge runs."""
         ...
 
     def poll(self, read: Any, now: float) -> bool:

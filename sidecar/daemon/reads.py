@@ -65,9 +65,15 @@ class Reads:
             raise Refused(exc.field or "remote", exc.reason) from None
 
     def post(
-        self, job: Job, mode: ReadMode, layer_groups: int, pool: StagingPool | None, slots: np.ndarray | None
+        self,
+        job: Job,
+        mode: ReadMode,
+        layer_groups: int,
+        pool: StagingPool | None,
+        slots: np.ndarray | None,
+        gaps: Any = None,
     ) -> None:
-        """Post the job's READs (it must have its peer, caches and, when staged, its slots)."""
+        """Post the job's READs (it must have its peer, caches and, when staged, its slots and gaps)."""
         msg = job.msg
         remaining = max(0.001, job.deadline - time.monotonic())
         try:
@@ -83,6 +89,7 @@ class Reads:
                 remote_num_tokens=msg.remote_num_tokens,
                 pool=pool,
                 slots=slots,
+                gaps=gaps,
             )
         except GeometryError as exc:
             raise Refused(exc.field, exc.reason) from None

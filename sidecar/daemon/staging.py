@@ -17,6 +17,7 @@ from sidecar.daemon.errors import Refused
 from sidecar.daemon.port import TransferPort
 from sidecar.daemon.slots import SlotAllocator
 from sidecar.nixl.geometry import StagingPool, contiguous_slots
+from sidecar.nixl.spans import GapRead, ReadCost, plan_span, span_slots
 from sidecar.wire import ipc as ipc_mod
 from sidecar.wire.formats import PageFormat
 
@@ -28,6 +29,21 @@ class _Cut:
     slot_bytes: int
     pool: StagingPool  # what the port reads into
     allocator: SlotAllocator
+
+
+@dataclass(frozen=True, eq=False)
+class Staged:
+    """A staged request's slots: ``width`` per layer in remote order; block ``i`` lands in slot ``pos[i]``."""
+
+    pool: StagingPool
+    slots: np.ndarray  # [layers, n]: the slot of each (layer, block)
+    run: tuple[int, int]  # (first slot, count) to give back
+    width: int
+    pos: np.ndarray  # int64 (n,): block i's row in the span (the converter's source index)
+    gaps: GapRead | None  # blocks read only to merge runs
+
+    def gap_bytes(self, page_bytes: int) -> int:
+        return 0 if self.gaps is None else int(self.gaps.slots.size) * page_bytes
 
 
 class Staging:
@@ -86,6 +102,30 @@ class Staging:
             if first is not None:
                 return cut.pool, contiguous_slots(first, layers, blocks), (first, need)
             # re-cut for another page size while we waited: start over on the new cut
+
+    async def take_span(
+        self, fmt: PageFormat, layers: int, remote_ids: np.ndarray, cost: ReadCost | None, share: float
+    ) -> Staged:
+        """Slots for a request's remote kernel blocks in remote-address order (neighbours merge into runs),
+        plus the gaps worth reading (``cost``) when their slots are free now and within ``share`` of the
+        pool; otherwise no gaps, waiting for the request's own slots as ``take`` does."""
+        n = int(np.asarray(remote_ids).size)
+        page = fmt.page_bytes
+        if cost is not None and share > 0 and layers > 0 and n > 1:
+            cut = self._cut_for(page)
+            free = cut.allocator.free - layers * n
+            budget = min(int(share * cut.allocator.num_slots), free) // layers
+            span = plan_span(remote_ids, page, cost, budget)
+            if span.gap_blocks:
+                need = layers * span.width
+                first = cut.allocator.take(need)
+                if first is not None:
+                    gaps = GapRead(span.gap_ids, span_slots(first, layers, span.width, span.gap_pos))
+                    slots = span_slots(first, layers, span.width, span.pos)
+                    return Staged(cut.pool, slots, (first, need), span.width, span.pos, gaps)
+        span = plan_span(remote_ids, page, None, 0)
+        pool, _, run = await self.take(fmt, layers, n)
+        return Staged(pool, span_slots(run[0], layers, n, span.pos), run, n, span.pos, None)
 
     def give(self, run: tuple[int, int]) -> None:
         """Give a run back (the job's reads and conversion are over) and wake waiting pulls."""

@@ -442,8 +442,10 @@ class NixlTransfer:
         remote_num_tokens: int | None = None,
         pool: StagingPool | None = None,
         slots: np.ndarray | None = None,
+        gaps: Any = None,
     ) -> ReadOp:
         """Build the request's descriptors and post them in ``layer_groups`` READs; returns the sealed pull.
+        ``gaps`` (staged): a ``spans.GapRead`` of blocks read into staging only, to merge runs.
 
         Staged mode reads into ``pool`` (see ``staging``) at ``slots[layer, i]``. With no block to read (a
         full local prefix hit) nothing is posted and the pull completes with just the notification."""
@@ -458,6 +460,7 @@ class NixlTransfer:
                     slots,
                     local_block_ids=local_block_ids,
                     remote_num_tokens=remote_num_tokens,
+                    gaps=gaps,
                 )
             else:
                 table = geo.indices(local_block_ids, remote_block_ids, remote_num_tokens)

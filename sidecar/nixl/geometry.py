@@ -631,9 +631,12 @@ class PairGeometry:
         *,
         local_block_ids: Sequence[int] | np.ndarray | None = None,
         remote_num_tokens: int | None = None,
+        gaps: Any = None,
     ) -> Descs:
         """Whole remote pages into pool slots: ``slots[layer, i]`` receives remote block ``i`` of the paired
-        tail (the last ``slots.shape[1]`` kernel blocks, or those paired with ``local_block_ids``)."""
+        tail (the last ``slots.shape[1]`` kernel blocks, or those paired with ``local_block_ids``).
+        ``gaps`` (a ``spans.GapRead``): more remote kernel blocks read into their own slots (staging only).
+        Pages go in remote-id order, so blocks adjacent on both sides merge whatever the request order."""
         if self.mode != "staged" or self.pool is None:
             raise GeometryError("mode", "staged_descs needs a geometry built in staged mode with a pool")
         slots = np.asarray(slots)
@@ -652,11 +655,30 @@ class PairGeometry:
         if rk.size != slots.shape[1]:
             raise GeometryError("slots", f"{slots.shape[1]} slots per layer for {rk.size} blocks")
         s = slots.astype(_I64, copy=False)
+        rk, s = _with_gaps(rk, s, gaps, self.remote_limit)
         _check_range(s.ravel(), self.pool.num_slots, "slots")
         _check_unique(s.ravel(), "slots")
         ra = self._remote_addr(rk)
         la = np.uint64(self.pool.base) + s.astype(_U64) * np.uint64(self.pool.slot_bytes)
         return merge_runs(ra, la, self.remote.block_len, self.remote.device_id, self.pool.device_id)
+
+
+def _with_gaps(rk: np.ndarray, s: np.ndarray, gaps: Any, remote_limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """Add a staged read's gap blocks, then order every page by remote id (runs merge in that order)."""
+    if gaps is not None and np.asarray(gaps.remote_ids).size:
+        g_ids = _array(gaps.remote_ids, "gaps.remote_ids")
+        g_slots = np.asarray(gaps.slots)
+        if g_slots.shape != (s.shape[0], g_ids.size) or not np.issubdtype(g_slots.dtype, np.integer):
+            raise GeometryError(
+                "gaps.slots", f"need shape ({s.shape[0]}, {g_ids.size}), got {g_slots.dtype} {g_slots.shape}"
+            )
+        _check_range(g_ids, remote_limit, "gaps.remote_ids")
+        rk = np.concatenate([rk, g_ids])
+        s = np.concatenate([s, g_slots.astype(_I64, copy=False)], axis=1)
+    if rk.size > 1 and (np.diff(rk) < 0).any():
+        order = np.argsort(rk, kind="stable")
+        rk, s = rk[order], s[:, order]
+    return rk, s
 
 
 def contiguous_slots(first_slot: int, layers: int, n: int) -> np.ndarray:

@@ -133,6 +133,7 @@ class NixlPort:
         remote_num_tokens: int | None,
         pool: StagingPool | None = None,
         slots: np.ndarray | None = None,
+        gaps: Any = None,
     ) -> ReadOp:
         return self.agent.pull(
             peer,
@@ -147,6 +148,7 @@ class NixlPort:
             remote_num_tokens=remote_num_tokens,
             pool=pool,
             slots=slots,
+            gaps=gaps,
         )
 
     def poll(self, read: ReadOp, now: float) -> bool:

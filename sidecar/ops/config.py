@@ -171,8 +171,47 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     ] = 0
     layer_groups: Annotated[
         int,
-        _doc("READs per request and prefill rank (layer groups), so conversion can overlap the read", ge=1),
-    ] = 1
+        _doc(
+            "READs per request and prefill rank (layer groups), so conversion can overlap the read; 0 (auto): "
+            "4 for a request of at least 1 GiB, else 1 (where README's two-H200 runs measured a win: a lone "
+            "16k-token Qwen3-8B request, 11.6 -> 9.9 ms; 4k requests were 8-9 % slower with 4 groups)",
+            ge=0,
+        ),
+    ] = 0
+    gap_coalescing: Annotated[
+        bool,
+        _doc(
+            "staged reads: also read small gaps between a request's remote blocks into free staging slots "
+            "when one more descriptor costs more than the gap's bytes (read_descriptor_us, read_gbps), so "
+            "runs merge into fewer descriptors. A gap's bytes are another request's KV from the same prefill: "
+            "read into staging only, never converted, never written to decoder memory"
+        ),
+    ] = True
+    read_descriptor_us: Annotated[
+        float,
+        _doc(
+            "cost model of a read: microseconds one more descriptor costs (measure with bench e2e's "
+            "read_cost_fit; ~8 us inside NIXL's transfer() on an H200, issue 12)",
+            ge=0,
+        ),
+    ] = 8.0
+    read_gbps: Annotated[
+        float,
+        _doc(
+            "cost model of a read: GB/s of a large contiguous read (bench e2e's read_cost_fit); the default "
+            "is below README's bare contiguous reads on two H200s (207-248 GB/s)",
+            gt=0,
+        ),
+    ] = 200.0
+    gap_pool_share: Annotated[
+        float,
+        _doc(
+            "the most of the staging pool (a fraction) one request's gap blocks may take; gaps use only "
+            "slots free at the time, never wait for them",
+            ge=0,
+            le=1,
+        ),
+    ] = 0.25
     conversion_max_step_delay_us: Annotated[
         float,
         _doc(

@@ -52,6 +52,11 @@ class Metrics:
         r = self.registry
         self.requests = Counter("kv_sidecar_requests", "Pulls answered, by outcome", ["outcome"], registry=r)
         self.bytes_pulled = Counter("kv_sidecar_bytes_pulled", "Bytes read from prefills", registry=r)
+        self.gap_bytes_read = Counter(
+            "kv_sidecar_gap_bytes_read",
+            "Bytes of gap blocks (other requests' KV) read into staging only to merge descriptors",
+            registry=r,
+        )
         self.stage_seconds = Histogram(
             "kv_sidecar_stage_seconds", "Seconds per stage of a pull", ["stage"], buckets=BUCKETS, registry=r
         )

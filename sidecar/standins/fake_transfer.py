@@ -42,6 +42,7 @@ class FakeRead:
     groups: list[tuple[int, int]]
     mode: str
     slots: Any = None
+    gaps: Any = None  # the GapRead a staged read was posted with
     landed: list[tuple[int, int]] = field(default_factory=list)
     finished: bool = False
     done_at: float | None = None
@@ -140,6 +141,7 @@ class FakePort:
         remote_num_tokens: int | None,
         pool: StagingPool | None = None,
         slots: np.ndarray | None = None,
+        gaps: Any = None,
     ) -> FakeRead:
         if slots is not None:
             layers = int(slots.shape[0])
@@ -149,8 +151,10 @@ class FakePort:
         groups = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         if self.reverse:
             groups.reverse()
-        read = FakeRead(peer, remote_request_id, time.monotonic() + timeout_s, groups, mode, slots)
+        read = FakeRead(peer, remote_request_id, time.monotonic() + timeout_s, groups, mode, slots, gaps)
         read.handles = [object() for _ in groups]
+        if pool is not None and slots is not None:  # what a real staged read's descriptors would cover
+            read.nbytes = (slots.size + (0 if gaps is None else gaps.slots.size)) * pool.slot_bytes
         self.reads.append(read)
         return read
 

@@ -236,17 +236,19 @@ class Rig:
         abort_fraction: float = 0.0,
         tokens: tuple[int, int] = (1, 120),
         timeout_s: float = 40.0,
+        new_kw: dict[str, Any] | None = None,
     ) -> BatchResult:
         """Create ``n`` requests at the prefill, pull them ``wave`` at a time without waiting between waves
         (so several waves are in flight), call ``fault`` right after wave ``fault_after_wave`` went out, then
         wait for every answer. Each success is checked bit for bit; every request's blocks are painted with
-        the canary again when the shim hands them back."""
+        the canary again when the shim hands them back. ``new_kw``: the prefill's block order (``order``,
+        ``density``) for every request."""
         dec = self.decoder
         assert dec is not None
         pending: dict[str, tuple[PullOrder, Any]] = {}
         for _ in range(n):
             self._n += 1
-            reply = self.emu.client.new_request(num_tokens=self._rng.randint(*tokens))
+            reply = self.emu.client.new_request(num_tokens=self._rng.randint(*tokens), **(new_kw or {}))
             local = dec.allocate(len(reply.kernel_block_ids))
             order = PullOrder(f"f{self._n}", parse_remote(reply.kv_transfer_params), local, True,
                               time.monotonic_ns())

@@ -155,6 +155,7 @@ def test_registry_has_the_fixed_names():
     for name in (
         "kv_sidecar_requests_total",
         "kv_sidecar_bytes_pulled_total",
+        "kv_sidecar_gap_bytes_read_total",
         "kv_sidecar_stage_seconds_bucket",
         "kv_sidecar_requests_in_flight",
         "kv_sidecar_refusals_total",
@@ -242,6 +243,7 @@ def test_dashboard_shows_what_the_issue_asks():
     assert {
         "kv_sidecar_requests_total",
         "kv_sidecar_bytes_pulled_total",
+        "kv_sidecar_gap_bytes_read_total",
         "kv_sidecar_requests_in_flight",
         "kv_sidecar_refusals_total",
         "kv_sidecar_stage_seconds_bucket",

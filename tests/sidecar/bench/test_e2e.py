@@ -164,6 +164,11 @@ def test_cpu_run_end_to_end(tmp_path) -> None:
     assert by[("direct", "random", 200)]["bare"]["descriptors_per_request"] == 2 * 2 * 13
     assert by[("staged", "contiguous", 200)]["bare"]["descriptors_per_request"] == 2  # one run per layer
     assert by[("staged", "random", 200)]["bare"]["descriptors_per_request"] > 2
+    for c in cells:  # the bare reads read the daemon's spans: remote order and gaps never add descriptors
+        assert c["bare"]["descriptors_per_request"] <= c["bare"]["descriptors_per_request_in_request_order"]
+        assert c["bare"]["gap_bytes"] >= 0
+    assert set(r["read_cost_fit"]) & {"read_descriptor_us", "error"}, r["read_cost_fit"]
+    assert r["settings"]["gaps"]["gap_pool_share"] == 0.25
     t = r["transports"]
     for role in ("daemon-direct", "daemon-staged", "bare"):
         assert t[role]["read_transports"] and set(t[role]["read_transports"]) <= {

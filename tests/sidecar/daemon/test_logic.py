@@ -516,3 +516,130 @@ def test_the_caches_of_a_shim_that_went_away_are_released_after_the_grace():
             assert h.daemon.metrics.ready._value.get() == 0 and h.port.registrations == 0
 
     run(main())
+
+
+# -- staged spans: slots in remote order, gaps read into free staging slots --------------------------------
+
+
+@pytest.fixture
+def conversion_calls(monkeypatch):
+    """Every conversion's (block ids, source rows, source index), recorded, then run for real."""
+    calls = []
+    real = conversion_mod.convert_blocks
+
+    def record(caches, block_ids, fmt, src, layers=None, limits=None, planes=None, src_index=None):
+        calls.append((list(block_ids), None if src is None else tuple(src.shape), src_index))
+        return real(caches, block_ids, fmt, src, layers, limits, planes, src_index)
+
+    monkeypatch.setattr(conversion_mod, "convert_blocks", record)
+    return calls
+
+
+def test_scattered_blocks_get_slots_in_remote_order_and_gaps_read_into_staging(conversion_calls):
+    async def main():
+        async with started(pull_mode="staged", staging_bytes=64 * PAGE_BYTES) as h:
+            h.pull("a", blocks=[5, 1, 3])
+            assert (await h.reply(p.Done, "a")).ok
+            read = h.port.reads[0]
+            # every remote id 1..5 in order: block 5 -> row 4, 1 -> row 0, 3 -> row 2; 2 and 4 are gaps
+            first = int(read.slots.min())
+            assert read.slots.tolist() == [[first + 5 * lay + r for r in (4, 0, 2)] for lay in range(LAYERS)]
+            assert read.gaps.remote_ids.tolist() == [2, 4]
+            want_gap_slots = [[first + 5 * lay + r for r in (1, 3)] for lay in range(LAYERS)]
+            assert read.gaps.slots.tolist() == want_gap_slots
+            assert h.daemon.metrics.gap_bytes_read._value.get() == LAYERS * 2 * PAGE_BYTES
+            assert h.daemon.metrics.bytes_pulled._value.get() == LAYERS * 3 * PAGE_BYTES  # the request's own
+            ids, shape, index = conversion_calls[0]
+            assert ids == [5, 1, 3] and shape[:2] == (LAYERS, 5) and list(index) == [4, 0, 2]
+            await asyncio.sleep(0.01)
+            cut = h.daemon.staging._cut  # noqa: SLF001
+            assert cut.allocator.free == cut.allocator.num_slots  # gap slots given back with the run
+
+    run(main())
+
+
+def test_without_gap_coalescing_slots_are_still_in_remote_order(conversion_calls):
+    async def main():
+        async with started(pull_mode="staged", staging_bytes=64 * PAGE_BYTES, gap_coalescing=False) as h:
+            h.pull("a", blocks=[5, 1, 3])
+            assert (await h.reply(p.Done, "a")).ok
+            read = h.port.reads[0]
+            first = int(read.slots.min())
+            assert read.gaps is None
+            assert read.slots.tolist() == [[first + 3 * lay + r for r in (2, 0, 1)] for lay in range(LAYERS)]
+            assert h.daemon.metrics.gap_bytes_read._value.get() == 0
+            assert list(conversion_calls[0][2]) == [2, 0, 1] and conversion_calls[0][1][:2] == (LAYERS, 3)
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("staging_slots", "share", "gaps"),
+    [
+        (LAYERS * 3, 0.25, None),  # the pool holds just the request: no slot to spare for a gap
+        (LAYERS * 4, 1.0, [6]),  # room for one gap block a layer: the 1-block gap only
+        (64, 0.0, None),  # no share of the pool for gaps
+        (64, 0.05, None),  # 3 slots: less than one gap block in each of 4 layers
+        (64, 0.13, [6]),  # 8 slots: 2 gap blocks a layer -> the 1-block gap only (the other is 3 long)
+        (64, 0.25, [2, 3, 4, 6]),  # 16 slots: both gaps
+    ],
+)
+def test_gaps_take_only_free_slots_within_the_share(conversion_calls, staging_slots, share, gaps):
+    async def main():
+        pool = staging_slots * PAGE_BYTES
+        async with started(pull_mode="staged", staging_bytes=pool, gap_pool_share=share) as h:
+            h.pull("a", blocks=[5, 1, 7])  # remote 1, 5, 7: gaps 2-4 and 6
+            assert (await h.reply(p.Done, "a")).ok
+            read = h.port.reads[0]
+            got = None if read.gaps is None else read.gaps.remote_ids.tolist()
+            assert got == gaps
+            width = 3 + (0 if gaps is None else len(gaps))
+            assert conversion_calls[0][1][:2] == (LAYERS, width)
+            assert h.daemon.metrics.gap_bytes_read._value.get() == LAYERS * (width - 3) * PAGE_BYTES
+
+    run(main())
+
+
+def test_gaps_never_wait_for_slots_a_busy_pool_still_serves_the_request():
+    async def main():
+        h = Harness(pull_mode="staged", staging_bytes=LAYERS * 6 * PAGE_BYTES, gap_pool_share=1.0)
+        await h.start()
+        h.port.auto_land = False
+        try:
+            h.pull("a", blocks=[1, 2, 3])  # takes half the pool
+            await h.until_stage("a", "transfer")
+            h.pull("b", blocks=[7, 4])  # gap 5-6 would need 4 slots a layer: only 3 are free
+            await h.until_stage("b", "transfer")
+            while len(h.port.reads) < 2:
+                await asyncio.sleep(0.002)
+            assert h.port.reads[1].gaps is None
+            for read in h.port.reads:
+                h.port.land(read)
+            assert (await h.reply(p.Done, "a")).ok and (await h.reply(p.Done, "b")).ok
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+@pytest.mark.parametrize(("setting", "nbytes", "want"), [(0, 0, 1), (0, (1 << 30) - 1, 1), (0, 1 << 30, 4),
+                                                          (0, 10 << 30, 4), (1, 10 << 30, 1), (12, 1, 12)])
+def test_layer_groups_auto_is_four_from_one_gib(setting, nbytes, want):
+    from sidecar.daemon.read_plan import layer_groups_for
+
+    assert layer_groups_for(setting, nbytes) == want
+
+
+def test_layer_groups_auto_reads_a_small_request_in_one_group():
+    async def main():
+        async with started(pull_mode="staged", staging_bytes=64 * PAGE_BYTES) as h:
+            assert h.config.layer_groups == 0
+            h.port.auto_land = False
+            h.pull("a")
+            while not h.port.reads:
+                await asyncio.sleep(0.001)
+            assert h.port.reads[0].groups == [(0, LAYERS)]  # one READ of every layer
+            h.port.land(h.port.reads[0])
+            assert (await h.reply(p.Done, "a")).ok
+
+    run(main())

@@ -547,9 +547,45 @@ def test_staged_merges_adjacent_runs():
     slots = contiguous_slots(3, 3, len(remote))
     d = geo.staged_descs(remote, slots)
     assert d.count == 3 * 3 and d.layer_rows.tolist() == [0, 3, 6, 9]
-    assert d.local[:3, 1].tolist() == [4 * PAGE, 2 * PAGE, PAGE]
+    assert d.local[:3, 1].tolist() == [PAGE, 4 * PAGE, 2 * PAGE]  # in remote-id order: 2, 4-7, 12-13
     apply(d.local, d.remote, pool_mem, rmem)
     check_staged(pool_mem, rmem, remote, slots)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_staged_span_in_remote_order_with_gaps_merges_and_lands_exactly(seed):
+    """Slots laid out in remote order (spans.plan_span) merge scattered blocks; gap pages land in their own
+    slots; nothing else in the pool is written."""
+    from sidecar.nixl.spans import GapRead, ReadCost, count_runs, plan_span, span_slots
+
+    rng = np.random.default_rng(seed)
+    layers = 3
+    geo, pool_mem, rmem = staged_setup(layers=layers, nb_remote=24, slots=layers * 24)
+    remote = rng.choice(24, size=int(rng.integers(1, 12)), replace=False).tolist()
+    cost = ReadCost(descriptor_us=8.0, gbps=PAGE * 3 / 8.0 / 1e3)  # gaps of up to 2 pages are worth it
+    span = plan_span(np.array(remote), PAGE, cost, budget_blocks=int(rng.integers(0, 6)))
+    first = int(rng.integers(0, 5))
+    slots = span_slots(first, layers, span.width, span.pos)
+    gap_slots = span_slots(first, layers, span.width, span.gap_pos)
+    d = geo.staged_descs(remote, slots, gaps=GapRead(span.gap_ids, gap_slots))
+    every = np.union1d(remote, span.gap_ids)
+    assert d.count == layers * count_runs(every)
+    assert d.count <= layers * count_runs(np.sort(remote))
+    apply(d.local, d.remote, pool_mem, rmem)
+    check_staged(pool_mem, rmem, remote + span.gap_ids.tolist(), np.concatenate([slots, gap_slots], axis=1))
+
+
+def test_staged_gaps_are_checked():
+    from sidecar.nixl.spans import GapRead
+
+    geo, _, _ = staged_setup()
+    slots = contiguous_slots(0, 3, 2)
+    with pytest.raises(GeometryError, match="gaps.slots"):
+        geo.staged_descs([1, 3], slots, gaps=GapRead(np.array([2]), np.array([[9], [10]])))
+    with pytest.raises(GeometryError, match="gaps.remote_ids"):
+        geo.staged_descs([1, 3], slots, gaps=GapRead(np.array([99]), np.array([[9], [10], [11]])))
+    with pytest.raises(GeometryError, match="slots"):  # a gap slot that is also a block's slot
+        geo.staged_descs([1, 3], slots, gaps=GapRead(np.array([2]), np.array([[1], [10], [11]])))
 
 
 def test_staged_whole_request_one_descriptor_per_layer():

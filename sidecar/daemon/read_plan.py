@@ -1,0 +1,30 @@
+"""Per-request read choices from the config: layer groups ("auto") and the gap cost model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sidecar.nixl.spans import ReadCost
+
+AUTO_GROUPS_MIN_BYTES = 1 << 30  # README (two H200s): 4 groups won for a 16k request (2.4 GB), lost at 4k
+AUTO_GROUPS = 4
+
+
+def layer_groups_for(setting: int, request_bytes: int) -> int:
+    """``layer_groups`` as configured, or for 0 (auto): 4 for a request of at least 1 GiB, else 1."""
+    if setting < 0:
+        raise ValueError(f"layer_groups must be >= 0, got {setting}")
+    if setting:
+        return setting
+    return AUTO_GROUPS if request_bytes >= AUTO_GROUPS_MIN_BYTES else 1
+
+
+def gap_cost(cfg: Any, peer: Any) -> ReadCost | None:
+    """The cost model to read gaps with, or None: coalescing off, or the prefill's blocks are not back to
+    back in its regions (a stride larger than a page: a gap would never merge)."""
+    if not cfg.gap_coalescing or cfg.gap_pool_share <= 0:
+        return None
+    regions = getattr(peer, "regions", None)
+    if regions is not None and (regions.block_stride != regions.block_len).any():
+        return None
+    return ReadCost(cfg.read_descriptor_us, cfg.read_gbps)

@@ -1,0 +1,161 @@
+"""Staged read spans: which gaps between a request's remote blocks to read through, where each block lands.
+
+Pure (numpy, no I/O). A staged read puts whole remote pages into staging slots; pages adjacent on both sides
+merge into one descriptor. Slots are laid out in remote-address order, so neighbouring remote blocks merge
+whatever order the request lists them in, and a small gap between two needed blocks can be read too (into
+staging only, never decoder memory) when one more descriptor costs more than the gap's bytes. A gap's bytes
+are another request's KV from the same prefill: they are read into staging and never converted or kept.
+
+Per layer, bridging a gap of ``k`` blocks saves one descriptor and reads ``k`` more pages; both scale with the
+layer count, so the choice is the same for every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sidecar.nixl.geometry import GeometryError, kernel_block_ids
+
+_I64 = np.int64
+
+
+@dataclass(frozen=True)
+class ReadCost:
+    """The read cost model: fixed CPU/NIXL time per descriptor plus bytes at a rate."""
+
+    descriptor_us: float  # what one more descriptor costs (µs)
+    gbps: float  # bytes per ns (GB/s) of a large read
+
+    def __post_init__(self) -> None:
+        if not self.descriptor_us >= 0 or not self.gbps > 0:
+            raise ValueError(f"need descriptor_us >= 0 and gbps > 0, got {self.descriptor_us}, {self.gbps}")
+
+    def bytes_us(self, nbytes: int) -> float:
+        """Time to move ``nbytes`` at ``gbps`` (µs)."""
+        return nbytes / (self.gbps * 1e3)
+
+    def max_gap_blocks(self, page_bytes: int) -> int:
+        """The longest gap (in pages) still cheaper to read than one more descriptor."""
+        if page_bytes <= 0:
+            raise ValueError(f"page_bytes must be positive, got {page_bytes}")
+        per_page = self.bytes_us(page_bytes)
+        # strictly cheaper: k * per_page < descriptor_us
+        k = int(self.descriptor_us // per_page)
+        return max(0, k - 1 if k * per_page >= self.descriptor_us else k)
+
+
+@dataclass(frozen=True, eq=False)
+class Span:
+    """A request's staged layout: ``width`` slots per layer in remote order.
+
+    ``pos[i]``: the slot (within a layer) of the request's block ``i``; ``gap_ids`` / ``gap_pos``: the remote
+    ids read only to merge runs, and their slots."""
+
+    width: int
+    pos: np.ndarray  # int64 (n,)
+    gap_ids: np.ndarray  # int64 (g,)
+    gap_pos: np.ndarray  # int64 (g,)
+
+    @property
+    def gap_blocks(self) -> int:
+        return int(self.gap_ids.size)
+
+
+@dataclass(frozen=True, eq=False)
+class GapRead:
+    """Remote kernel ids read into staging only to merge runs, and their slots ``[layers, g]``."""
+
+    remote_ids: np.ndarray  # int64 (g,)
+    slots: np.ndarray  # int64 (layers, g)
+
+
+def plan_gaps(needed: np.ndarray, page_bytes: int, cost: ReadCost | None, budget_blocks: int) -> np.ndarray:
+    """Remote ids of the gaps worth reading between the sorted unique ``needed`` ids: each gap shorter than
+    ``cost.max_gap_blocks``, shortest first (every gap saves the same one descriptor), at most
+    ``budget_blocks`` gap ids in all. ``cost`` None: no gaps."""
+    ids = np.asarray(needed, dtype=_I64)
+    if cost is None or budget_blocks <= 0 or ids.size < 2:
+        return np.empty(0, _I64)
+    if (np.diff(ids) <= 0).any():
+        raise ValueError("needed ids must be sorted and unique")
+    limit = cost.max_gap_blocks(page_bytes)
+    if limit <= 0:
+        return np.empty(0, _I64)
+    lens = np.diff(ids) - 1
+    cand = np.flatnonzero((lens > 0) & (lens <= limit))
+    if cand.size == 0:
+        return np.empty(0, _I64)
+    order = cand[np.argsort(lens[cand], kind="stable")]
+    taken = order[np.cumsum(lens[order]) <= budget_blocks]
+    if taken.size == 0:
+        return np.empty(0, _I64)
+    taken = np.sort(taken)
+    # every id of every taken gap, vectorised: gap j is ids[j]+1 .. ids[j+1]-1
+    sizes = lens[taken]
+    starts = np.repeat(ids[taken] + 1 - (np.cumsum(sizes) - sizes), sizes)
+    return starts + np.arange(int(sizes.sum()), dtype=_I64)
+
+
+def plan_span(remote_ids: np.ndarray, page_bytes: int, cost: ReadCost | None, budget_blocks: int) -> Span:
+    """Slots in remote-address order for a request's remote kernel ids (request order), with the gaps worth
+    reading (``plan_gaps``). Repeated ids (never sent by a prefill) keep the request order and no gaps."""
+    rk = np.asarray(remote_ids, dtype=_I64)
+    n = rk.size
+    order = np.argsort(rk, kind="stable")
+    needed = rk[order]
+    none = np.empty(0, _I64)
+    if n > 1 and (needed[1:] == needed[:-1]).any():
+        return Span(n, np.arange(n, dtype=_I64), none, none)
+    gaps = plan_gaps(needed, page_bytes, cost, budget_blocks)
+    if gaps.size == 0:  # the common case: one sort, no search
+        pos = np.empty(n, _I64)
+        pos[order] = np.arange(n, dtype=_I64)
+        return Span(n, pos, none, none)
+    every = np.sort(np.concatenate([needed, gaps]))
+    return Span(
+        width=int(every.size),
+        pos=np.searchsorted(every, rk).astype(_I64),
+        gap_ids=gaps,
+        gap_pos=np.searchsorted(every, gaps).astype(_I64),
+    )
+
+
+def span_slots(first_slot: int, layers: int, width: int, pos: np.ndarray) -> np.ndarray:
+    """Slots ``[layers, len(pos)]`` of a run starting at ``first_slot``: layer ``l`` owns ``width`` slots."""
+    p = np.asarray(pos, dtype=_I64)
+    return first_slot + np.arange(layers, dtype=_I64)[:, None] * width + p[None, :]
+
+
+def count_runs(sorted_ids: np.ndarray) -> int:
+    """Descriptors per layer of a read of these sorted unique remote ids into slots in the same order."""
+    ids = np.asarray(sorted_ids, dtype=_I64)
+    return 0 if ids.size == 0 else int(1 + (np.diff(ids) != 1).sum())
+
+
+def fit_read_cost(descriptors: np.ndarray, nbytes: np.ndarray, seconds: np.ndarray) -> ReadCost:
+    """Least squares ``seconds = descriptors * a + nbytes / b`` over measured reads (a ≥ 0, b > 0)."""
+    d = np.asarray(descriptors, dtype=float)
+    b = np.asarray(nbytes, dtype=float)
+    t = np.asarray(seconds, dtype=float)
+    if d.size < 2 or not (d.size == b.size == t.size):
+        raise ValueError("need at least two measured reads of equal-length descriptors, bytes and times")
+    (a, inv), *_ = np.linalg.lstsq(np.stack([d, b], axis=1), t, rcond=None)
+    if inv <= 0:
+        raise ValueError("the reads do not show a positive byte rate (need reads of different sizes)")
+    return ReadCost(descriptor_us=max(0.0, a * 1e6), gbps=1.0 / inv / 1e9)
+
+
+def remote_kernel_ids(
+    remote_block_ids: Any, ratio: int, block_size: int | None, num_tokens: int | None, n: int
+) -> np.ndarray:
+    """The remote kernel blocks a staged read of ``n`` local blocks reads, in request order: what
+    ``PairGeometry.staged_descs`` pairs with the slots (padding past ``num_tokens`` trimmed, the tail)."""
+    rk = kernel_block_ids(remote_block_ids, ratio, "remote_block_ids")
+    if num_tokens is not None and block_size:
+        rk = rk[: -(-num_tokens // block_size)]
+    if n > rk.size:
+        raise GeometryError("local_block_ids", f"{n} local kernel blocks, the prefill supplied {rk.size}")
+    return rk[rk.size - n :]
