@@ -302,9 +302,9 @@ def mismatched_blocks(
             reply, seed, remote_fmt, layer, len(local_ids),
             remote_tp=remote_tp, local_tp=standin.tp_size, local_rank=standin.rank,
         )
-        ids = torch.tensor(local_ids, dtype=torch.long)
-        k_got = standin.k_plane(layer).index_select(0, ids).contiguous().view(torch.uint8).numpy()
-        v_got = standin.v_plane(layer).index_select(0, ids).contiguous().view(torch.uint8).numpy()
+        ids = torch.tensor(local_ids, dtype=torch.long, device=standin.k_plane(layer).device)
+        k_got = standin.k_plane(layer).index_select(0, ids).contiguous().view(torch.uint8).cpu().numpy()
+        v_got = standin.v_plane(layer).index_select(0, ids).contiguous().view(torch.uint8).cpu().numpy()
         for i, b in enumerate(local_ids):
             if not np.array_equal(k_got[i], k_exp[i]):
                 bad.append(f"layer {layer} block {b} K plane")
