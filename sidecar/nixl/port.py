@@ -138,7 +138,7 @@ class NixlPort:
                             local_rank=target.local_rank, remote_tp=target.remote_tp, remote_rank=target.tp_rank)
         if not isinstance(read, tp.RankRead):
             raise RemoteRefused(read.reason, read.field)
-        return read.source, lambda _fmt: read.view
+        return read.source, read.view
 
     def _admit(self, target: PeerTarget, admission: Admission, reply: Any, view: Any = None) -> Any:
         settings = TransferSettings(

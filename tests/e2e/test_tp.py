@@ -7,12 +7,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import msgspec
 import pytest
 
 from sidecar.standins.decoder import DecoderStandin, run_tp_session, summarize
 from tests.e2e.procs import ENV, REMOTE_FMT, SHAPE, log_tail, start_daemon, start_emulator
+from vllm_glue.orders import PullOrder, parse_remote
 
 pytestmark = pytest.mark.e2e
 
@@ -24,7 +26,8 @@ def rank_fmt(heads: int):
 
 
 def staged(fmt) -> str:
-    return f'pull_mode = "staged"\nstaging_bytes = {SHAPE.layers * fmt.page_bytes * 64}'
+    # two layer groups: a group converts once every prefill rank's read of it has landed
+    return f'pull_mode = "staged"\nstaging_bytes = {SHAPE.layers * fmt.page_bytes * 64}\nlayer_groups = 2'
 
 
 def run_pair(work, *, decoder_tp, prefill_tp, mode, requests=6, rng_seed=1):
@@ -124,3 +127,26 @@ def test_standin_cli_runs_as_a_tp2_decoder(work) -> None:
             d.stop()
         emu.stop()
 
+
+
+def test_a_pull_refused_after_the_handshakes_tells_every_prefill_rank_once(work) -> None:
+    # Decoder TP1 reading a TP2 prefill; the Pull names a remote block past the prefill's cache, so it is
+    # refused before any read is posted: both prefill ranks must still be told "id:1", once each.
+    emu = start_emulator(work, "--heads", "1", "--tp", "2")
+    d = start_daemon(work, declared=rank_fmt(1), name="tpbadids")
+    s = DecoderStandin(d.socket, SHAPE, compat_factors=dict(emu.ready.compat_factors))
+    try:
+        assert s.register(), s.worker.client.status_reason
+        reply = emu.client.new_request(num_tokens=40)
+        remote = parse_remote(reply.kv_transfer_params)
+        bad = msgspec.structs.replace(remote, block_ids=[*remote.block_ids[:-1], 10**6])
+        local = s.allocate(len(reply.kernel_block_ids))
+        s.pull([PullOrder("bad", bad, local, True, time.monotonic_ns())])
+        out = s.wait({"bad"}, 30)["bad"]
+        assert not out.ok and out.reason.startswith("remote_block_ids"), out.reason
+        st = emu.client.wait_state(remote.request_id, "freed_by_notif", 10.0)
+        assert st.notif_counts == [1, 1] and st.late_notifications == 0, st
+    finally:
+        s.close()
+        d.stop()
+        emu.stop()
