@@ -150,3 +150,16 @@ def test_a_pull_refused_after_the_handshakes_tells_every_prefill_rank_once(work)
         s.close()
         d.stop()
         emu.stop()
+
+
+@pytest.mark.parametrize("flags", [["--decoder-tp", "2"], ["--prefill-tp", "2", "--pull-mode", "staged"]],
+                         ids=["decoder-tp2", "prefill-tp2-staged"])
+def test_demo_runs_at_unequal_tp(flags) -> None:
+    proc = subprocess.run([sys.executable, "-m", "sidecar.cli", "demo", "--requests", "8", "--json", *flags],
+                          capture_output=True, text=True, timeout=180)
+    out = msgspec.json.decode(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 0, (out, proc.stderr[-3000:])
+    ranks = 2 if "--decoder-tp" in flags else 1
+    assert out["ok_overall"] and out["ok"] == out["requests"] == 8 * ranks
+    assert out["prefill_not_freed"] == [] and out["metrics"]["consistent"]
+    assert len(out["metrics"]["per_daemon"]) == ranks
