@@ -8,7 +8,8 @@ on the daemon's event loop thread.
 
 What the daemon reads off the objects the port returns:
 
-- a peer (``connect``, one prefill rank; ``blocks``/``read``/``notify`` take a ``PeerSet`` of them): ``plan`` (``sidecar.wire.formats.Plan``: ``.convert``, ``.remote``), ``generation``
+- a peer (``connect``, one prefill rank; ``blocks``/``read``/``notify`` take a ``PeerSet`` of them): ``plan``
+  (``sidecar.wire.formats.Plan``: ``.convert``, ``.remote``), ``generation``
   (settable: a handshake started by a heartbeat learns it from the first Pull), ``address``;
 - a read (``read``): ``finished``, ``done_at``, ``nbytes``, ``handles`` (truthy while some are held) and
   ``landed``, a list of ``(first, last)`` layer ranges seen DONE that the daemon pops to convert them.

@@ -719,7 +719,9 @@ class PairGeometry:
         return merge_runs(ra, la, self.remote.block_len, self.remote.device_id, self.pool.device_id)
 
 
-def _check_sliced(remote: RemoteRegions, view: PageFormat, local: PageFormat, layers: int, source: Any) -> None:
+def _check_sliced(
+    remote: RemoteRegions, view: PageFormat, local: PageFormat, layers: int, source: Any
+) -> None:
     """A sliced read's remote: one LBHNC region per layer, each page holding the source's byte range."""
     if remote.layout != "LBHNC" or view.layout != "LBHNC":
         raise GeometryError("remote.layout", f"only LBHNC pages can be sliced by heads, not {remote.layout}")

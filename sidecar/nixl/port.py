@@ -133,9 +133,16 @@ class NixlPort:
     @staticmethod
     def _slice(target: PeerTarget, admission: Admission, reply: Any) -> tuple[tp.SourceSlice, Any]:
         """The head slice this decoder rank reads of a prefill rank at another TP, and its view format."""
-        declared = resolve_remote_format(target.address, admission.rules, getattr(reply.metadata, "page_format", None))
-        read = tp.rank_read(declared, admission.local_format, local_tp=target.local_tp,
-                            local_rank=target.local_rank, remote_tp=target.remote_tp, remote_rank=target.tp_rank)
+        tag = getattr(reply.metadata, "page_format", None)
+        declared = resolve_remote_format(target.address, admission.rules, tag)
+        read = tp.rank_read(
+            declared,
+            admission.local_format,
+            local_tp=target.local_tp,
+            local_rank=target.local_rank,
+            remote_tp=target.remote_tp,
+            remote_rank=target.tp_rank,
+        )
         if not isinstance(read, tp.RankRead):
             raise RemoteRefused(read.reason, read.field)
         return read.source, read.view
@@ -160,7 +167,9 @@ class NixlPort:
             view=view,
         )
 
-    def _notify_only_peer(self, target: PeerTarget, agent_metadata: bytes, count: int = 1) -> NotifyOnlyPeer | None:
+    def _notify_only_peer(
+        self, target: PeerTarget, agent_metadata: bytes, count: int = 1
+    ) -> NotifyOnlyPeer | None:
         peer = self._notify_only.get(agent_metadata)
         if peer is None:
             try:

@@ -81,7 +81,8 @@ def read_ranks(*, local_tp: int, local_rank: int, remote_tp: int) -> tuple[int, 
         return Refusal("remote_tp_size", f"rank {local_rank} of TP {local_tp} against prefill TP {remote_tp}")
     if local_tp >= remote_tp:
         if local_tp % remote_tp:
-            return Refusal("remote_tp_size", f"decoder TP {local_tp} is not a multiple of prefill TP {remote_tp}")
+            return Refusal("remote_tp_size",
+                           f"decoder TP {local_tp} is not a multiple of prefill TP {remote_tp}")
         return (local_rank // (local_tp // remote_tp),)
     if remote_tp % local_tp:
         return Refusal("remote_tp_size", f"prefill TP {remote_tp} is not a multiple of decoder TP {local_tp}")
@@ -92,7 +93,9 @@ def read_ranks(*, local_tp: int, local_rank: int, remote_tp: int) -> tuple[int, 
 def notif_count(*, local_tp: int, remote_tp: int) -> int:
     """The n of ``"id:n"`` vLLM sends each prefill rank: decoder ranks reading it (1 when the prefill's TP is
     at least the decoder's). Also what a refused pairing's notification carries."""
-    return local_tp // remote_tp if remote_tp > 0 and local_tp > remote_tp and local_tp % remote_tp == 0 else 1
+    if remote_tp > 0 and local_tp > remote_tp and local_tp % remote_tp == 0:
+        return local_tp // remote_tp
+    return 1
 
 
 class RankRead(msgspec.Struct, frozen=True):

@@ -184,7 +184,8 @@ class DecoderStandin:
         """Take exactly these blocks (another TP rank's allocation: vLLM's ranks share one block table)."""
         taken = set(block_ids)
         if not taken <= set(self._free):
-            raise RuntimeError(f"blocks {sorted(taken - set(self._free))[:5]} are not free on rank {self.rank}")
+            missing = sorted(taken - set(self._free))[:5]
+            raise RuntimeError(f"blocks {missing} are not free on rank {self.rank}")
         self._free = [b for b in self._free if b not in taken]
 
     def release(self, block_ids: list[int]) -> None:
@@ -264,7 +265,8 @@ def expected_planes(
 
     kb = reply.kernel_block_ids[len(reply.kernel_block_ids) - count :]
     gens = reply.block_generations[len(reply.block_generations) - count :]
-    whole = np.concatenate([expected_pages(seed, layer, kb, gens, remote_fmt, r) for r in range(remote_tp)], 1)
+    per_rank = [expected_pages(seed, layer, kb, gens, remote_fmt, r) for r in range(remote_tp)]
+    whole = np.concatenate(per_rank, 1)
     share = whole.shape[1] // local_tp
     mine = np.ascontiguousarray(whole[:, local_rank * share : (local_rank + 1) * share])
     heads = remote_fmt.num_heads * remote_tp // local_tp
@@ -558,7 +560,8 @@ def _run_tp(args: argparse.Namespace, sockets: list[str], shape: StandinShape, r
             ]
             for st in standins:
                 if not st.register():
-                    print(json.dumps({"error": f"rank {st.rank} not registered: {st.worker.client.status_reason}"}))
+                    reason = st.worker.client.status_reason
+                    print(json.dumps({"error": f"rank {st.rank} not registered: {reason}"}))
                     return 1
             results = run_tp_session(
                 standins, emulator, requests=args.requests, seed=args.seed, remote_fmt=remote_fmt,

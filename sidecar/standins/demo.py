@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     for side in ("prefill_tp", "decoder_tp"):
         tp = getattr(args, side)
         if tp < 1 or args.heads % tp:
-            print(f"--{side.replace('_', '-')} {tp} must be >= 1 and divide --heads {args.heads}", file=sys.stderr)
+            flag = "--" + side.replace("_", "-")
+            print(f"{flag} {tp} must be >= 1 and divide --heads {args.heads}", file=sys.stderr)
             return 2
     work = tempfile.mkdtemp(prefix="kv-sidecar-demo-")
     emulator = None

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from sidecar.daemon.port import Admission, PeerTarget, ReadMode
-from sidecar.nixl.errors import RemoteDisconnected, RemoteRefused, TransferFailed, TransferTimeout
 from sidecar.nixl import tp
+from sidecar.nixl.errors import RemoteDisconnected, RemoteRefused, TransferFailed, TransferTimeout
 from sidecar.nixl.geometry import LocalRegions, StagingPool, regions_per_layer
 from sidecar.wire.formats import STANDARD, Plan, negotiate
 
@@ -110,7 +110,9 @@ class FakePort:
                                 remote_tp=target.remote_tp, remote_rank=target.tp_rank)
             if not isinstance(read, tp.RankRead):
                 exc = RemoteRefused(read.reason, read.field)
-                exc.peer = FakePeer(target.engine_id, target.tp_rank, target.address, 0, None, notif_count=count)
+                exc.peer = FakePeer(
+                    target.engine_id, target.tp_rank, target.address, 0, None, notif_count=count
+                )
                 raise exc
             remote = read.view
         plan = negotiate(

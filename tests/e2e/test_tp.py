@@ -114,7 +114,8 @@ def test_standin_cli_runs_as_a_tp2_decoder(work) -> None:
         f.write(msgspec.json.encode(emu.ready))
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "sidecar.standins.decoder", "--socket", ",".join(d.socket for d in daemons),
+            [sys.executable, "-m", "sidecar.standins.decoder",
+             "--socket", ",".join(d.socket for d in daemons),
              "--emulator-ready-file", ready_file, "--heads", "1", "--prefill-heads", "2",
              "--layers", str(SHAPE.layers), "--head-size", str(SHAPE.head_size), "--requests", "4"],
             capture_output=True, text=True, timeout=120, env={**os.environ, **ENV},

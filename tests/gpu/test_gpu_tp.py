@@ -32,7 +32,8 @@ def test_unequal_tp_on_gpus_is_bit_exact_and_frees_every_rank(tmp_path, mode, de
     gpus = torch.cuda.device_count()
     prefill = rank_fmt(HEADS // prefill_tp)
     local_heads = HEADS // decoder_tp
-    shape = StandinShape(layers=LAYERS, heads=local_heads, head_size=HEAD_SIZE, block_size=BLOCK, num_blocks=1024)
+    shape = StandinShape(layers=LAYERS, heads=local_heads, head_size=HEAD_SIZE, block_size=BLOCK,
+                         num_blocks=1024)
     emu = spawn_emulator(
         [*("--device", "cuda:0", "--layers", str(LAYERS), "--heads", str(HEADS // prefill_tp)),
          *("--tp", str(prefill_tp), "--head-size", str(HEAD_SIZE), "--block-size", str(BLOCK)),
@@ -45,11 +46,13 @@ def test_unequal_tp_on_gpus_is_bit_exact_and_frees_every_rank(tmp_path, mode, de
             gpu = rank % gpus
             daemons.append(start_daemon(
                 tmp_path, f"d{rank}", remote_fmt=prefill, gpu=gpu, mode=mode,
-                staging_bytes=LAYERS * 4096 * shape.fmt.page_bytes, env=ucx_env(tmp_path, f"d{rank}", "warn", True),
+                staging_bytes=LAYERS * 4096 * shape.fmt.page_bytes,
+                env=ucx_env(tmp_path, f"d{rank}", "warn", True),
                 log_path=tmp_path / f"d{rank}.log",
             ))
             s = DeviceStandin(daemons[-1].socket, shape, device=f"cuda:{gpu}",
-                              compat_factors=dict(emu.ready.compat_factors), worker_rank=rank, tp_size=decoder_tp)
+                              compat_factors=dict(emu.ready.compat_factors), worker_rank=rank,
+                              tp_size=decoder_tp)
             standins.append(s)
             assert s.register(), s.worker.client.status_reason
         results = run_tp_session(standins, emu.client, requests=REQUESTS, seed=0, remote_fmt=prefill,
