@@ -16,6 +16,7 @@ from sidecar.daemon.jobs import JobTable, Session
 from sidecar.daemon.leases import Leases
 from sidecar.daemon.peers import Key, Peers
 from sidecar.daemon.port import PeerTarget
+from sidecar.nixl.tp import read_ranks
 from sidecar.ops.metrics import Metrics
 from sidecar.wire import protocol as p
 
@@ -52,16 +53,21 @@ class Heartbeats:
             self._send(envelope, p.Error(reason="say Hello before Heartbeat", in_reply_to="Heartbeat"))
             return
         for t in msg.targets:
-            if t.remote_tp_size != session.tp_size or not t.remote_request_ids:
+            # vLLM heartbeats every prefill rank it reads: one, or several when the prefill's TP is larger
+            ranks = read_ranks(local_tp=session.tp_size, local_rank=session.rank, remote_tp=t.remote_tp_size)
+            if not isinstance(ranks, tuple) or not t.remote_request_ids:
                 continue
-            key = (t.remote_engine_id, session.rank)
-            self._leases.shim_heartbeat(key, t.remote_request_ids, received)
-            peer = self._peers.admitted(key)
-            if peer is not None:
-                self._leases.send(peer, t.remote_request_ids)
-            elif not self._peers.known(key) and self._caches.current is not None and not self._stopping():
-                target = PeerTarget(t.remote_engine_id, session.rank, t.remote_host, t.remote_port)
-                self._peers.start(target, self._caches.current)
+            for rank in ranks:
+                key = (t.remote_engine_id, rank)
+                self._leases.shim_heartbeat(key, t.remote_request_ids, received)
+                peer = self._peers.admitted(key)
+                if peer is not None:
+                    self._leases.send(peer, t.remote_request_ids)
+                elif not self._peers.known(key) and self._caches.current is not None and not self._stopping():
+                    target = PeerTarget(t.remote_engine_id, rank, t.remote_host, t.remote_port,
+                                        remote_tp=t.remote_tp_size, local_tp=session.tp_size,
+                                        local_rank=session.rank)
+                    self._peers.start(target, self._caches.current)
 
     def admitted(self, key: Key, peer: Any) -> None:
         """A handshake went through: heartbeat what the shim heartbeated before we knew this prefill."""
@@ -78,8 +84,9 @@ class Heartbeats:
             by_peer: dict[Key, list[str]] = {}
             for rid in self._leases.due(now):
                 job = held.get(rid)
-                if job is not None and job.peer_entry is not None:
-                    by_peer.setdefault((job.msg.remote_engine_id, job.session.rank), []).append(rid)
+                if job is not None and job.peer_entries:
+                    for entry in job.peer_entries:
+                        by_peer.setdefault(entry.key, []).append(rid)
             for key, ids in by_peer.items():
                 peer = self._peers.admitted(key)
                 if peer is not None:

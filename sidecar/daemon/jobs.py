@@ -96,8 +96,8 @@ class Job:
     settled: bool = False  # the pipeline ended; only quiescing and the answer remain (no more cancels)
     running: bool = False  # holds one of the max_inflight slots
     caches: Any = None  # the Caches it reads into (counted in caches.users while held)
-    peer: Any = None  # the admitted prefill rank, once the handshake is through
-    peer_entry: Any = None  # peers.PeerEntry: the handshake it waits on or used
+    peer: Any = None  # port.PeerSet: the admitted prefill ranks it reads, once every handshake is through
+    peer_entries: list[Any] = field(default_factory=list)  # peers.PeerEntry per rank: handshakes it holds
     read: Any = None  # the port's read handle once posted
     blocks: Any = None  # local kernel block ids read (numpy int64): what gets converted
     slots: tuple[int, int] | None = None  # staging: (first slot, count)

@@ -90,8 +90,9 @@ class Leases:
         self._sent = sent
         self._port = port
         self._metrics = metrics
-        # remote_request_id -> the prefill rank the shim heartbeats it for (engine id, rank)
-        self._heartbeated: dict[str, tuple[str, int]] = {}
+        # remote_request_id -> the prefill ranks the shim heartbeats it for (engine id, rank): several when
+        # the prefill's TP is larger than the decoder's
+        self._heartbeated: dict[str, set[tuple[str, int]]] = {}
 
     def seen(self, remote_request_id: str, at: float) -> None:
         self.tracker.seen(remote_request_id, at)
@@ -106,11 +107,11 @@ class Leases:
         """The shim heartbeated these requests for prefill rank ``key``."""
         for rid in remote_request_ids:
             self.tracker.seen(rid, now)
-            self._heartbeated[rid] = key
+            self._heartbeated.setdefault(rid, set()).add(key)
 
     def heartbeated_for(self, key: tuple[str, int]) -> list[str]:
         """Requests the shim heartbeats for ``key`` (sent on once its handshake is through)."""
-        return [rid for rid, k in self._heartbeated.items() if k == key]
+        return [rid for rid, keys in self._heartbeated.items() if key in keys]
 
     def send(self, peer: Any, remote_request_ids: list[str]) -> None:
         """Heartbeat those of ``remote_request_ids`` we can still vouch for (a late one proves nothing)."""

@@ -35,6 +35,7 @@ class PeerEntry:
 
     task: asyncio.Task
     config_gen: int
+    key: Key = ("", 0)  # (engine id, prefill rank)
     users: int = 0
 
     @property
@@ -111,7 +112,7 @@ class Peers:
         """Start a handshake with ``target`` (replacing any entry for its key)."""
         key = (target.engine_id, target.tp_rank)
         task = asyncio.ensure_future(self._handshake(target, caches))
-        entry = PeerEntry(task=task, config_gen=self._generation)
+        entry = PeerEntry(task=task, config_gen=self._generation, key=key)
         self._entries[key] = entry
 
         def forget_failure(t: asyncio.Task) -> None:

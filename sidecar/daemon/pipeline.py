@@ -20,12 +20,13 @@ from sidecar.daemon.errors import Failed, PeerLost, Refused, reason_of
 from sidecar.daemon.jobs import SHUTTING_DOWN, Ending, Job, JobTable, Outcome, Session, Stage
 from sidecar.daemon.leases import Leases
 from sidecar.daemon.peers import Peers
-from sidecar.daemon.port import PeerTarget, ReadMode
+from sidecar.daemon.port import PeerSet, PeerTarget, ReadMode
 from sidecar.daemon.read_plan import gap_cost, layer_groups_for
 from sidecar.daemon.reads import Reads
 from sidecar.daemon.staging import Staged, Staging
 from sidecar.nixl.geometry import GeometryError
 from sidecar.nixl.spans import remote_kernel_ids
+from sidecar.nixl.tp import read_ranks
 from sidecar.ops.config import Config
 from sidecar.ops.metrics import Metrics
 from sidecar.ops.ratelog import RateLimitedLog
@@ -137,15 +138,14 @@ class Pipeline:
                 f"{len(msg.local_block_ids)} local / {len(msg.remote_block_ids)} remote block ids, "
                 f"the registered caches hold {caches.max_blocks} blocks",
             )
-        if msg.remote_tp_size != job.session.tp_size:
-            raise Refused(
-                "remote_tp_size",
-                f"prefill TP {msg.remote_tp_size} != decoder TP "
-                f"{job.session.tp_size}: heterogeneous TP is not supported",
-            )
+        targets = _targets(job)  # every prefill rank this decoder rank reads (several when its TP is larger)
         job.enter(Stage.HANDSHAKE)
-        job.peer_entry, handshake = self._peers.acquire(_target(job), caches)
-        job.peer = await asyncio.shield(handshake)
+        handshakes = []
+        for target in targets:
+            entry, handshake = self._peers.acquire(target, caches)
+            job.peer_entries.append(entry)
+            handshakes.append(handshake)
+        job.peer = PeerSet(tuple(await asyncio.shield(asyncio.gather(*handshakes))))
         if not self._leases.check(msg.remote_request_id, time.monotonic()):
             raise Failed(
                 f"lease: cannot vouch for {msg.remote_request_id!r} any more (lease {cfg.lease_s:g} s, "
@@ -207,8 +207,10 @@ class Pipeline:
 
     async def _take_span(self, job: Job, fmt: PageFormat, layers: int, blocks: int) -> Staged:
         """The job's staging slots in remote-address order, with the gaps worth reading (config)."""
-        cfg, msg, peer = self._config(), job.msg, job.peer
-        regions = getattr(peer, "regions", None)
+        cfg, msg, peers = self._config(), job.msg, job.peer.peers
+        regions = getattr(peers[0], "regions", None)
+        # A head-sliced read (unequal TP) reads only the request's own pages: no gaps through its slices.
+        same_tp = len(peers) == 1 and msg.remote_tp_size == job.session.tp_size
         try:
             rk = remote_kernel_ids(
                 msg.remote_block_ids,
@@ -219,7 +221,8 @@ class Pipeline:
             )
         except GeometryError as exc:
             raise Refused(exc.field, exc.reason) from None
-        return await self._staging.take_span(fmt, layers, rk, gap_cost(cfg, peer), cfg.gap_pool_share)
+        cost = gap_cost(cfg, peers[0]) if same_tp else None
+        return await self._staging.take_span(fmt, layers, rk, cost, cfg.gap_pool_share)
 
     # -- the way out
 
@@ -234,7 +237,8 @@ class Pipeline:
         except Refused as exc:
             ending = Ending(Outcome.REFUSED, str(exc), exc.field)
         except PeerLost as exc:
-            self._peers.drop(job.peer_entry)
+            for entry in job.peer_entries:
+                self._peers.drop(entry)
             ending = Ending(Outcome.FAILED, str(exc))
         except Exception as exc:  # noqa: BLE001 - every failure becomes a Done(ok=False)
             if not isinstance(exc, Failed):
@@ -265,12 +269,14 @@ class Pipeline:
             safe = await self._reads.stop(job)
         elif job.peer is not None:
             self._peers.notify(job.peer, rid)  # read never posted: still let the prefill free the blocks
-        elif job.peer_entry is not None:
-            # stopped during the handshake, or after it ended but before this job resumed from it
-            self._peers.notify_when_admitted(job.peer_entry.task, rid)
+        elif job.peer_entries:
+            # stopped during the handshakes, or after they ended but before this job resumed from them
+            for entry in job.peer_entries:
+                self._peers.notify_when_admitted(entry.task, rid)
         elif self._stopped_while_queued(job):
             # the prefill holds the blocks for its lease: handshake (or reuse one) just to notify
-            self._peers.notify_unread(_target(job), self._caches.current, rid)
+            for target in _targets(job, refuse=False):
+                self._peers.notify_unread(target, self._caches.current, rid)
         await self._conversions.settle(job)
         return safe
 
@@ -292,9 +298,9 @@ class Pipeline:
         if job.caches is not None:
             job.caches.users -= 1
             job.caches = None
-        if job.peer_entry is not None:
-            self._peers.release(job.peer_entry)
-            job.peer_entry = None
+        for entry in job.peer_entries:
+            self._peers.release(entry)
+        job.peer_entries = []
         self._leases.forget(job.msg.remote_request_id)
         timings = {k: v for k, v in job.timings.items() if k != Stage.DONE.value}
         timings["end_to_end"] = now - job.received
@@ -338,12 +344,25 @@ class Pipeline:
         log.debug("pull %s: %s %s %s", job.req_id, ending.outcome.value, ending.reason or "", timings)
 
 
-def _target(job: Job) -> PeerTarget:
-    msg = job.msg
-    return PeerTarget(
-        engine_id=msg.remote_engine_id,
-        tp_rank=job.session.rank,
-        host=msg.remote_host,
-        port=msg.remote_port,
-        generation=msg.remote_registration_generation,
-    )
+def _targets(job: Job, refuse: bool = True) -> list[PeerTarget]:
+    """The prefill ranks the job reads (vLLM's TP mapping); unless ``refuse`` is False, a TP ratio that does
+    not divide raises Refused naming remote_tp_size (then nothing is read, and no rank is named)."""
+    msg, session = job.msg, job.session
+    ranks = read_ranks(local_tp=session.tp_size, local_rank=session.rank, remote_tp=msg.remote_tp_size)
+    if not isinstance(ranks, tuple):
+        if refuse:
+            raise Refused(ranks.field, ranks.reason)
+        return []
+    return [
+        PeerTarget(
+            engine_id=msg.remote_engine_id,
+            tp_rank=rank,
+            host=msg.remote_host,
+            port=msg.remote_port,
+            generation=msg.remote_registration_generation,
+            remote_tp=msg.remote_tp_size,
+            local_tp=session.tp_size,
+            local_rank=session.rank,
+        )
+        for rank in ranks
+    ]

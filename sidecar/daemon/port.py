@@ -8,7 +8,8 @@ on the daemon's event loop thread.
 
 What the daemon reads off the objects the port returns:
 
-- a peer (``connect``): ``plan`` (``sidecar.wire.formats.Plan``: ``.convert``, ``.remote``), ``generation``
+- a peer (``connect``, one prefill rank; ``blocks``/``read``/``notify`` take a ``PeerSet`` of them): ``plan``
+  (``sidecar.wire.formats.Plan``: ``.convert``, ``.remote``), ``generation``
   (settable: a handshake started by a heartbeat learns it from the first Pull), ``address``;
 - a read (``read``): ``finished``, ``done_at``, ``nbytes``, ``handles`` (truthy while some are held) and
   ``landed``, a list of ``(first, last)`` layer ranges seen DONE that the daemon pops to convert them.
@@ -17,6 +18,7 @@ What the daemon reads off the objects the port returns:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import msgspec
@@ -33,14 +35,29 @@ class PeerTarget(msgspec.Struct, frozen=True):
     """One prefill rank to handshake with, as a Pull or a Heartbeat names it."""
 
     engine_id: str
-    tp_rank: int
+    tp_rank: int  # the prefill rank
     host: str
     port: int
     generation: int = 0
+    remote_tp: int = 1  # the prefill's TP size
+    local_tp: int = 1  # the decoder's TP size and the rank this daemon serves
+    local_rank: int = 0
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, eq=False)
+class PeerSet:
+    """The admitted prefill ranks one request reads: one, or several when the prefill's TP is larger. They
+    share one plan (the decoder's head count); each owes its own notification."""
+
+    peers: tuple[Any, ...]
+
+    @property
+    def plan(self) -> Any:
+        return self.peers[0].plan
 
 
 class Admission(msgspec.Struct, frozen=True):

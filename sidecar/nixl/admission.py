@@ -87,8 +87,13 @@ def admit_remote(
     local_factors: Mapping[str, Any] | None = None,
     check_identity: bool = True,
     expected_engine_id: str | None = None,
+    view: PageFormat | None = None,
 ) -> tuple[Plan, RemoteRegions]:
-    """Every handshake-time check of one prefill rank, in order; the first failure refused by field name."""
+    """Every handshake-time check of one prefill rank, in order; the first failure refused by field name.
+
+    ``view`` (heterogeneous TP): the format this decoder rank negotiates against instead of the declared one
+    (its head slice of the prefill rank's pages, see ``tp.rank_read``); the published geometry is still
+    checked against the declared format."""
     if expected_engine_id is not None and meta.engine_id != expected_engine_id:
         raise RemoteRefused(
             f"metadata is for engine {meta.engine_id!r}, the request names {expected_engine_id!r}",
@@ -112,7 +117,7 @@ def admit_remote(
             raise RemoteRefused("the handshake carried no compatibility hash", "compatibility_hash")
         check_model_identity(remote_hash, meta.attn_backend_name, local_factors)
     plan = negotiate(
-        remote_format,
+        remote_format if view is None else view,
         local_format,
         conversion_enabled=settings.conversion_enabled,
         allow_lossy_fp8=getattr(settings, "allow_lossy_fp8", False),

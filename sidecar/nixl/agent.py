@@ -132,6 +132,8 @@ class Peer:
     remote_handles: dict[str, Any] = field(default_factory=dict)  # mode -> prepped remote dlist
     geometries: dict[tuple[int, str], PairGeometry] = field(default_factory=dict)
     prep_seconds: dict[str, float] = field(default_factory=dict)  # mode -> one-time prep_xfer_dlist cost
+    source: Any = None  # tp.SourceSlice when the prefill runs at another TP (we read a head slice), else None
+    notif_count: int = 1  # the n of "id:n" this rank expects (decoder ranks reading it)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -283,6 +285,8 @@ class NixlTransfer:
         agent_metadata: bytes,
         plan: Plan,
         regions: RemoteRegions,
+        source: Any = None,
+        notif_count: int = 1,
     ) -> Peer:
         """Load a checked remote (see ``admit_remote``). Cached per (engine id, rank) and registration
         generation: a higher generation replaces it, and so does a new engine at the same address and rank
@@ -314,6 +318,8 @@ class NixlTransfer:
             agent_name=name,
             plan=plan,
             regions=regions,
+            source=source,
+            notif_count=notif_count,
         )
         self._peers[key] = peer
         return peer
@@ -340,7 +346,7 @@ class NixlTransfer:
         geo = peer.geometries.get(key)
         if geo is None or (mode == "staged" and geo.pool is not pool):
             try:
-                geo = PairGeometry(peer.plan, peer.regions, dest.regions, mode, pool=pool)
+                geo = PairGeometry(peer.plan, peer.regions, dest.regions, mode, pool=pool, source=peer.source)
             except GeometryError as exc:
                 raise RemoteRefused(exc.reason, exc.field) from exc
             peer.geometries[key] = geo
@@ -451,11 +457,14 @@ class NixlTransfer:
         full local prefix hit) nothing is posted and the pull completes with just the notification."""
         geo = self.geometry(peer, dest, mode, pool)
         pull = self.start(peer, remote_request_id, readers=readers, timeout_s=timeout_s)
+        table: DescIndices | Descs
         try:
-            if mode == "staged":
+            if geo.source is not None:  # a head slice (heterogeneous TP): explicit descriptors in every mode
+                table = geo.sliced_descs(local_block_ids, remote_block_ids, remote_num_tokens, slots)
+            elif mode == "staged":
                 if pool is None or slots is None:
                     raise GeometryError("pool", "a staged pull needs a pool and slots")
-                table: DescIndices | Descs = geo.staged_descs(
+                table = geo.staged_descs(
                     remote_block_ids,
                     slots,
                     local_block_ids=local_block_ids,
@@ -473,7 +482,8 @@ class NixlTransfer:
             posted = len(pull.handles)
             if isinstance(table, Descs):
                 loc, rem = table.layer_slice(a, b)
-                self.read_descs(pull, loc, rem, pool.mem_type)  # type: ignore[union-attr]
+                mem = pool.mem_type if mode == "staged" else dest.registration.mem_type  # type: ignore[union-attr]
+                self.read_descs(pull, loc, rem, mem)
             else:
                 li, ri = table.layer_slice(a, b)
                 self.read_indices(pull, dest, mode, li, ri, nbytes=self._index_bytes(geo, li.size))

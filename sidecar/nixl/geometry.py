@@ -447,10 +447,12 @@ class PairGeometry:
         mode: Mode,
         *,
         pool: StagingPool | None = None,
+        source: Any = None,
     ) -> None:
         if mode not in MODES:
             raise GeometryError("mode", f"{mode!r} is not one of {MODES}")
         self.plan, self.remote, self.local, self.mode, self.pool = plan, remote, local, mode, pool
+        self.source = source  # a tp.SourceSlice: heads of a prefill rank at another TP, or None (all of it)
         rf, lf = plan.remote, plan.local
         k_r, k_l = regions_per_layer(rf), regions_per_layer(lf)
         if local.num_regions % k_l:
@@ -458,7 +460,10 @@ class PairGeometry:
                 "local.regions", f"{local.num_regions} local regions is not a multiple of {k_l} per layer"
             )
         self.layers = local.num_regions // k_l
-        check_remote(remote, rf, self.layers)
+        if source is None:
+            check_remote(remote, rf, self.layers)
+        else:
+            _check_sliced(remote, rf, lf, self.layers, source)
         want_local = lf.page_bytes // k_l
         if (local.block_len != want_local).any():
             raise GeometryError(
@@ -503,6 +508,61 @@ class PairGeometry:
         else:
             self._r_base = self._remote_off
             self._l_base = self._local_off
+
+    def _pieces(self) -> list[tuple[int, int, int, int]]:
+        """(remote offset, local region of the layer, local offset, length) per page for a sliced read: the
+        source's bytes split where the local page splits into K/V planes (direct)."""
+        src = self.source
+        ro, lo, length = int(src.remote_offset), int(src.local_offset), int(src.length)
+        if self.mode != "direct":
+            return [(ro, 0, lo, length)]
+        half = self.plan.local.page_bytes // 2
+        pieces = []
+        a = lo
+        while a < lo + length:
+            plane = a // half
+            b = min(lo + length, (plane + 1) * half)
+            pieces.append((ro + a - lo, plane, a - plane * half, b - a))
+            a = b
+        return pieces
+
+    def sliced_descs(
+        self,
+        local_block_ids: Sequence[int] | np.ndarray,
+        remote_block_ids: Sequence[int] | np.ndarray,
+        remote_num_tokens: int | None = None,
+        slots: np.ndarray | None = None,
+    ) -> Descs:
+        """Explicit descriptors of a sliced read (heterogeneous TP), in any mode: the source's head slice of
+        each remote page into its place in the local page (planes, slot or whole block)."""
+        if self.source is None:
+            raise GeometryError("source", "sliced_descs needs a geometry built with a source slice")
+        lk, rk = self.blocks(local_block_ids, remote_block_ids, remote_num_tokens)
+        n, layers = lk.size, self.layers
+        ra = self._remote_addr(rk)  # (layers, n): remote page starts
+        if self.mode == "staged":
+            if self.pool is None or slots is None:
+                raise GeometryError("pool", "a staged read needs a pool and slots")
+            s = np.asarray(slots)
+            if s.shape != (layers, n) or not np.issubdtype(s.dtype, np.integer):
+                raise GeometryError("slots", f"need integer slots of shape ({layers}, {n}), got {s.shape}")
+            s = s.astype(_I64, copy=False)
+            _check_range(s.ravel(), self.pool.num_slots, "slots")
+            _check_unique(s.ravel(), "slots")
+            pages = (np.uint64(self.pool.base) + s.astype(_U64) * np.uint64(self.pool.slot_bytes))[:, None, :]
+            local_dev = self.pool.device_id
+        else:
+            k_l = self.local.num_regions // layers
+            pages = self._local_addr(lk).reshape(layers, k_l, n)
+            local_dev = self.local.device_id
+        pieces = self._pieces()
+        rem = np.stack([ra + np.uint64(p[0]) for p in pieces], axis=1)  # (layers, pieces, n)
+        loc = np.stack([pages[:, p[1], :] + np.uint64(p[2]) for p in pieces], axis=1)
+        unit = np.tile(np.array([p[3] for p in pieces], _I64), layers)
+        k = len(pieces)
+        d = merge_runs(rem.reshape(layers * k, n), loc.reshape(layers * k, n), unit, self.remote.device_id,
+                       local_dev)
+        return Descs(local=d.local, remote=d.remote, layer_rows=d.layer_rows[::k])
 
     # -- prepared tables (once) --------------------------------------------------------------------------
 
@@ -679,6 +739,25 @@ def _with_gaps(rk: np.ndarray, s: np.ndarray, gaps: Any, remote_limit: int) -> t
         order = np.argsort(rk, kind="stable")
         rk, s = rk[order], s[:, order]
     return rk, s
+
+
+def _check_sliced(
+    remote: RemoteRegions, view: PageFormat, local: PageFormat, layers: int, source: Any
+) -> None:
+    """A sliced read's remote: one LBHNC region per layer, each page holding the source's byte range."""
+    if remote.layout != "LBHNC" or view.layout != "LBHNC":
+        raise GeometryError("remote.layout", f"only LBHNC pages can be sliced by heads, not {remote.layout}")
+    if remote.block_size != view.block_size:
+        raise GeometryError("block_size", f"the prefill's kernel block is {remote.block_size} tokens, "
+                                          f"the remote page format has {view.block_size}")
+    if remote.num_regions != layers:
+        raise GeometryError("kv_caches_base_addr", f"region count {remote.num_regions} != {layers} layers")
+    ro, lo, length = int(source.remote_offset), int(source.local_offset), int(source.length)
+    if min(ro, lo) < 0 or length <= 0 or (remote.block_len < ro + length).any():
+        raise GeometryError("block_lens", f"bytes [{ro}, {ro + length}) do not lie inside every remote page")
+    if lo + length > local.page_bytes:
+        raise GeometryError("local_offset", f"bytes [{lo}, {lo + length}) overflow a {local.page_bytes}-byte "
+                                            "local page")
 
 
 def contiguous_slots(first_slot: int, layers: int, n: int) -> np.ndarray:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from sidecar.daemon.port import Admission, PeerTarget, ReadMode
-from sidecar.nixl.admission import admit_remote
+from sidecar.nixl import tp
+from sidecar.nixl.admission import admit_remote, resolve_remote_format
 from sidecar.nixl.agent import NixlTransfer, Peer, ReadOp, TransferSettings
 from sidecar.nixl.errors import RemoteRefused, TransferError
 from sidecar.nixl.geometry import LocalRegions, StagingPool
@@ -25,6 +27,51 @@ class NotifyOnlyPeer:
     tp_rank: int
     address: str
     agent_name: str
+    notif_count: int = 1
+
+
+@dataclass(eq=False)
+class ReadGroup:
+    """One request's reads from several prefill ranks (heterogeneous TP), seen by the daemon as one read:
+    a layer range has landed once every rank's read of it has."""
+
+    ops: list[ReadOp]
+    landed: list[tuple[int, int]] = field(default_factory=list)
+    _want: Counter = field(default_factory=Counter)
+    _seen: Counter = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        self._want = Counter(r for op in self.ops for r in op.layer_ranges)
+
+    @property
+    def finished(self) -> bool:
+        return all(op.finished for op in self.ops)
+
+    @property
+    def done_at(self) -> float | None:
+        times = [op.done_at for op in self.ops]
+        return None if None in times else max(times)  # type: ignore[type-var]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(op.nbytes for op in self.ops)
+
+    @property
+    def handles(self) -> bool:
+        return any(op.handles for op in self.ops)
+
+    def take_landed(self) -> None:
+        for op in self.ops:
+            while op.landed:
+                r = op.landed.pop(0)
+                self._seen[r] += 1
+                if self._seen[r] == self._want[r]:
+                    self.landed.append(r)
+
+
+def _members(peers: Any) -> tuple[Any, ...]:
+    """The prefill ranks of a ``PeerSet`` (or a lone peer)."""
+    return tuple(getattr(peers, "peers", (peers,)))
 
 
 class NixlPort:
@@ -34,6 +81,9 @@ class NixlPort:
         self.agent = NixlTransfer(settings)
         self.local_mem_type = "DRAM" if settings.cuda_device is None else "VRAM"
         self._notify_only: dict[bytes, NotifyOnlyPeer] = {}  # agent metadata -> its loaded agent
+        # (agent, remote request id) already notified by a read that failed while posting: the daemon's
+        # own notification for that request must not go out a second time.
+        self._spent: dict[tuple[str, str], None] = {}
 
     def register(self, ranges: Sequence[tuple[int, int, int]], mem_type: str) -> Any:
         return self.agent.register(ranges, mem_type)
@@ -56,10 +106,14 @@ class NixlPort:
             expected_engine_id=target.engine_id,
         )
         reply = replies[(0, target.tp_rank)]
+        source, count = None, tp.notif_count(local_tp=target.local_tp, remote_tp=target.remote_tp)
         try:
-            plan, regions = self._admit(target, admission, reply)
+            view = None
+            if target.remote_tp != target.local_tp:
+                source, view = self._slice(target, admission, reply)
+            plan, regions = self._admit(target, admission, reply, view)
         except RemoteRefused as exc:
-            exc.peer = self._notify_only_peer(target, reply.metadata.agent_metadata)
+            exc.peer = self._notify_only_peer(target, reply.metadata.agent_metadata, count)
             raise
         stale = self._notify_only.pop(reply.metadata.agent_metadata, None)
         if stale is not None:  # refused before, admitted now (a reload): load it as a full peer
@@ -72,9 +126,28 @@ class NixlPort:
             agent_metadata=reply.metadata.agent_metadata,
             plan=plan,
             regions=regions,
+            source=source,
+            notif_count=count,
         )
 
-    def _admit(self, target: PeerTarget, admission: Admission, reply: Any) -> Any:
+    @staticmethod
+    def _slice(target: PeerTarget, admission: Admission, reply: Any) -> tuple[tp.SourceSlice, Any]:
+        """The head slice this decoder rank reads of a prefill rank at another TP, and its view format."""
+        tag = getattr(reply.metadata, "page_format", None)
+        declared = resolve_remote_format(target.address, admission.rules, tag)
+        read = tp.rank_read(
+            declared,
+            admission.local_format,
+            local_tp=target.local_tp,
+            local_rank=target.local_rank,
+            remote_tp=target.remote_tp,
+            remote_rank=target.tp_rank,
+        )
+        if not isinstance(read, tp.RankRead):
+            raise RemoteRefused(read.reason, read.field)
+        return read.source, read.view
+
+    def _admit(self, target: PeerTarget, admission: Admission, reply: Any, view: Any = None) -> Any:
         settings = TransferSettings(
             remote_formats=admission.rules,
             conversion_enabled=admission.conversion_enabled,
@@ -91,16 +164,19 @@ class NixlPort:
             local_factors=admission.compat_factors or None,
             check_identity=admission.check_identity,
             expected_engine_id=target.engine_id,
+            view=view,
         )
 
-    def _notify_only_peer(self, target: PeerTarget, agent_metadata: bytes) -> NotifyOnlyPeer | None:
+    def _notify_only_peer(
+        self, target: PeerTarget, agent_metadata: bytes, count: int = 1
+    ) -> NotifyOnlyPeer | None:
         peer = self._notify_only.get(agent_metadata)
         if peer is None:
             try:
                 name = self.agent.load_agent(agent_metadata)
             except TransferError:
                 return None  # e.g. already loaded as an admitted peer; the lease frees the blocks
-            peer = NotifyOnlyPeer(target.engine_id, target.tp_rank, target.address, name)
+            peer = NotifyOnlyPeer(target.engine_id, target.tp_rank, target.address, name, count)
             self._notify_only[agent_metadata] = peer
         return peer
 
@@ -109,19 +185,19 @@ class NixlPort:
 
     def blocks(
         self,
-        peer: Peer,
+        peer: Any,
         dest: Any,
         mode: ReadMode,
         local_ids: Sequence[int],
         remote_ids: Sequence[int],
         remote_num_tokens: int | None,
     ) -> np.ndarray:
-        geo = self.agent.geometry(peer, dest, "plain" if mode == "plain" else "direct")
+        geo = self.agent.geometry(_members(peer)[0], dest, "plain" if mode == "plain" else "direct")
         return geo.blocks(local_ids, remote_ids, remote_num_tokens)[0]
 
     def read(
         self,
-        peer: Peer,
+        peer: Any,
         dest: Any,
         mode: ReadMode,
         local_ids: Sequence[int],
@@ -134,34 +210,65 @@ class NixlPort:
         pool: StagingPool | None = None,
         slots: np.ndarray | None = None,
         gaps: Any = None,
-    ) -> ReadOp:
-        return self.agent.pull(
-            peer,
-            dest,
-            mode,
-            local_ids,
-            remote_ids,
-            remote_request_id,
-            readers=1,
-            layer_groups=layer_groups,
-            timeout_s=timeout_s,
-            remote_num_tokens=remote_num_tokens,
-            pool=pool,
-            slots=slots,
-            gaps=gaps,
-        )
+    ) -> ReadOp | ReadGroup:
+        """The request's reads from each prefill rank of ``peer`` (a ``PeerSet`` or one peer); each rank gets
+        its own notification ``id:n`` once its reads are DONE (or stopped)."""
+        members = _members(peer)
+        if len(members) > 1:  # check every rank's geometry before anything is posted (or notified)
+            for m in members:
+                geo = self.agent.geometry(m, dest, mode, pool)
+                if geo.source is not None:
+                    geo.sliced_descs(local_ids, remote_ids, remote_num_tokens, slots)
+        ops: list[ReadOp] = []
+        for i, m in enumerate(members):
+            try:
+                ops.append(self.agent.pull(
+                    m, dest, mode, local_ids, remote_ids, remote_request_id, readers=m.notif_count,
+                    layer_groups=layer_groups, timeout_s=timeout_s, remote_num_tokens=remote_num_tokens,
+                    pool=pool, slots=slots, gaps=gaps,
+                ))
+            except Exception:
+                # The failed rank was notified by its pull; stop and notify the others exactly once too.
+                for op in ops:
+                    self.agent.abort(op)
+                for rest in members[i + 1 :]:
+                    self._notify_one(rest, remote_request_id)
+                for m2 in members:
+                    self._spent[(m2.agent_name, remote_request_id)] = None
+                while len(self._spent) > 4096:
+                    self._spent.pop(next(iter(self._spent)))
+                raise
+        return ops[0] if len(ops) == 1 else ReadGroup(ops)
 
-    def poll(self, read: ReadOp, now: float) -> bool:
-        return self.agent.poll(read, now)
+    def poll(self, read: ReadOp | ReadGroup, now: float) -> bool:
+        if isinstance(read, ReadOp):
+            return self.agent.poll(read, now)
+        try:
+            done = [self.agent.poll(op, now) for op in read.ops]
+        finally:
+            read.take_landed()
+        return all(done)
 
-    def abort(self, read: ReadOp) -> bool:
-        return self.agent.abort(read)
+    def abort(self, read: ReadOp | ReadGroup) -> bool:
+        if isinstance(read, ReadOp):
+            return self.agent.abort(read)
+        return all([self.agent.abort(op) for op in read.ops])
 
-    def release(self, read: ReadOp) -> bool:
-        return self.agent.release(read)
+    def release(self, read: ReadOp | ReadGroup) -> bool:
+        if isinstance(read, ReadOp):
+            return self.agent.release(read)
+        return all([self.agent.release(op) for op in read.ops])
 
-    def notify(self, peer: Peer | NotifyOnlyPeer, remote_request_id: str) -> None:
-        self.agent.notify_agent(peer.agent_name, remote_request_id, 1)
+    def notify(self, peer: Any, remote_request_id: str) -> None:
+        """Tell every prefill rank of ``peer`` to free the request's blocks (``id:n``, n its count)."""
+        for m in _members(peer):
+            if (m.agent_name, remote_request_id) in self._spent:
+                del self._spent[(m.agent_name, remote_request_id)]
+                continue  # a failed read already told it
+            self._notify_one(m, remote_request_id)
+
+    def _notify_one(self, peer: Peer | NotifyOnlyPeer, remote_request_id: str) -> None:
+        self.agent.notify_agent(peer.agent_name, remote_request_id, peer.notif_count)
 
     def heartbeat(self, peer: Peer, remote_request_ids: Sequence[str]) -> None:
         self.agent.heartbeat(peer, remote_request_ids)

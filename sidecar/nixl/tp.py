@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import msgspec
 
-from sidecar.wire.formats import Refusal
+from sidecar.wire.formats import PageFormat, Refusal
 
 
 class SourceSlice(msgspec.Struct, frozen=True):
@@ -72,3 +72,56 @@ def tp_plan(*, local_tp: int, local_rank: int, remote_tp: int, total_kv_heads: i
     sources = tuple(SourceSlice(local_rank * r + i, 0, i * remote_page_bytes, remote_page_bytes)
                     for i in range(r))
     return TPPlan(sources=sources, notif_count=1, heartbeat_ranks=tuple(s.remote_rank for s in sources))
+
+
+def read_ranks(*, local_tp: int, local_rank: int, remote_tp: int) -> tuple[int, ...] | Refusal:
+    """The prefill ranks decoder rank ``local_rank`` reads (and heartbeats), from the TP sizes alone: what the
+    daemon must handshake before it knows the page formats. ``tp_plan`` agrees once it does."""
+    if local_tp <= 0 or remote_tp <= 0 or not 0 <= local_rank < local_tp:
+        return Refusal("remote_tp_size", f"rank {local_rank} of TP {local_tp} against prefill TP {remote_tp}")
+    if local_tp >= remote_tp:
+        if local_tp % remote_tp:
+            return Refusal("remote_tp_size",
+                           f"decoder TP {local_tp} is not a multiple of prefill TP {remote_tp}")
+        return (local_rank // (local_tp // remote_tp),)
+    if remote_tp % local_tp:
+        return Refusal("remote_tp_size", f"prefill TP {remote_tp} is not a multiple of decoder TP {local_tp}")
+    r = remote_tp // local_tp
+    return tuple(range(local_rank * r, local_rank * r + r))
+
+
+def notif_count(*, local_tp: int, remote_tp: int) -> int:
+    """The n of ``"id:n"`` vLLM sends each prefill rank: decoder ranks reading it (1 when the prefill's TP is
+    at least the decoder's). Also what a refused pairing's notification carries."""
+    if remote_tp > 0 and local_tp > remote_tp and local_tp % remote_tp == 0:
+        return local_tp // remote_tp
+    return 1
+
+
+class RankRead(msgspec.Struct, frozen=True):
+    """One prefill rank as one decoder rank reads it: the heads it takes, seen as a page of the decoder's
+    head count (``view``: what negotiation and conversion see), and the notification count it owes."""
+
+    view: PageFormat
+    source: SourceSlice
+    notif_count: int
+
+
+def rank_read(remote: PageFormat, local: PageFormat, *, local_tp: int, local_rank: int, remote_tp: int,
+              remote_rank: int) -> RankRead | Refusal:
+    """How decoder rank ``local_rank`` reads prefill rank ``remote_rank`` whose pages are ``remote``; refuse
+    naming the field when heads do not divide or the pages cannot be sliced by heads."""
+    if remote.layout != "LBHNC":
+        return Refusal("remote.layout", f"only LBHNC pages hold a run of heads as one byte range, not "
+                                        f"{remote.layout}")
+    plan = tp_plan(local_tp=local_tp, local_rank=local_rank, remote_tp=remote_tp,
+                   total_kv_heads=remote.num_heads * remote_tp, local_page_bytes=local.page_bytes,
+                   remote_page_bytes=remote.page_bytes)
+    if isinstance(plan, Refusal):
+        return plan
+    src = next((s for s in plan.sources if s.remote_rank == remote_rank), None)
+    if src is None:
+        return Refusal("remote_rank", f"decoder rank {local_rank} of TP {local_tp} reads prefill ranks "
+                                      f"{[s.remote_rank for s in plan.sources]}, not {remote_rank}")
+    view = msgspec.structs.replace(remote, num_heads=remote.num_heads * remote_tp // local_tp)
+    return RankRead(view=view, source=src, notif_count=plan.notif_count)

@@ -7,7 +7,8 @@ collected. :func:`run_session` creates requests at a prefill emulator, pulls the
 block bit for bit against ``sidecar.convert``'s reference applied to the emulator's expected pages.
 
 ``python -m sidecar.standins.decoder --socket ipc://... --emulator-ready-file F`` runs one session and prints a
-JSON summary (exit 0 only if every request was pulled and is bit-exact).
+JSON summary (exit 0 only if every request was pulled and is bit-exact). ``--socket a,b`` acts as a decoder at
+TP 2: one stand-in rank per daemon socket, every request pulled by both ranks, each holding its head slice.
 
 Size: a whole stand-in process (planes, shim worker half, canary checks) with its CLI.
 """
@@ -107,6 +108,8 @@ class DecoderStandin:
         seed: int = 0,
         device: str = "cpu",
         reap_shm: bool = True,
+        worker_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
 
         from sidecar.wire.ipc import create_shm_buffer, torch_dtype
@@ -135,7 +138,14 @@ class DecoderStandin:
             self.kv_caches[f"model.layers.{layer}.self_attn.attn"] = flat.as_strided(
                 (b, 2, n, hd), (n * hd, b * n * hd, hd, 1), layer * per_layer
             )
-        self.worker = WorkerHalf(socket, pull_timeout_s=pull_timeout_s, register_timeout_s=register_timeout_s)
+        self.worker = WorkerHalf(
+            socket,
+            pull_timeout_s=pull_timeout_s,
+            register_timeout_s=register_timeout_s,
+            worker_rank=worker_rank,
+            tp_size=tp_size,
+        )
+        self.rank, self.tp_size = worker_rank, tp_size
         self._rng = random.Random(seed)
         self._free = list(range(1, shape.num_blocks))  # block 0 is vLLM's null block
         self._rng.shuffle(self._free)
@@ -169,6 +179,14 @@ class DecoderStandin:
             raise RuntimeError(f"decoder out of blocks: need {n}, {len(self._free)} free")
         out, self._free = self._free[:n], self._free[n:]
         return out
+
+    def allocate_ids(self, block_ids: list[int]) -> None:
+        """Take exactly these blocks (another TP rank's allocation: vLLM's ranks share one block table)."""
+        taken = set(block_ids)
+        if not taken <= set(self._free):
+            missing = sorted(taken - set(self._free))[:5]
+            raise RuntimeError(f"blocks {missing} are not free on rank {self.rank}")
+        self._free = [b for b in self._free if b not in taken]
 
     def release(self, block_ids: list[int]) -> None:
         self._free.extend(block_ids)
@@ -223,11 +241,21 @@ class DecoderStandin:
 
 
 def expected_planes(
-    reply: NewRequestReply, seed: int, remote_fmt: PageFormat, layer: int, count: int
+    reply: NewRequestReply,
+    seed: int,
+    remote_fmt: PageFormat,
+    layer: int,
+    count: int,
+    *,
+    remote_tp: int = 1,
+    local_tp: int = 1,
+    local_rank: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The K and V plane-blocks the last ``count`` remote kernel blocks of ``layer`` must become (uint8 rows).
 
     The emulator's expected pages, converted out of place by sidecar.convert (the torch reference on a CPU).
+    Across TP, the model's page is every prefill rank's heads in rank order (``remote_fmt`` is one rank's),
+    and decoder rank ``local_rank`` holds the ``local_rank``-th of ``local_tp`` equal runs of them.
     """
     import torch
 
@@ -237,9 +265,13 @@ def expected_planes(
 
     kb = reply.kernel_block_ids[len(reply.kernel_block_ids) - count :]
     gens = reply.block_generations[len(reply.block_generations) - count :]
-    pages = torch.from_numpy(expected_pages(seed, layer, kb, gens, remote_fmt)).view(
-        torch_dtype(remote_fmt.dtype)
-    )
+    per_rank = [expected_pages(seed, layer, kb, gens, remote_fmt, r) for r in range(remote_tp)]
+    whole = np.concatenate(per_rank, 1)
+    share = whole.shape[1] // local_tp
+    mine = np.ascontiguousarray(whole[:, local_rank * share : (local_rank + 1) * share])
+    heads = remote_fmt.num_heads * remote_tp // local_tp
+    remote_fmt = msgspec.structs.replace(remote_fmt, num_heads=heads)  # this rank's page: its heads only
+    pages = torch.from_numpy(mine).view(torch_dtype(remote_fmt.dtype))
     half = remote_fmt.plane_block_bytes // remote_fmt.elem_bytes
     k = torch.zeros((count, half), dtype=pages.dtype)
     v = torch.zeros((count, half), dtype=pages.dtype)
@@ -256,17 +288,25 @@ def expected_planes(
 
 
 def mismatched_blocks(
-    standin: DecoderStandin, reply: NewRequestReply, local_ids: list[int], seed: int, remote_fmt: PageFormat
+    standin: DecoderStandin,
+    reply: NewRequestReply,
+    local_ids: list[int],
+    seed: int,
+    remote_fmt: PageFormat,
+    remote_tp: int = 1,
 ) -> list[str]:
     """Every (layer, local block, plane) whose bytes differ from the reference conversion ([]: bit-exact)."""
     import torch
 
     bad: list[str] = []
     for layer in range(standin.shape.layers):
-        k_exp, v_exp = expected_planes(reply, seed, remote_fmt, layer, len(local_ids))
-        ids = torch.tensor(local_ids, dtype=torch.long)
-        k_got = standin.k_plane(layer).index_select(0, ids).contiguous().view(torch.uint8).numpy()
-        v_got = standin.v_plane(layer).index_select(0, ids).contiguous().view(torch.uint8).numpy()
+        k_exp, v_exp = expected_planes(
+            reply, seed, remote_fmt, layer, len(local_ids),
+            remote_tp=remote_tp, local_tp=standin.tp_size, local_rank=standin.rank,
+        )
+        ids = torch.tensor(local_ids, dtype=torch.long, device=standin.k_plane(layer).device)
+        k_got = standin.k_plane(layer).index_select(0, ids).contiguous().view(torch.uint8).cpu().numpy()
+        v_got = standin.v_plane(layer).index_select(0, ids).contiguous().view(torch.uint8).cpu().numpy()
         for i, b in enumerate(local_ids):
             if not np.array_equal(k_got[i], k_exp[i]):
                 bad.append(f"layer {layer} block {b} K plane")
@@ -348,6 +388,57 @@ def run_session(
     return results
 
 
+def run_tp_session(
+    standins: list[DecoderStandin],
+    emulator: EmulatorClient,
+    *,
+    requests: int,
+    seed: int,
+    remote_fmt: PageFormat,
+    tokens: tuple[int, int] = (1, 200),
+    timeout_s: float = 30.0,
+    rng_seed: int = 1,
+) -> list[RequestResult]:
+    """A decoder at TP ``len(standins)`` (one stand-in per rank, each with its daemon): every request pulled
+    by every rank into the same block ids, as vLLM's ranks do, and each rank's heads checked bit for bit.
+    ``remote_fmt`` is one prefill rank's pages; the prefill's TP comes from its kv_transfer_params."""
+    rng = random.Random(rng_seed)
+    made = []
+    for i in range(requests):
+        reply = emulator.new_request(num_tokens=rng.randint(*tokens), external_id=f"tp-{rng_seed}-{i}")
+        remote = parse_remote(reply.kv_transfer_params)
+        local = standins[0].allocate(len(reply.kernel_block_ids))
+        for s in standins[1:]:
+            s.allocate_ids(local)
+        made.append((f"tp-{rng_seed}-{i}", remote, local, reply))
+    for s in standins:
+        s.pull([PullOrder(rid, remote, local, True, time.monotonic_ns()) for rid, remote, local, _ in made])
+    results: list[RequestResult] = []
+    for s in standins:
+        outcomes = s.wait({rid for rid, *_ in made}, timeout_s)
+        for rid, remote, local, reply in made:
+            out = outcomes.get(rid)
+            ok = out is not None and out.ok
+            res = RequestResult(
+                req_id=f"{rid}@rank{s.rank}",
+                remote_request_id=remote.request_id,
+                num_tokens=reply.num_tokens,
+                local_block_ids=local,
+                ok=ok,
+                reason=None if ok else (out.reason if out else f"no answer within {timeout_s:g} s"),
+                timings=dict(out.timings) if out else {},
+                round_trip_s=s.round_trip_s(out) if out else None,
+                bytes=s.shape.fmt.page_bytes * len(local) * s.shape.layers if ok else 0,
+            )
+            if ok:
+                res.mismatches = mismatched_blocks(s, reply, local, seed, remote_fmt, remote.tp_size)
+            results.append(res)
+    for s in standins:
+        for _, _, local, _ in made:
+            s.release(local)
+    return results
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100) of a non-empty list."""
     s = sorted(values)
@@ -384,14 +475,14 @@ def summarize(results: list[RequestResult]) -> dict[str, Any]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = StandinShape()
     a = parser.add_argument
-    a("--socket", required=True, help="the daemon's ipc:// socket")
+    a("--socket", required=True, help="the daemon's ipc:// socket; a,b,...: one daemon per decoder TP rank")
     a(
         "--emulator-ready-file",
         required=True,
         help="the prefill emulator's --ready-file (its control endpoint and model identity)",
     )
     a("--layers", type=int, default=d.layers)
-    a("--heads", type=int, default=d.heads)
+    a("--heads", type=int, default=d.heads, help="KV heads per decoder TP rank")
     a("--head-size", type=int, default=d.head_size)
     a("--block-size", type=int, default=d.block_size)
     a("--num-blocks", type=int, default=d.num_blocks, help="decoder blocks per layer")
@@ -401,6 +492,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-tokens", type=int, default=200, help="prompt lengths are drawn from 1..this")
     a("--seed", type=int, default=0, help="the emulator's page seed")
     a("--timeout", type=float, default=30.0)
+    a("--prefill-heads", type=int, default=0, help="KV heads per prefill TP rank (0: as the decoder's)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -417,6 +509,9 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
     )
     remote_fmt = shape.remote_fmt
+    sockets = args.socket.split(",")
+    if len(sockets) > 1 or args.prefill_heads:
+        return _run_tp(args, sockets, shape, ready)
     emulator = EmulatorClient(ready.control)
     try:
         # The decoder serves the same model as the prefill: its factors (the daemon swaps in each backend
@@ -436,6 +531,41 @@ def run(args: argparse.Namespace) -> int:
                 tokens=(1, args.max_tokens),
                 concurrency=args.concurrency,
                 timeout_s=args.timeout,
+            )
+    finally:
+        emulator.close()
+    summary = summarize(results)
+    print(json.dumps(summary))
+    return 0 if summary["ok"] == summary["requests"] else 1
+
+
+def _run_tp(args: argparse.Namespace, sockets: list[str], shape: StandinShape, ready: Any) -> int:
+    """One stand-in rank per socket, every request pulled by all of them (heterogeneous TP)."""
+    from contextlib import ExitStack
+
+    from sidecar.standins.emulator_control import EmulatorClient
+
+    remote_fmt = msgspec.structs.replace(shape.remote_fmt, num_heads=args.prefill_heads or shape.heads)
+    emulator = EmulatorClient(ready.control)
+    try:
+        with ExitStack() as stack:
+            standins = [
+                stack.enter_context(
+                    DecoderStandin(
+                        sock, shape, compat_factors=dict(ready.compat_factors), pull_timeout_s=args.timeout,
+                        worker_rank=rank, tp_size=len(sockets),
+                    )
+                )
+                for rank, sock in enumerate(sockets)
+            ]
+            for st in standins:
+                if not st.register():
+                    reason = st.worker.client.status_reason
+                    print(json.dumps({"error": f"rank {st.rank} not registered: {reason}"}))
+                    return 1
+            results = run_tp_session(
+                standins, emulator, requests=args.requests, seed=args.seed, remote_fmt=remote_fmt,
+                tokens=(1, args.max_tokens), timeout_s=args.timeout,
             )
     finally:
         emulator.close()

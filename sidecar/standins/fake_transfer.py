@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from sidecar.daemon.port import Admission, PeerTarget, ReadMode
+from sidecar.nixl import tp
 from sidecar.nixl.errors import RemoteDisconnected, RemoteRefused, TransferFailed, TransferTimeout
 from sidecar.nixl.geometry import LocalRegions, StagingPool, regions_per_layer
 from sidecar.wire.formats import STANDARD, Plan, negotiate
@@ -30,13 +31,14 @@ class FakePeer:
     generation: int
     plan: Plan
     removed: bool = False
+    notif_count: int = 1  # the n of "id:n" this prefill rank expects
 
 
 @dataclass(eq=False)
 class FakeRead:
     """One request's reads: ``groups`` not yet landed, in the order the test will land them."""
 
-    peer: FakePeer
+    peer: Any  # a PeerSet of FakePeers (or one)
     remote_request_id: str
     deadline: float
     groups: list[tuple[int, int]]
@@ -68,8 +70,11 @@ class FakePort:
         self.connects = 0
         self.peers: list[FakePeer] = []
         self.reads: list[FakeRead] = []
-        self.notified: list[str] = []
+        self.notified: list[str] = []  # one entry per notification, per prefill rank told
+        self.notifications: list[tuple[str, int, int]] = []  # (remote request id, prefill rank, n of "id:n")
         self.heartbeats: list[list[str]] = []
+        self.heartbeat_ranks: list[tuple[int, list[str]]] = []  # (prefill rank, ids) per heartbeat
+        self.targets: list[PeerTarget] = []  # every connect's target
         self.registrations = 0
 
     # -- local memory
@@ -89,16 +94,28 @@ class FakePort:
     # -- prefills
     async def connect(self, target: PeerTarget, admission: Admission) -> FakePeer:
         self.connects += 1
+        self.targets.append(target)
+        count = tp.notif_count(local_tp=target.local_tp, remote_tp=target.remote_tp)
         if self.handshake_gate is not None:
             await self.handshake_gate.wait()
         if self.refuse_handshake is not None:
             exc = RemoteRefused("refused by the fake prefill", self.refuse_handshake)
-            exc.peer = FakePeer(target.engine_id, target.tp_rank, target.address, 0, None)  # notify-only
+            exc.peer = FakePeer(target.engine_id, target.tp_rank, target.address, 0, None, notif_count=count)
             raise exc
         local = admission.local_format
         remote = self.remote_format or (
             local if local.kind != "aiter_shuffled" else _with_kind(local, STANDARD)
         )
+        if target.remote_tp != target.local_tp:  # the real rule: the head slice this decoder rank reads
+            read = tp.rank_read(remote, local, local_tp=target.local_tp, local_rank=target.local_rank,
+                                remote_tp=target.remote_tp, remote_rank=target.tp_rank)
+            if not isinstance(read, tp.RankRead):
+                exc = RemoteRefused(read.reason, read.field)
+                exc.peer = FakePeer(
+                    target.engine_id, target.tp_rank, target.address, 0, None, notif_count=count
+                )
+                raise exc
+            remote = read.view
         plan = negotiate(
             remote,
             local,
@@ -107,7 +124,8 @@ class FakePort:
         )
         if not isinstance(plan, Plan):
             raise RemoteRefused(plan.reason, plan.field)
-        peer = FakePeer(target.engine_id, target.tp_rank, target.address, target.generation, plan)
+        peer = FakePeer(target.engine_id, target.tp_rank, target.address, target.generation, plan,
+                        notif_count=count)
         self.peers.append(peer)
         return peer
 
@@ -146,7 +164,7 @@ class FakePort:
         if slots is not None:
             layers = int(slots.shape[0])
         else:
-            layers = dest[1].num_regions // regions_per_layer(peer.plan.local)
+            layers = dest[1].num_regions // regions_per_layer(_members(peer)[0].plan.local)
         bounds = np.linspace(0, layers, max(1, min(layer_groups, layers)) + 1).astype(int)
         groups = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         if self.reverse:
@@ -189,7 +207,7 @@ class FakePort:
 
     def _end(self, read: FakeRead) -> None:
         read.finished = True
-        self.notified.append(read.remote_request_id)
+        self.notify(read.peer, read.remote_request_id)
 
     def abort(self, read: FakeRead) -> bool:
         if self.stuck_abort > 0:
@@ -206,16 +224,23 @@ class FakePort:
         return True
 
     def notify(self, peer: Any, remote_request_id: str) -> None:
-        self.notified.append(remote_request_id)
+        for m in _members(peer):
+            self.notified.append(remote_request_id)
+            self.notifications.append((remote_request_id, m.tp_rank, m.notif_count))
 
     def heartbeat(self, peer: Any, remote_request_ids: Sequence[str]) -> None:
         self.heartbeats.append(list(remote_request_ids))
+        self.heartbeat_ranks.append((peer.tp_rank, list(remote_request_ids)))
 
     def progress(self) -> None:
         pass
 
     def close(self) -> None:
         pass
+
+
+def _members(peer: Any) -> tuple[Any, ...]:
+    return tuple(getattr(peer, "peers", (peer,)))
 
 
 def _with_kind(fmt: Any, kind: str) -> Any:

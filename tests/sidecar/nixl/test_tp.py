@@ -105,3 +105,19 @@ def test_head_offsets_match_vllm_compute_head_offset():
             factor = ns["compute_head_offset"](rank, lt, rt, heads)
             assert p.sources[0].remote_offset == factor * p.sources[0].length, (heads, lt, rt, rank)
             assert p.sources[0].remote_rank == rank * rt // lt  # vLLM: attn_ranks = [tp_rank * P // D]
+
+
+def test_read_ranks_and_notif_count_agree_with_the_full_plan():
+    from sidecar.nixl.tp import notif_count, read_ranks
+
+    for lt, rt in itertools.product([1, 2, 3, 4, 6, 8], repeat=2):
+        for rank in range(lt):
+            ranks = read_ranks(local_tp=lt, local_rank=rank, remote_tp=rt)
+            p = plan(lt, rank, rt, heads=24)
+            if lt % rt and rt % lt:
+                assert isinstance(ranks, Refusal) and ranks.field == "remote_tp_size"
+                assert isinstance(p, Refusal)
+                continue
+            assert isinstance(p, TPPlan), (lt, rt, p)
+            assert ranks == p.heartbeat_ranks == tuple(s.remote_rank for s in p.sources)
+            assert notif_count(local_tp=lt, remote_tp=rt) == p.notif_count

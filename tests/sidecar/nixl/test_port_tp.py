@@ -1,0 +1,128 @@
+"""``NixlPort`` reading several prefill ranks (heterogeneous TP), on a stub agent that records what would go
+to each prefill: every rank notified exactly once when a read fails while posting, and a layer range handed
+to the conversion only once every rank's read of it has landed. The real agent's byte paths are covered by
+tests/e2e/test_tp.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from sidecar.daemon.port import PeerSet
+from sidecar.nixl.agent import ReadOp
+from sidecar.nixl.errors import TransferFailed
+from sidecar.nixl.port import NixlPort, ReadGroup
+
+
+@dataclass(eq=False)
+class StubPeer:
+    agent_name: str
+    tp_rank: int
+    notif_count: int = 1
+    address: str = "127.0.0.1:5600"
+
+
+@dataclass
+class StubAgent:
+    """Posts reads as ReadOps; ``fail_on`` ranks fail while posting (notified, as NixlTransfer._fail does)."""
+
+    fail_on: set[int] = field(default_factory=set)
+    sent: list[tuple[str, str, int]] = field(default_factory=list)  # (agent, request id, n)
+
+    def pull(self, peer, dest, mode, local_ids, remote_ids, rid, *, readers, **kw):
+        op = ReadOp(peer=peer, remote_request_id=rid, readers=readers, deadline=1e18)
+        if peer.tp_rank in self.fail_on:
+            self._notify_once(op)
+            raise TransferFailed("make_prepped_xfer failed")
+        op.layer_ranges = [(0, 1), (1, 2)]
+        op.handles = [object(), object()]
+        op.sealed = True
+        return op
+
+    def _notify_once(self, op):
+        if not op.notified:
+            op.notified = True
+            self.sent.append((op.peer.agent_name, op.remote_request_id, op.readers))
+
+    def abort(self, op):
+        op.finished = True
+        op.handles = []
+        self._notify_once(op)
+        return True
+
+    def notify_agent(self, agent, rid, n):
+        self.sent.append((agent, rid, n))
+
+    def poll(self, op, now):
+        return op.finished
+
+    def geometry(self, peer, dest, mode, pool=None):
+        return Unsliced()
+
+
+class Unsliced:
+    source = None  # the multi-rank pre-check has nothing to slice
+
+
+def port_with(agent: StubAgent) -> NixlPort:
+    port = NixlPort.__new__(NixlPort)  # no NIXL agent: the stub stands in for NixlTransfer
+    port.agent = agent
+    port._notify_only = {}
+    port._spent = {}
+    return port
+
+
+PEERS = PeerSet(tuple(StubPeer(f"agent-{r}", r) for r in range(3)))
+
+
+def read(port, rid="req"):
+    return port.read(PEERS, None, "direct", [1], [1], rid, layer_groups=2, timeout_s=5.0,
+                     remote_num_tokens=None)
+
+
+@pytest.mark.parametrize("failing", [0, 1, 2])
+def test_a_rank_failing_while_posting_leaves_every_rank_told_exactly_once(failing):
+    agent = StubAgent(fail_on={failing})
+    port = port_with(agent)
+    with pytest.raises(TransferFailed):
+        read(port)
+    port.notify(PEERS, "req")  # what the daemon's quiesce does next: must not tell anyone twice
+    assert sorted(agent.sent) == [(f"agent-{r}", "req", 1) for r in range(3)]
+    port.notify(PEERS, "other")  # other requests are untouched
+    assert [s for s in agent.sent if s[1] == "other"] == [(f"agent-{r}", "other", 1) for r in range(3)]
+
+
+def test_reads_of_every_rank_are_one_group():
+    agent = StubAgent()
+    group = read(port_with(agent))
+    assert isinstance(group, ReadGroup) and [op.peer.tp_rank for op in group.ops] == [0, 1, 2]
+    assert agent.sent == []  # nothing told before the reads are done
+
+
+def test_notify_sends_each_rank_its_own_n():
+    agent = StubAgent()
+    port = port_with(agent)
+    peers = PeerSet((StubPeer("a", 0, notif_count=2),))
+    port.notify(peers, "x")
+    port.notify(peers, "x")  # a second, separate notification is the caller's business: sent again
+    assert agent.sent == [("a", "x", 2), ("a", "x", 2)]
+
+
+def test_a_layer_range_lands_once_every_rank_has_it():
+    agent = StubAgent()
+    ops = [agent.pull(StubPeer(f"a{r}", r), None, "direct", [1], [1], "q", readers=1) for r in range(2)]
+    group = ReadGroup(ops)
+    ops[0].landed.append((1, 2))
+    group.take_landed()
+    assert group.landed == []  # rank 1 has not read layer 1 yet
+    ops[1].landed += [(0, 1), (1, 2)]
+    group.take_landed()
+    assert group.landed == [(1, 2)]
+    ops[0].landed.append((0, 1))
+    group.take_landed()
+    assert group.landed == [(1, 2), (0, 1)]
+    assert not group.finished and group.done_at is None
+    for op, t in zip(ops, (3.0, 5.0), strict=True):
+        op.finished, op.done_at, op.nbytes = True, t, 10
+    assert group.finished and group.done_at == 5.0 and group.nbytes == 20
