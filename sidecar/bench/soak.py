@@ -114,12 +114,7 @@ def soak(work: str, duration_s: float, *, seed: int = 1, batch: int = 32, wave: 
         time.sleep(0.5)  # a late write has time to land
         canary = rig.canary_violations()
     finally:
-        if rig.decoder is not None:
-            rig.decoder.close()
-        if rig.daemon is not None:
-            rig.daemon.stop()
-        if rig.emu is not None:
-            rig.emu.stop()
+        rig.close()
     elapsed = time.monotonic() - t0
     return {
         "bench": "soak",

@@ -223,6 +223,15 @@ class Rig:
                     bad.append(f"layer {layer} block {b} {name} plane")
         return bad
 
+    def close(self) -> None:
+        """Stop whatever is running: the decoder, then the daemon, then the emulator."""
+        if self.decoder is not None:
+            self.decoder.close()
+        if self.daemon is not None:
+            self.daemon.stop()
+        if self.emu is not None:
+            self.emu.stop()
+
     # ------------------------------------------------------------------------------------------- load
 
     def batch(

@@ -56,9 +56,4 @@ def test_scattered_blocks_with_gaps_are_bit_exact_and_write_nothing_else(tmp_pat
         )
         assert ok == 24
     finally:
-        if rig.decoder is not None:
-            rig.decoder.close()
-        if rig.daemon is not None:
-            rig.daemon.stop()
-        if rig.emu is not None:
-            rig.emu.stop()
+        rig.close()

@@ -29,12 +29,7 @@ def open_rig(work: str, **kw: Any) -> Iterator[Rig]:
             time.sleep(0.3)  # a late write has time to land before the check
             assert r.canary_violations() == [], r.daemon_log()
     finally:
-        if r.decoder is not None:
-            r.decoder.close()
-        if r.daemon is not None:
-            r.daemon.stop()
-        if r.emu is not None:
-            r.emu.stop()
+        r.close()
 
 
 @pytest.fixture

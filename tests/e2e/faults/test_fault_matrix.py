@@ -119,7 +119,7 @@ def test_garbage_and_bursts_on_both_sockets(rig: Rig) -> None:
         for i in range(2000):
             junk.send(frames[i % len(frames)])
         replies = 0
-        while junk.poll(2000):
+        while junk.poll(10_000):  # a busy 2-core CI host can stall the daemon for seconds
             junk.recv_multipart()
             replies += 1
             if replies >= 2000:
