@@ -106,8 +106,13 @@ class TransferPort(Protocol):
         """Post the request's READs (one per layer group); the prefill is notified once all are DONE."""
         ...
 
-    def poll(self, read: Any, now: float) -> bool:
-        """True once every READ is DONE and the notification sent; raises on failure or deadline."""
+    def poll(self, read: Any, now: float, *, notify: bool = True) -> bool:
+        """True once every READ is DONE and (unless ``notify`` is False) the notification sent; raises on
+        failure or deadline."""
+        ...
+
+    def notify_read(self, read: Any) -> None:
+        """Send a finished read's notification, if ``poll(notify=False)`` left it unsent."""
         ...
 
     def abort(self, read: Any) -> bool:

@@ -149,8 +149,11 @@ class NixlPort:
             slots=slots,
         )
 
-    def poll(self, read: ReadOp, now: float) -> bool:
-        return self.agent.poll(read, now)
+    def poll(self, read: ReadOp, now: float, *, notify: bool = True) -> bool:
+        return self.agent.poll(read, now, notify=notify)
+
+    def notify_read(self, read: ReadOp) -> None:
+        self.agent.notify_read(read)
 
     def abort(self, read: ReadOp) -> bool:
         return self.agent.abort(read)

@@ -233,11 +233,20 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             ge=0,
         ),
     ] = 0
+    poll_busy_s: Annotated[
+        float,
+        _doc(
+            "while READs or conversions are in flight, poll them pass after pass (yielding to the loop, "
+            "no timer) for this long after the last pass that saw one land; then every poll_interval_s. "
+            "Costs up to a core while requests are in flight, nothing when idle; 0: timer only",
+            ge=0,
+        ),
+    ] = 0.05
     poll_interval_s: Annotated[
         float,
         _doc(
-            "how often in-flight NIXL transfers are polled (the loop sleeps between polls; uvloop timers "
-            "have millisecond resolution, so less than 0.001 polls without sleeping)",
+            "how often in-flight NIXL transfers and GPU events are polled once poll_busy_s has passed "
+            "without progress (uvloop timers have millisecond resolution)",
             gt=0,
         ),
     ] = 0.001
