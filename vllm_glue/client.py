@@ -5,8 +5,10 @@ message to the I/O thread and returns; replies (Done, Aborted, Error) are collec
 they arrived and taken with ``poll_events``. The thread says Hello and registers the caches whenever it
 (re)connects, and reports a lost daemon as an event, so outstanding loads fail instead of hanging. When the
 daemon's Welcome offers a completion socket, the thread binds it before registering and takes every reply
-from there (one unix packet instead of ZMQ's four thread hops; see ``sidecar/daemon/completions.py``). Importable
-without vLLM and without torch.
+from there (one unix packet instead of ZMQ's four thread hops; see ``sidecar/daemon/completions.py``); once
+registered, it sends Pulls, Heartbeats and Aborts there too (ZMQ carries the rest, and everything when the
+socket is not bound). A Pull's ``sent_at_ns`` is stamped in ``send``, so its Done says how long it took to
+reach the daemon (``timings["delivery"]``). Importable without vLLM and without torch.
 
 Epochs: each connection to a daemon gets a number. ``send`` returns the epoch a message goes out on, every
 reply and loss carries the epoch it belongs to, and a message queued for an epoch that has ended is never
@@ -29,6 +31,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -40,8 +43,12 @@ log = logging.getLogger(__name__)
 _STOP = b"\x00stop"
 _REGISTER = b"\x00register"
 _DATA = b"\x01"  # then the 8-byte epoch the caller sent it for, then the message
+_FAST_DATA = b"\x02"  # the same, for a message that may travel on the completion socket
 _EPOCH = struct.Struct("!Q")
 _UP = getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", zmq.EVENT_CONNECTED)
+_FAST_TYPES = (p.Pull, p.Heartbeat, p.Abort)
+# Larger packets go over ZMQ: the daemon reads at most this much of one (a Pull of ~6,000 blocks fits).
+_FAST_MAX = 65536
 
 
 class NotReady(RuntimeError):
@@ -163,7 +170,12 @@ class SidecarClient:
         epoch = self._epoch
         if self._state != "ready":
             raise NotReady(f"kv-sidecar at {self.address} is {self._state}: {self.status_reason}")
-        data = _DATA + _EPOCH.pack(epoch) + p.encode(msg)
+        kind = _DATA
+        if isinstance(msg, _FAST_TYPES):
+            kind = _FAST_DATA
+            if isinstance(msg, p.Pull) and not msg.sent_at_ns:
+                msg = msgspec.structs.replace(msg, sent_at_ns=time.monotonic_ns())
+        data = kind + _EPOCH.pack(epoch) + p.encode(msg)
         with self._send_lock:
             try:
                 self._push.send(data, zmq.NOBLOCK)
@@ -292,10 +304,31 @@ class SidecarClient:
             # Its connection ended while it waited here: never hand it to another one (or another daemon).
             self._reply_failure(payload, epoch, "kv-sidecar connection was lost before the message went out")
             return
+        if data[:1] == _FAST_DATA and self._send_fast(payload):
+            return
         try:
             dealer.send(payload, zmq.NOBLOCK)
         except zmq.Again:
             self._reply_failure(payload, epoch, "kv-sidecar is not reachable (send would block)")
+
+    def _send_fast(self, payload: bytes) -> bool:
+        """Send a Pull, Heartbeat or Abort over the completion socket; False: use ZMQ."""
+        fast = self._fast
+        if fast is None or self._phase != "ready" or len(payload) > _FAST_MAX:
+            return False
+        for _ in range(2):
+            try:
+                fast.send(payload)
+                return True
+            except BlockingIOError:
+                # the daemon's receive buffer is full: wait a little for room, keeping the order
+                select.select([], [fast], [], 1.0)
+            except OSError as e:
+                log.info("kv-sidecar completion socket send failed (%s); using ZMQ", e)
+                self._close_fast()
+                return False
+        log.warning("kv-sidecar completion socket stayed full for 1 s; this message goes over ZMQ")
+        return False
 
     def _say_hello(self, dealer: zmq.Socket) -> None:
         self._set_state("connecting", "waiting for Welcome")

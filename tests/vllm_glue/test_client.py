@@ -226,6 +226,10 @@ class FastPeer(Peer):
         assert self.fast is not None
         self.fast.send(p.encode(msg))
 
+    def recv_fast(self) -> p.ToDaemon:
+        assert self.fast is not None
+        return p.decode_on_completions(self.fast.recv(65536))
+
     def close(self) -> None:
         if self.fast is not None:
             self.fast.close()
@@ -245,8 +249,19 @@ def test_completion_socket_is_bound_before_registering_and_carries_replies(addre
         assert isinstance(peer.recv(), p.RegisterCaches)
         peer.send_fast(p.Registered(generation=1, registered_bytes=4096, num_layers=1))
         assert client.wait_ready(5)
+        before = time.monotonic_ns()
         client.send(pull("r1"))
-        assert isinstance(peer.recv(), p.Pull)
+        # Protocol 3: once bound and registered, Pulls, Heartbeats and Aborts take the completion socket too.
+        got_pull = peer.recv_fast()
+        assert isinstance(got_pull, p.Pull) and got_pull.req_id == "r1"
+        assert before <= got_pull.sent_at_ns <= time.monotonic_ns()  # the shim's send time, for "delivery"
+        client.send(p.Heartbeat(targets=[]))
+        client.send(p.Abort(req_id="r1"))
+        assert isinstance(peer.recv_fast(), p.Heartbeat)
+        assert peer.recv_fast() == p.Abort(req_id="r1")
+        client.send(p.Ping(nonce=5))  # the rest stays on ZMQ
+        assert peer.recv() == p.Ping(nonce=5)
+        assert not peer.sock.poll(100), "a completion-socket request also went over ZMQ"
         peer.send_fast(p.Done(req_id="r1", ok=True))
         peer.send(p.Done(req_id="r0", ok=False, reason="over zmq"))  # ZMQ still delivers (daemon's fallback)
         got = {ev.message.req_id: ev.message.ok for ev in wait_events(client, 2)}
@@ -259,6 +274,8 @@ def test_completion_socket_is_bound_before_registering_and_carries_replies(addre
         peer.send(p.Done(req_id="r2", ok=True))
         (ev,) = wait_events(client, 1)
         assert ev.message.req_id == "r2" and client.is_ready()
+        client.send(pull("r3"))  # and so do the requests
+        assert peer.recv().req_id == "r3"
     finally:
         client.close()
         peer.close()
