@@ -2,9 +2,9 @@
 
 On a GPU each group is queued on the daemon's own stream (never the decoder's) and the job waits for the
 event after its last group: ``poll``, run by the daemon's ``Poller``, queries the events in flight (no
-thread blocked in ``synchronize``, no executor hop back to the loop). On the CPU twin each group runs in one worker thread, the twin's "stream".
-Either way a job is answered only once every conversion it started is over, failed ones included: a group
-that failed must not end the wait while another still writes.
+thread blocked in ``synchronize``, no executor hop back to the loop). On the CPU twin each group runs in
+one worker thread, the twin's "stream". Either way a job is answered only once every conversion it started
+is over, failed ones included: a group that failed must not end the wait while another still writes.
 """
 
 from __future__ import annotations

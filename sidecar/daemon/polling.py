@@ -1,4 +1,4 @@
-"""Polling: one loop that checks everything in flight (NIXL reads, the conversions' GPU events) without timers.
+"""Polling: one loop that checks what is in flight (NIXL reads, the conversions' GPU events) without timers.
 
 While work is in flight the loop polls pass after pass, yielding to the event loop in between
 (``asyncio.sleep(0)``: a Pull or a socket reply still gets in), so a READ or an event is seen DONE within one
