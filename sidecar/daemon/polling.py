@@ -11,7 +11,6 @@ flight it sleeps on an ``asyncio.Event`` that ``wake()`` sets: an idle daemon us
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -81,6 +80,7 @@ class Poller:
 
     async def loop(self) -> None:
         self._wakeup = wakeup = asyncio.Event()
+        loop = asyncio.get_running_loop()
         while True:
             wakeup.clear()  # cleared before the pass: a wake() during it makes the next wait return at once
             now = time.monotonic()
@@ -91,5 +91,8 @@ class Poller:
             elif wait == 0.0:
                 await asyncio.sleep(0)
             else:
-                with contextlib.suppress(TimeoutError):  # a timer, cut short by new work
-                    await asyncio.wait_for(wakeup.wait(), wait)
+                timer = loop.call_later(wait, wakeup.set)  # a timer, cut short by new work
+                try:
+                    await wakeup.wait()
+                finally:
+                    timer.cancel()
