@@ -8,6 +8,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from sidecar.daemon.conversion import Conversions
 from sidecar.daemon.polling import Pacer, Poller
@@ -279,3 +280,36 @@ def test_gpu_job_waits_on_its_event_through_the_poller():
     early, queries = asyncio.run(main())
     assert not early
     assert queries >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_a_real_cuda_event_is_seen_by_the_poller_only_once_its_work_ended():
+    """A torch.cuda.Event after ~20 ms of GPU sleep: the poller's query() wait ends after it, not before,
+    and the loop stays free meanwhile (no thread blocked in synchronize)."""
+
+    async def main():
+        poller = Poller(lambda: 0.05, lambda: 0.001)
+        conv = Conversions(None, wake=poller.wake)
+        poller.add(conv.poll)
+        task = asyncio.create_task(poller.loop())
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(int(2e7))  # ~20 ms of cycles on any current GPU
+                event = torch.cuda.Event()
+                event.record(stream)
+            t0 = time.monotonic()
+            fut = conv.watch(event)
+            ticks = 0
+            while not fut.done():
+                ticks += 1
+                await asyncio.sleep(0)
+            return time.monotonic() - t0, ticks, event.query()
+        finally:
+            task.cancel()
+            conv.close()
+
+    waited, ticks, ended = asyncio.run(main())
+    assert ended
+    assert waited > 0.001 and ticks > 10  # it waited for the GPU, and the loop kept turning meanwhile
