@@ -120,6 +120,7 @@ class SidecarClient:
         self._changed = threading.Condition()
         self._bound = threading.Event()
         self._fast: socket.socket | None = None  # the completion socket, owned by the I/O thread
+        self._zmq_pulls: set[str] = set()  # this connection's unanswered Pulls that went over ZMQ
         self._epoch = 0  # the current connection's number; only the I/O thread changes it
         self._connected = False
         self._daemons: dict[int, tuple[int, set[int]]] = {}  # pidfd -> (daemon pid, epochs it served)
@@ -258,6 +259,7 @@ class SidecarClient:
                     ev = recv_monitor_message(monitor)
                     if ev["event"] == _UP:
                         self._epoch += 1
+                        self._zmq_pulls.clear()
                         self._connected = True
                         self._say_hello(dealer)
                     elif ev["event"] == zmq.EVENT_DISCONNECTED and self._connected:
@@ -304,12 +306,28 @@ class SidecarClient:
             # Its connection ended while it waited here: never hand it to another one (or another daemon).
             self._reply_failure(payload, epoch, "kv-sidecar connection was lost before the message went out")
             return
-        if data[:1] == _FAST_DATA and self._send_fast(payload):
+        if data[:1] == _FAST_DATA and self._route_fast(payload):
             return
         try:
             dealer.send(payload, zmq.NOBLOCK)
         except zmq.Again:
             self._reply_failure(payload, epoch, "kv-sidecar is not reachable (send would block)")
+
+    def _route_fast(self, payload: bytes) -> bool:
+        """A Pull, Heartbeat or Abort: True if it went over the completion socket, False to send it over ZMQ.
+
+        An Abort never overtakes its Pull: when the Pull went over ZMQ (too large, sent while
+        re-registering, or the socket was full), its Abort follows it there."""
+        if self._zmq_pulls:
+            msg = _decoded(payload)
+            if isinstance(msg, p.Abort) and msg.req_id in self._zmq_pulls:
+                return False
+        if self._send_fast(payload):
+            return True
+        msg = _decoded(payload)
+        if isinstance(msg, p.Pull):
+            self._zmq_pulls.add(msg.req_id)
+        return False
 
     def _send_fast(self, payload: bytes) -> bool:
         """Send a Pull, Heartbeat or Abort over the completion socket; False: use ZMQ."""
@@ -380,6 +398,8 @@ class SidecarClient:
         if isinstance(msg, p.Error) and msg.req_id is None and self._phase in ("hello", "register"):
             self._refused(f"kv-sidecar refused {msg.in_reply_to or 'a message'}: {msg.reason}", at)
             return
+        if isinstance(msg, (p.Done, p.Aborted)) and self._zmq_pulls:
+            self._zmq_pulls.discard(msg.req_id)
         self._events.append(Reply(msg, at, self._epoch))
 
     def _after_welcome(self, dealer: zmq.Socket) -> None:
@@ -494,3 +514,10 @@ class SidecarClient:
             self._events.append(
                 Reply(p.Done(req_id=msg.req_id, ok=False, reason=reason), time.monotonic_ns(), epoch)
             )
+
+
+def _decoded(payload: bytes) -> p.ToDaemon | None:
+    try:
+        return p.decode_to_daemon(payload)
+    except p.DecodeError:
+        return None

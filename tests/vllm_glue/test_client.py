@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import pytest
 import zmq
 
@@ -276,6 +277,40 @@ def test_completion_socket_is_bound_before_registering_and_carries_replies(addre
         assert ev.message.req_id == "r2" and client.is_ready()
         client.send(pull("r3"))  # and so do the requests
         assert peer.recv().req_id == "r3"
+    finally:
+        client.close()
+        peer.close()
+
+
+def test_an_abort_never_overtakes_its_pull(address: str, tmp_path) -> None:
+    """A Pull too large for one completion-socket packet goes over ZMQ, and so does its Abort (sent over the
+    completion socket it could reach the daemon first, find nothing in flight, and be answered safe while the
+    Pull still writes); a small Pull and its Abort both take the completion socket."""
+    peer = FastPeer(address, f"{tmp_path}/d.sock.done")
+    client = SidecarClient(address, hello(), register_msg())
+    try:
+        peer.welcome()
+        peer.accept_bind()
+        peer.send_fast(p.CompletionsBound(ok=True))
+        assert isinstance(peer.recv(), p.RegisterCaches)
+        peer.send_fast(p.Registered(generation=1, registered_bytes=4096, num_layers=1))
+        assert client.wait_ready(5)
+        big = list(range(20_000))  # ~60-100 KB of msgpack
+        client.send(p.Pull(**{**msgspec.structs.asdict(pull("big")), "remote_block_ids": big,
+                              "local_block_ids": big}))
+        client.send(p.Abort(req_id="big"))
+        client.send(pull("small"))
+        client.send(p.Abort(req_id="small"))
+        got_big = peer.recv()
+        assert isinstance(got_big, p.Pull) and got_big.req_id == "big" and got_big.sent_at_ns > 0
+        assert peer.recv() == p.Abort(req_id="big")
+        assert peer.recv_fast().req_id == "small"
+        assert peer.recv_fast() == p.Abort(req_id="small")
+        peer.send(p.Aborted(req_id="big", safe=True))
+        (ev,) = wait_events(client, 1)
+        assert ev.message.req_id == "big"
+        client.send(p.Abort(req_id="big"))  # answered: a later Abort of that id may take the fast way
+        assert peer.recv_fast() == p.Abort(req_id="big")
     finally:
         client.close()
         peer.close()
