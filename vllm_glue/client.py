@@ -6,9 +6,10 @@ they arrived and taken with ``poll_events``. The thread says Hello and registers
 (re)connects, and reports a lost daemon as an event, so outstanding loads fail instead of hanging. When the
 daemon's Welcome offers a completion socket, the thread binds it before registering and takes every reply
 from there (one unix packet instead of ZMQ's four thread hops; see ``sidecar/daemon/completions.py``); once
-registered, it sends Pulls, Heartbeats and Aborts there too (ZMQ carries the rest, and everything when the
-socket is not bound). A Pull's ``sent_at_ns`` is stamped in ``send``, so its Done says how long it took to
-reach the daemon (``timings["delivery"]``). Importable without vLLM and without torch.
+registered, it sends Pulls, Heartbeats and Aborts there too, straight from the caller's thread when no
+earlier one waits in the inbox (one syscall, no hop to the I/O thread; ZMQ carries the rest, and everything
+when the socket is not bound). A Pull's ``sent_at_ns`` is stamped in ``send``, so its Done says how long it
+took to reach the daemon (``timings["delivery"]``). Importable without vLLM and without torch.
 
 Epochs: each connection to a daemon gets a number. ``send`` returns the epoch a message goes out on, every
 reply and loss carries the epoch it belongs to, and a message queued for an epoch that has ended is never
@@ -121,6 +122,10 @@ class SidecarClient:
         self._bound = threading.Event()
         self._fast: socket.socket | None = None  # the completion socket, owned by the I/O thread
         self._zmq_pulls: set[str] = set()  # this connection's unanswered Pulls that went over ZMQ
+        # Guards the completion socket's replacement and the epoch's change against a caller's direct send.
+        self._fast_lock = threading.Lock()
+        self._queued_fast = 0  # Pulls, Heartbeats, Aborts in the inbox not yet forwarded (under _fast_lock)
+        self.sent_direct = 0  # messages the caller's thread sent straight over the completion socket
         self._epoch = 0  # the current connection's number; only the I/O thread changes it
         self._connected = False
         self._daemons: dict[int, tuple[int, set[int]]] = {}  # pidfd -> (daemon pid, epochs it served)
@@ -171,18 +176,53 @@ class SidecarClient:
         epoch = self._epoch
         if self._state != "ready":
             raise NotReady(f"kv-sidecar at {self.address} is {self._state}: {self.status_reason}")
-        kind = _DATA
-        if isinstance(msg, _FAST_TYPES):
-            kind = _FAST_DATA
-            if isinstance(msg, p.Pull) and not msg.sent_at_ns:
-                msg = msgspec.structs.replace(msg, sent_at_ns=time.monotonic_ns())
-        data = kind + _EPOCH.pack(epoch) + p.encode(msg)
+        if not isinstance(msg, _FAST_TYPES):
+            self._queue(_DATA + _EPOCH.pack(epoch) + p.encode(msg))
+            return epoch
+        if isinstance(msg, p.Pull) and not msg.sent_at_ns:
+            msg = msgspec.structs.replace(msg, sent_at_ns=time.monotonic_ns())
+        payload = p.encode(msg)
+        if self._send_direct(payload, epoch):
+            return epoch
+        with self._fast_lock:
+            self._queued_fast += 1
+        try:
+            self._queue(_FAST_DATA + _EPOCH.pack(epoch) + payload)
+        except NotReady:
+            with self._fast_lock:
+                self._queued_fast -= 1
+            raise
+        return epoch
+
+    def _queue(self, data: bytes) -> None:
         with self._send_lock:
             try:
                 self._push.send(data, zmq.NOBLOCK)
             except zmq.Again:
                 raise NotReady("client queue is full: the I/O thread is not keeping up") from None
-        return epoch
+
+    def _send_direct(self, payload: bytes, epoch: int) -> bool:
+        """Send a Pull, Heartbeat or Abort from the caller's thread, one packet on the completion socket, when
+        that keeps every order: nothing of its kind waits in the inbox, no Pull of this connection went over
+        ZMQ, the connection is the caller's epoch and registered. False: queue it for the I/O thread."""
+        with self._fast_lock:
+            fast = self._fast
+            if (
+                fast is None
+                or self._queued_fast
+                or self._zmq_pulls
+                or self._phase != "ready"
+                or not self._connected
+                or epoch != self._epoch
+                or len(payload) > _FAST_MAX
+            ):
+                return False
+            try:
+                fast.send(payload)  # non-blocking: a full buffer is the I/O thread's to wait out
+            except OSError:
+                return False
+            self.sent_direct += 1
+            return True
 
     def set_registration(self, register: p.RegisterCaches) -> None:
         """Set (or replace) the caches to register; sent now if connected, and again after each reconnect."""
@@ -258,8 +298,9 @@ class SidecarClient:
                 if monitor in ready:
                     ev = recv_monitor_message(monitor)
                     if ev["event"] == _UP:
-                        self._epoch += 1
-                        self._zmq_pulls.clear()
+                        with self._fast_lock:
+                            self._epoch += 1
+                            self._zmq_pulls.clear()
                         self._connected = True
                         self._say_hello(dealer)
                     elif ev["event"] == zmq.EVENT_DISCONNECTED and self._connected:
@@ -296,6 +337,16 @@ class SidecarClient:
                 s.close(linger=0)
 
     def _forward(self, dealer: zmq.Socket, data: bytes) -> None:
+        if data[:1] != _FAST_DATA:
+            self._forward_one(dealer, data)
+            return
+        try:
+            self._forward_one(dealer, data)
+        finally:
+            with self._fast_lock:
+                self._queued_fast -= 1  # only now may the caller's thread send the next one directly
+
+    def _forward_one(self, dealer: zmq.Socket, data: bytes) -> None:
         if data == _REGISTER:
             if self._phase == "ready" and self._register is not None:
                 self._send_register(dealer)
@@ -425,7 +476,8 @@ class SidecarClient:
             self._fast_failed(dealer, f"cannot connect to {path}: {e}")
             return
         fast.setblocking(False)
-        self._fast = fast
+        with self._fast_lock:
+            self._fast = fast
         self._poller.register(fast.fileno(), zmq.POLLIN)
         self._set_state("connecting", "binding the completion socket")
         self._phase, self._deadline = "bind", time.monotonic() + self.reply_timeout_s
@@ -488,8 +540,9 @@ class SidecarClient:
             return
         with contextlib.suppress(KeyError):
             self._poller.unregister(self._fast.fileno())
-        self._fast.close()
-        self._fast = None
+        with self._fast_lock:
+            self._fast.close()
+            self._fast = None
 
     def _refused(self, reason: str, at: int) -> None:
         self._phase, self._deadline = "idle", float("inf")

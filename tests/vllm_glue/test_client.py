@@ -251,6 +251,7 @@ def test_completion_socket_is_bound_before_registering_and_carries_replies(addre
         peer.send_fast(p.Registered(generation=1, registered_bytes=4096, num_layers=1))
         assert client.wait_ready(5)
         before = time.monotonic_ns()
+        direct = client.sent_direct
         client.send(pull("r1"))
         # Protocol 3: once bound and registered, Pulls, Heartbeats and Aborts take the completion socket too.
         got_pull = peer.recv_fast()
@@ -260,6 +261,7 @@ def test_completion_socket_is_bound_before_registering_and_carries_replies(addre
         client.send(p.Abort(req_id="r1"))
         assert isinstance(peer.recv_fast(), p.Heartbeat)
         assert peer.recv_fast() == p.Abort(req_id="r1")
+        assert client.sent_direct == direct + 3  # from this thread: no hop to the I/O thread
         client.send(p.Ping(nonce=5))  # the rest stays on ZMQ
         assert peer.recv() == p.Ping(nonce=5)
         assert not peer.sock.poll(100), "a completion-socket request also went over ZMQ"
@@ -298,6 +300,7 @@ def test_an_abort_never_overtakes_its_pull(address: str, tmp_path) -> None:
         big = list(range(20_000))  # ~60-100 KB of msgpack
         client.send(p.Pull(**{**msgspec.structs.asdict(pull("big")), "remote_block_ids": big,
                               "local_block_ids": big}))
+        direct = client.sent_direct
         client.send(p.Abort(req_id="big"))
         client.send(pull("small"))
         client.send(p.Abort(req_id="small"))
@@ -306,6 +309,7 @@ def test_an_abort_never_overtakes_its_pull(address: str, tmp_path) -> None:
         assert peer.recv() == p.Abort(req_id="big")
         assert peer.recv_fast().req_id == "small"
         assert peer.recv_fast() == p.Abort(req_id="small")
+        assert client.sent_direct == direct  # a ZMQ Pull unanswered: everything waits its turn in the inbox
         peer.send(p.Aborted(req_id="big", safe=True))
         (ev,) = wait_events(client, 1)
         assert ev.message.req_id == "big"
