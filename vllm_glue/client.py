@@ -5,8 +5,11 @@ message to the I/O thread and returns; replies (Done, Aborted, Error) are collec
 they arrived and taken with ``poll_events``. The thread says Hello and registers the caches whenever it
 (re)connects, and reports a lost daemon as an event, so outstanding loads fail instead of hanging. When the
 daemon's Welcome offers a completion socket, the thread binds it before registering and takes every reply
-from there (one unix packet instead of ZMQ's four thread hops; see ``sidecar/daemon/completions.py``). Importable
-without vLLM and without torch.
+from there (one unix packet instead of ZMQ's four thread hops; see ``sidecar/daemon/completions.py``); once
+registered, it sends Pulls, Heartbeats and Aborts there too, straight from the caller's thread when no
+earlier one waits in the inbox (one syscall, no hop to the I/O thread; ZMQ carries the rest, and everything
+when the socket is not bound). A Pull's ``sent_at_ns`` is stamped in ``send``, so its Done says how long it
+took to reach the daemon (``timings["delivery"]``). Importable without vLLM and without torch.
 
 Epochs: each connection to a daemon gets a number. ``send`` returns the epoch a message goes out on, every
 reply and loss carries the epoch it belongs to, and a message queued for an epoch that has ended is never
@@ -29,6 +32,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -40,8 +44,12 @@ log = logging.getLogger(__name__)
 _STOP = b"\x00stop"
 _REGISTER = b"\x00register"
 _DATA = b"\x01"  # then the 8-byte epoch the caller sent it for, then the message
+_FAST_DATA = b"\x02"  # the same, for a message that may travel on the completion socket
 _EPOCH = struct.Struct("!Q")
 _UP = getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", zmq.EVENT_CONNECTED)
+_FAST_TYPES = (p.Pull, p.Heartbeat, p.Abort)
+# Larger packets go over ZMQ: the daemon reads at most this much of one (a Pull of ~6,000 blocks fits).
+_FAST_MAX = 65536
 
 
 class NotReady(RuntimeError):
@@ -113,6 +121,11 @@ class SidecarClient:
         self._changed = threading.Condition()
         self._bound = threading.Event()
         self._fast: socket.socket | None = None  # the completion socket, owned by the I/O thread
+        self._zmq_pulls: set[str] = set()  # this connection's unanswered Pulls that went over ZMQ
+        # Guards the completion socket's replacement and the epoch's change against a caller's direct send.
+        self._fast_lock = threading.Lock()
+        self._queued_fast = 0  # Pulls, Heartbeats, Aborts in the inbox not yet forwarded (under _fast_lock)
+        self.sent_direct = 0  # messages the caller's thread sent straight over the completion socket
         self._epoch = 0  # the current connection's number; only the I/O thread changes it
         self._connected = False
         self._daemons: dict[int, tuple[int, set[int]]] = {}  # pidfd -> (daemon pid, epochs it served)
@@ -163,13 +176,53 @@ class SidecarClient:
         epoch = self._epoch
         if self._state != "ready":
             raise NotReady(f"kv-sidecar at {self.address} is {self._state}: {self.status_reason}")
-        data = _DATA + _EPOCH.pack(epoch) + p.encode(msg)
+        if not isinstance(msg, _FAST_TYPES):
+            self._queue(_DATA + _EPOCH.pack(epoch) + p.encode(msg))
+            return epoch
+        if isinstance(msg, p.Pull) and not msg.sent_at_ns:
+            msg = msgspec.structs.replace(msg, sent_at_ns=time.monotonic_ns())
+        payload = p.encode(msg)
+        if self._send_direct(payload, epoch):
+            return epoch
+        with self._fast_lock:
+            self._queued_fast += 1
+        try:
+            self._queue(_FAST_DATA + _EPOCH.pack(epoch) + payload)
+        except NotReady:
+            with self._fast_lock:
+                self._queued_fast -= 1
+            raise
+        return epoch
+
+    def _queue(self, data: bytes) -> None:
         with self._send_lock:
             try:
                 self._push.send(data, zmq.NOBLOCK)
             except zmq.Again:
                 raise NotReady("client queue is full: the I/O thread is not keeping up") from None
-        return epoch
+
+    def _send_direct(self, payload: bytes, epoch: int) -> bool:
+        """Send a Pull, Heartbeat or Abort from the caller's thread, one packet on the completion socket, when
+        that keeps every order: nothing of its kind waits in the inbox, no Pull of this connection went over
+        ZMQ, the connection is the caller's epoch and registered. False: queue it for the I/O thread."""
+        with self._fast_lock:
+            fast = self._fast
+            if (
+                fast is None
+                or self._queued_fast
+                or self._zmq_pulls
+                or self._phase != "ready"
+                or not self._connected
+                or epoch != self._epoch
+                or len(payload) > _FAST_MAX
+            ):
+                return False
+            try:
+                fast.send(payload)  # non-blocking: a full buffer is the I/O thread's to wait out
+            except OSError:
+                return False
+            self.sent_direct += 1
+            return True
 
     def set_registration(self, register: p.RegisterCaches) -> None:
         """Set (or replace) the caches to register; sent now if connected, and again after each reconnect."""
@@ -245,7 +298,9 @@ class SidecarClient:
                 if monitor in ready:
                     ev = recv_monitor_message(monitor)
                     if ev["event"] == _UP:
-                        self._epoch += 1
+                        with self._fast_lock:
+                            self._epoch += 1
+                            self._zmq_pulls.clear()
                         self._connected = True
                         self._say_hello(dealer)
                     elif ev["event"] == zmq.EVENT_DISCONNECTED and self._connected:
@@ -282,6 +337,16 @@ class SidecarClient:
                 s.close(linger=0)
 
     def _forward(self, dealer: zmq.Socket, data: bytes) -> None:
+        if data[:1] != _FAST_DATA:
+            self._forward_one(dealer, data)
+            return
+        try:
+            self._forward_one(dealer, data)
+        finally:
+            with self._fast_lock:
+                self._queued_fast -= 1  # only now may the caller's thread send the next one directly
+
+    def _forward_one(self, dealer: zmq.Socket, data: bytes) -> None:
         if data == _REGISTER:
             if self._phase == "ready" and self._register is not None:
                 self._send_register(dealer)
@@ -292,10 +357,47 @@ class SidecarClient:
             # Its connection ended while it waited here: never hand it to another one (or another daemon).
             self._reply_failure(payload, epoch, "kv-sidecar connection was lost before the message went out")
             return
+        if data[:1] == _FAST_DATA and self._route_fast(payload):
+            return
         try:
             dealer.send(payload, zmq.NOBLOCK)
         except zmq.Again:
             self._reply_failure(payload, epoch, "kv-sidecar is not reachable (send would block)")
+
+    def _route_fast(self, payload: bytes) -> bool:
+        """A Pull, Heartbeat or Abort: True if it went over the completion socket, False to send it over ZMQ.
+
+        An Abort never overtakes its Pull: when the Pull went over ZMQ (too large, sent while
+        re-registering, or the socket was full), its Abort follows it there."""
+        if self._zmq_pulls:
+            msg = _decoded(payload)
+            if isinstance(msg, p.Abort) and msg.req_id in self._zmq_pulls:
+                return False
+        if self._send_fast(payload):
+            return True
+        msg = _decoded(payload)
+        if isinstance(msg, p.Pull):
+            self._zmq_pulls.add(msg.req_id)
+        return False
+
+    def _send_fast(self, payload: bytes) -> bool:
+        """Send a Pull, Heartbeat or Abort over the completion socket; False: use ZMQ."""
+        fast = self._fast
+        if fast is None or self._phase != "ready" or len(payload) > _FAST_MAX:
+            return False
+        for _ in range(2):
+            try:
+                fast.send(payload)
+                return True
+            except BlockingIOError:
+                # the daemon's receive buffer is full: wait a little for room, keeping the order
+                select.select([], [fast], [], 1.0)
+            except OSError as e:
+                log.info("kv-sidecar completion socket send failed (%s); using ZMQ", e)
+                self._close_fast()
+                return False
+        log.warning("kv-sidecar completion socket stayed full for 1 s; this message goes over ZMQ")
+        return False
 
     def _say_hello(self, dealer: zmq.Socket) -> None:
         self._set_state("connecting", "waiting for Welcome")
@@ -347,6 +449,8 @@ class SidecarClient:
         if isinstance(msg, p.Error) and msg.req_id is None and self._phase in ("hello", "register"):
             self._refused(f"kv-sidecar refused {msg.in_reply_to or 'a message'}: {msg.reason}", at)
             return
+        if isinstance(msg, (p.Done, p.Aborted)) and self._zmq_pulls:
+            self._zmq_pulls.discard(msg.req_id)
         self._events.append(Reply(msg, at, self._epoch))
 
     def _after_welcome(self, dealer: zmq.Socket) -> None:
@@ -372,7 +476,8 @@ class SidecarClient:
             self._fast_failed(dealer, f"cannot connect to {path}: {e}")
             return
         fast.setblocking(False)
-        self._fast = fast
+        with self._fast_lock:
+            self._fast = fast
         self._poller.register(fast.fileno(), zmq.POLLIN)
         self._set_state("connecting", "binding the completion socket")
         self._phase, self._deadline = "bind", time.monotonic() + self.reply_timeout_s
@@ -435,8 +540,9 @@ class SidecarClient:
             return
         with contextlib.suppress(KeyError):
             self._poller.unregister(self._fast.fileno())
-        self._fast.close()
-        self._fast = None
+        with self._fast_lock:
+            self._fast.close()
+            self._fast = None
 
     def _refused(self, reason: str, at: int) -> None:
         self._phase, self._deadline = "idle", float("inf")
@@ -461,3 +567,10 @@ class SidecarClient:
             self._events.append(
                 Reply(p.Done(req_id=msg.req_id, ok=False, reason=reason), time.monotonic_ns(), epoch)
             )
+
+
+def _decoded(payload: bytes) -> p.ToDaemon | None:
+    try:
+        return p.decode_to_daemon(payload)
+    except p.DecodeError:
+        return None

@@ -78,6 +78,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repeat", type=int, default=1, help="runs per channel; percentiles are medians over the runs"
     )
+    parser.add_argument(
+        "--idle-s",
+        type=float,
+        default=2.0,
+        help="before the Pulls, how long the registered daemon's idle CPU is measured (s)",
+    )
+    parser.add_argument(
+        "--daemon-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra daemon config as its serve flag, e.g. poll_busy_s=0; repeatable",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the result here")
 
 
@@ -116,6 +129,17 @@ def _new_request(client: Any, tokens: int) -> dict[str, Any]:
             if exc.field != "num_blocks" or time.monotonic() > deadline:
                 raise
             time.sleep(0.001)
+
+
+def serve_flags(items: list[str]) -> list[str]:
+    """``KEY=VALUE`` pairs as ``kv-sidecar serve`` flags."""
+    out: list[str] = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise ValueError(f"--daemon-set {item!r}: use KEY=VALUE")
+        out += ["--" + key.strip().replace("_", "-"), value.strip()]
+    return out
 
 
 def _cpu_s(pid: int) -> float:
@@ -185,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each latency percentile as the median over the runs (and every run as measured)."""
     out: dict[str, Any] = {"failed": sum(r["failed"] for r in runs)}
-    for key in ("signal_us", "pull_round_trip_us", "daemon_end_to_end_us"):
+    for key in ("signal_us", "pull_round_trip_us", "daemon_end_to_end_us", "delivery_us"):
         out[key] = {q: round(float(np.median([r[key][q] for r in runs])), 1) for q in runs[0][key]}
     out["runs"] = runs
     return out
@@ -242,6 +266,7 @@ def _measure(args: argparse.Namespace, channel: str) -> dict[str, Any]:
             "WARNING",
             "--fast-completions",
             "true" if channel == "completion_socket" else "false",
+            *serve_flags(args.daemon_set),
         ]
     )
     shm = ipc.create_shm_buffer(layers * 2 * decoder_blocks * plane * 2)
@@ -266,6 +291,7 @@ def _measure(args: argparse.Namespace, channel: str) -> dict[str, Any]:
     client = SidecarClient(endpoint, hello, register)
     signal_ns: list[int] = []
     round_trip_ns: list[int] = []
+    delivery_ns: list[int] = []
     daemon_e2e_s: list[float] = []
     failures: list[str] = []
     try:
@@ -274,6 +300,9 @@ def _measure(args: argparse.Namespace, channel: str) -> dict[str, Any]:
         if client.uses_completion_socket != (channel == "completion_socket"):
             raise RuntimeError(f"the daemon did not set up the {channel} channel")
         free = list(range(1, decoder_blocks))  # block 0 stays unused
+        idle0, t_idle = _cpu_s(daemon.proc.pid), time.monotonic()
+        time.sleep(args.idle_s)
+        idle_pct = 100 * (_cpu_s(daemon.proc.pid) - idle0) / (time.monotonic() - t_idle)
         cpu0 = {
             "daemon": _cpu_s(daemon.proc.pid),
             "prefill_emulator": _cpu_s(emu.proc.pid),
@@ -323,6 +352,8 @@ def _measure(args: argparse.Namespace, channel: str) -> dict[str, Any]:
                     signal_ns.append(ev.received_at_ns - msg.sent_at_ns)
                     round_trip_ns.append(ev.received_at_ns - t_sent)
                     daemon_e2e_s.append(msg.timings.get("end_to_end", 0.0))
+                    if "delivery" in msg.timings:
+                        delivery_ns.append(int(msg.timings["delivery"] * 1e9))
         wall = time.monotonic() - t_start
         cpu = {
             "daemon": _cpu_s(daemon.proc.pid) - cpu0["daemon"],
@@ -342,6 +373,8 @@ def _measure(args: argparse.Namespace, channel: str) -> dict[str, Any]:
         "signal_us": _percentiles(signal_ns),
         "pull_round_trip_us": _percentiles(round_trip_ns),
         "daemon_end_to_end_us": _percentiles([int(s * 1e9) for s in daemon_e2e_s]),
+        "delivery_us": _percentiles(delivery_ns),
+        "daemon_idle_cpu_pct": round(idle_pct, 2),
         "pulls_per_s": round(total / wall, 1),
         "cpu_cores_busy": {k: round(v / wall, 2) for k, v in cpu.items()},
     }

@@ -304,6 +304,7 @@ class Cell:
     end_to_end_s: list[float] = field(default_factory=list)  # per request, from the daemon's Done
     stages_s: dict[str, list[float]] = field(default_factory=dict)
     round_trip_s: list[float] = field(default_factory=list)  # shim: Pull sent -> Done received
+    daemon_cpu_s: list[float] = field(default_factory=list)  # the daemon's CPU seconds per timed batch
     verified: dict[str, Any] = field(default_factory=dict)
     notified: bool = True
 
@@ -1104,6 +1105,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             gap_share=gap_share,
         )
         result["bare_setup"] = {"agent_create_s": bare.agent_s, "prep_direct_s": bare.prep_s}
+        result["daemon_idle_cpu_pct"] = idle_cpu_pct({m: d.proc.pid for m, d in daemons.items()}, 1.0)
         for cell in cells:
             if cell.skipped is not None:
                 continue
@@ -1114,7 +1116,16 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 cell.skipped = f"time budget of {args.budget_s:g} s spent"
                 continue
             try:
-                run_cell(cell, emu.client, standin, workers[cell.mode], bare, args, remote_fmt)
+                run_cell(
+                    cell,
+                    emu.client,
+                    standin,
+                    workers[cell.mode],
+                    bare,
+                    args,
+                    remote_fmt,
+                    daemon_pid=daemons[cell.mode].proc.pid,
+                )
             except Exception as exc:  # noqa: BLE001 - recorded; the state is unknown, so no further cells
                 cell.skipped = failed = f"error: {type(exc).__name__}: {exc}"
                 print(f"{cell.mode}/{cell.order} {cell.context} x{cell.concurrency}: {failed}", flush=True)
@@ -1160,6 +1171,22 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 _REQUEST_IDS = itertools.count(1)
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu_pct(pids: dict[str, int], seconds: float) -> dict[str, float]:
+    """Each registered, idle daemon's CPU over ``seconds``, in % of a core."""
+    before = {k: _cpu_s(pid) for k, pid in pids.items()}
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    wall = time.monotonic() - t0
+    return {k: round(100 * (_cpu_s(pid) - before[k]) / wall, 2) for k, pid in pids.items()}
+
+
 def run_cell(
     cell: Cell,
     emulator: Any,
@@ -1168,6 +1195,7 @@ def run_cell(
     bare: BareReader,
     args: argparse.Namespace,
     remote_fmt: PageFormat,
+    daemon_pid: int | None = None,
 ) -> None:
     """Warm-up then timed batches of one cell: fresh prefill requests, the bare read of their blocks, then
     kv-sidecar's pulls of the same blocks; the first timed batch is checked bit for bit."""
@@ -1193,7 +1221,9 @@ def run_cell(
                 )
                 for lo, r in zip(local, replies, strict=True)
             ]
+            cpu0 = _cpu_s(daemon_pid) if daemon_pid else 0.0
             side_s, outcomes = sidecar_batch(standin, pulls, args.timeout)
+            daemon_cpu = _cpu_s(daemon_pid) - cpu0 if daemon_pid else None
             if rep == args.warmup:
                 _verify(cell, standin, replies, local, args, remote_fmt)
             for r in replies:
@@ -1211,6 +1241,8 @@ def run_cell(
         cell.bare_descriptors_request_order = bare.descriptors_request_order
         cell.bare_gap_bytes = bare.gap_bytes
         cell.sidecar_s.append(side_s)
+        if daemon_cpu is not None:
+            cell.daemon_cpu_s.append(daemon_cpu)
         for o in outcomes.values():
             if "end_to_end" in o.timings:
                 cell.end_to_end_s.append(o.timings["end_to_end"])
@@ -1294,6 +1326,8 @@ def _cell_json(c: Cell, peer: dict[str, Any] | None) -> dict[str, Any]:
                 "per_request_end_to_end_ms": quantiles(c.end_to_end_s),
                 "shim_round_trip_ms": quantiles(c.round_trip_s),
                 "stages_ms": {k: quantiles(v) for k, v in sorted(c.stages_s.items())},
+                # the daemon's CPU while its batches ran (user + system seconds / wall seconds)
+                "daemon_cpu_cores": sum(c.daemon_cpu_s) / sum(c.sidecar_s) if c.daemon_cpu_s else None,
             },
             "verified": c.verified,
             "notified": c.notified,

@@ -32,6 +32,7 @@ from sidecar.daemon.jobs import SHUTTING_DOWN, Ending, JobTable, Outcome, Sessio
 from sidecar.daemon.leases import Leases, LeaseTracker
 from sidecar.daemon.peers import Peers
 from sidecar.daemon.pipeline import Pipeline
+from sidecar.daemon.polling import Poller
 from sidecar.daemon.port import TransferPort
 from sidecar.daemon.reads import Reads
 from sidecar.daemon.registration import Registrations
@@ -91,9 +92,14 @@ class Daemon:
         self.port: TransferPort | None = None
         self.router = Router(self.metrics)
         self.jobs = JobTable(config.max_inflight, config.max_queued, config.max_timeout_s)
+        self.poller = Poller(lambda: self.config.poll_busy_window_s, lambda: self.config.poll_interval_s)
         self.conversions = Conversions(
-            config.gpu, limits_for(config.conversion_max_step_delay_us), self.metrics.fp8_reencode
+            config.gpu,
+            limits_for(config.conversion_max_step_delay_us),
+            self.metrics.fp8_reencode,
+            wake=self.poller.wake,
         )
+        self.poller.add(self.conversions.poll)
         self.caches: CacheRegistry | None = None
         self.peers: Peers | None = None
         self.leases: Leases | None = None
@@ -145,7 +151,7 @@ class Daemon:
             self.health.socket_bound = True
             self._spawn(self.router.receive_loop())
         assert self.reads is not None and self.heartbeats is not None
-        loops = [self.reads.poll_loop(), self._tick_loop(), self.heartbeats.renew_loop()]
+        loops = [self.poller.loop(), self._tick_loop(), self.heartbeats.renew_loop()]
         if not cfg.nixl_progress_thread:
             loops.append(self.reads.progress_loop())
         for coro in loops:
@@ -168,7 +174,8 @@ class Daemon:
             cfg.lease_s, margin_s=cfg.lease_margin_s, heartbeat_interval_s=cfg.heartbeat_interval_s
         )
         self.caches = CacheRegistry(port, cfg.device, cfg.gpu)
-        self.reads = reads = Reads(port, lambda: self.config.poll_interval_s, self.conversions.convert_group)
+        self.reads = reads = Reads(port, self.poller.wake, self.conversions.convert_group)
+        self.poller.add(reads.poll)
         self.leases = Leases(tracker, port, self.metrics, reads.sent)
         stopping = lambda: self._stopping  # noqa: E731
         self.peers = Peers(

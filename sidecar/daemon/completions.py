@@ -2,9 +2,11 @@
 
 A ZMQ message crosses four threads between two processes (sender, its I/O thread, the receiver's I/O thread,
 the receiver); each wake-up costs tens of µs on a busy host, which put the completion signal's p50 at the
-100 µs goal. One SEQPACKET packet is one syscall each side and keeps message boundaries. The ZMQ socket stays
-the request channel and the fallback: a shim that never binds, or whose connection breaks, gets its replies
-there. Runs on the daemon's event loop (``add_reader``/``add_writer``); no threads.
+100 µs goal. One SEQPACKET packet is one syscall each side and keeps message boundaries. Once bound, the
+connection carries the shim's Pulls, Heartbeats and Aborts too (``on_request``: the router validates and
+dispatches them like ZMQ's), so a Pull's way in is as short as its Done's way out. ZMQ stays the channel for
+the rest and the fallback: a shim that never binds, or whose connection breaks, uses it for everything.
+Runs on the daemon's event loop (``add_reader``/``add_writer``); no threads.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -22,7 +25,10 @@ from sidecar.wire import protocol as p
 
 log = logging.getLogger("kv_sidecar.completions")
 
-MAX_PACKET = 65536  # a BindCompletions is < 300 bytes; anything larger is refused whole
+# A BindCompletions is < 300 bytes; a Pull of ~6,000 blocks fits. A larger packet is cut here and answered
+# with a decode error (the shim sends those over ZMQ instead).
+MAX_PACKET = 65536
+READS_PER_WAKE = 64  # packets taken per readable callback before letting other sockets in
 BIND_WITHIN_S = 5.0  # a connection that has not bound by then is closed (idle ones would hold fds)
 ACCEPT_PAUSE_S = 0.1  # out of file descriptors: stop accepting this long instead of spinning
 SEND_BUFFER = 1 << 20  # room for thousands of Done packets before a slow shim makes us queue
@@ -57,6 +63,7 @@ class CompletionSocket:
         max_connections: int = 64,
         on_refused: Callable[[str], None] | None = None,
         on_closed: Callable[[bytes], None] | None = None,
+        on_request: Callable[[bytes, bytes, float], None] | None = None,
     ) -> None:
         self.path = path
         self._loop = loop
@@ -65,6 +72,7 @@ class CompletionSocket:
         self._max_connections = max_connections
         self._on_refused = on_refused or (lambda _why: None)
         self._on_closed = on_closed or (lambda _rid: None)
+        self._on_request = on_request
         self._by_id: dict[bytes, _Conn] = {}
         self._conns: set[_Conn] = set()
         with contextlib.suppress(FileNotFoundError):
@@ -145,16 +153,26 @@ class CompletionSocket:
             self._drop(conn, None)
 
     def _readable(self, conn: _Conn) -> None:
-        try:
-            data = conn.sock.recv(MAX_PACKET)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            self._drop(conn, f"receive failed: {exc}")
-            return
-        if not data:
-            self._drop(conn, None)
-            return
+        for _ in range(READS_PER_WAKE):
+            try:
+                data = conn.sock.recv(MAX_PACKET)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._drop(conn, f"receive failed: {exc}")
+                return
+            if not data:
+                self._drop(conn, None)
+                return
+            if conn.routing_id is not None and self._on_request is not None:
+                # a request from a bound shim: the router answers it (Error included) through send()
+                self._on_request(conn.routing_id, data, time.monotonic())
+            else:
+                self._answer_bind(conn, data)
+            if conn not in self._conns:
+                return
+
+    def _answer_bind(self, conn: _Conn, data: bytes) -> None:
         reply, keep = self._on_packet(conn, data)
         try:
             conn.sock.send(p.encode(reply))

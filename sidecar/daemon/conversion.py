@@ -1,9 +1,10 @@
 """Conversion: a job's landed layer groups rewritten into the decoder's format, off the event loop.
 
 On a GPU each group is queued on the daemon's own stream (never the decoder's) and the job waits for the
-event after its last group. On the CPU twin each group runs in one worker thread, the twin's "stream".
-Either way a job is answered only once every conversion it started is over, failed ones included: a group
-that failed must not end the wait while another still writes.
+event after its last group: ``poll``, run by the daemon's ``Poller``, queries the events in flight (no
+thread blocked in ``synchronize``, no executor hop back to the loop). On the CPU twin each group runs in
+one worker thread, the twin's "stream". Either way a job is answered only once every conversion it started
+is over, failed ones included: a group that failed must not end the wait while another still writes.
 """
 
 from __future__ import annotations
@@ -65,12 +66,43 @@ class Conversions:
         gpu: int | None,
         limits: ConversionLimits | None = None,
         on_reencode: Callable[[int, int], None] | None = None,
+        wake: Callable[[], None] = lambda: None,
     ) -> None:
         self._gpu = gpu
         self._on_reencode = on_reencode
+        self._wake = wake
         self.limits = limits or ConversionLimits()
         self._stream: Any = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kv-sidecar-convert")
+        self._events: list[tuple[Any, asyncio.Future]] = []  # GPU events in flight, with their waits
+
+    def watch(self, event: Any) -> asyncio.Future:
+        """A future that ends when ``event.query()`` says the work before it is done (seen by ``poll``)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._events.append((event, fut))
+        self._wake()
+        return fut
+
+    def poll(self, now: float) -> tuple[bool, bool]:
+        """One pass over the events in flight: (did one end, is one still in flight)."""
+        if not self._events:
+            return False, False
+        left: list[tuple[Any, asyncio.Future]] = []
+        for event, fut in self._events:
+            if fut.done():
+                continue
+            try:
+                finished = event.query()
+            except Exception as exc:  # noqa: BLE001 - a CUDA error fails the job that waits, not the loop
+                fut.set_exception(exc)
+                continue
+            if finished:
+                fut.set_result(None)
+            else:
+                left.append((event, fut))
+        changed = len(left) != len(self._events)
+        self._events = left
+        return changed, bool(left)
 
     def make_stream(self) -> None:
         """Create the GPU stream (call in a worker thread at start; nothing to do on the CPU twin)."""
@@ -144,8 +176,7 @@ class Conversions:
         if conv.all_done is None and (conv.groups or conv.last_event is not None):
             waits = list(conv.groups)
             if conv.last_event is not None:
-                loop = asyncio.get_running_loop()
-                waits.append(loop.run_in_executor(self._executor, conv.last_event.synchronize))
+                waits.append(self.watch(conv.last_event))
             conv.all_done = asyncio.gather(*waits, return_exceptions=True)
         return conv.all_done
 

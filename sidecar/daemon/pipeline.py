@@ -304,6 +304,8 @@ class Pipeline:
         self._leases.forget(job.msg.remote_request_id)
         timings = {k: v for k, v in job.timings.items() if k != Stage.DONE.value}
         timings["end_to_end"] = now - job.received
+        if job.msg.sent_at_ns:  # the shim's send time: one host, one monotonic clock
+            timings["delivery"] = max(0.0, job.received - job.msg.sent_at_ns / 1e9)
         if job.abort_envelope is not None:
             ending.outcome = Outcome.ABORTED
         # Counted before the answer goes out, so whoever holds the answer sees it counted.

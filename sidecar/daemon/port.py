@@ -125,8 +125,13 @@ class TransferPort(Protocol):
         ``gaps``: staged only, a ``spans.GapRead`` of blocks read into staging just to merge runs."""
         ...
 
-    def poll(self, read: Any, now: float) -> bool:
-        """True once every READ is DONE and the notification sent; raises on failure or deadline."""
+    def poll(self, read: Any, now: float, *, notify: bool = True) -> bool:
+        """True once every READ is DONE and (unless ``notify`` is False) the notification sent; raises on
+        failure or deadline."""
+        ...
+
+    def notify_read(self, read: Any) -> None:
+        """Send a finished read's notification, if ``poll(notify=False)`` left it unsent."""
         ...
 
     def abort(self, read: Any) -> bool:

@@ -1,8 +1,9 @@
 """Reads: posting a job's READs through the port, and the loop that polls them until they land.
 
-One poll loop serves every read in flight: while any is, it polls them every ``poll_interval_s``; when
-none is, it sleeps until the next one is posted. A layer group seen DONE is handed to the conversion at
-once (``on_landed``), so it converts while later groups still read.
+``poll`` is one pass over every read in flight, run by the daemon's ``Poller`` (``polling.py``: hot while
+reads are in flight, asleep when none is). A layer group seen DONE is handed to the conversion at once
+(``on_landed``), so it converts while later groups still read; the prefill's notification of a finished read
+goes out only after its last group's conversion was launched.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ log = logging.getLogger("kv_sidecar.reads")
 
 # How long to keep asking NIXL to release a read's transfers before calling its blocks unsafe.
 RELEASE_GIVE_UP_S = 5.0
+# How long after sending something on NIXL the progress loop keeps calling in (no progress thread).
+PROGRESS_AFTER_SEND_S = 2.0
 
 
 class Reads:
@@ -33,19 +36,21 @@ class Reads:
     def __init__(
         self,
         port: TransferPort,
-        poll_interval_s: Callable[[], float],
+        wake: Callable[[], None],
         on_landed: Callable[[Job, int, int], None],
     ) -> None:
         self._port = port
-        self._poll_interval_s = poll_interval_s
+        self._wake = wake
         self._on_landed = on_landed
         self._waiting: dict[Any, tuple[asyncio.Future, Job]] = {}  # read handle -> (its wait, its job)
-        self._wakeup = asyncio.Event()
         self._last_sent = 0.0
+        self._sent_event: asyncio.Event | None = None
 
     def sent(self) -> None:
         """Something went out on NIXL (a notification, a heartbeat): keep UCX moving for a while."""
         self._last_sent = time.monotonic()
+        if self._sent_event is not None:
+            self._sent_event.set()
 
     def blocks(self, job: Job, mode: ReadMode) -> np.ndarray:
         """The local kernel blocks the job's read writes (tail pairing, padding trimmed)."""
@@ -104,7 +109,7 @@ class Reads:
         """Until every READ of the job is DONE (and the prefill notified)."""
         fut = asyncio.get_running_loop().create_future()
         self._waiting[job.read] = (fut, job)
-        self._wakeup.set()
+        self._wake()
         try:
             await fut
         except RemoteDisconnected as exc:
@@ -137,37 +142,43 @@ class Reads:
         if job.read.handles and not self._port.release(job.read):
             log.warning("pull %s: some DONE transfers could not be released", job.req_id)
 
-    async def poll_loop(self) -> None:
-        while True:
-            if not self._waiting:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-            now = time.monotonic()
-            for read, (fut, job) in list(self._waiting.items()):
-                if fut.done():
-                    self._waiting.pop(read, None)
-                    continue
-                try:
-                    finished = self._port.poll(read, now)
-                except TransferError as exc:
-                    self._waiting.pop(read, None)
-                    fut.set_exception(exc)
-                    continue
+    def poll(self, now: float) -> tuple[bool, bool]:
+        """One pass over the reads in flight: (did one land or end, is one still in flight)."""
+        changed = False
+        for read, (fut, job) in list(self._waiting.items()):
+            if fut.done():
+                self._waiting.pop(read, None)
+                continue
+            try:
+                finished = self._port.poll(read, now, notify=False)
+            except TransferError as exc:
+                self._waiting.pop(read, None)
+                fut.set_exception(exc)
+                changed = True
+                continue
+            changed |= bool(read.landed) or finished
+            try:
                 while read.landed:
                     self._on_landed(job, *read.landed.pop(0))
-                if finished:
-                    self._waiting.pop(read, None)
-                    fut.set_result(None)
-            if self._waiting:
-                await asyncio.sleep(self._poll_interval_s())
+            finally:
+                if finished:  # launched first, then the prefill is told it may free the blocks
+                    self._port.notify_read(read)
+                    self.sent()
+            if finished:
+                self._waiting.pop(read, None)
+                fut.set_result(None)
+        return changed, bool(self._waiting)
 
     async def progress_loop(self) -> None:
         """Without NIXL's progress thread, UCX moves only when we call in: for a while after the last
-        notification or heartbeat, call in every few ms so nothing we sent waits in a queue."""
+        notification or heartbeat, call in every few ms so nothing we sent waits in a queue; after that,
+        sleep until something is sent (an idle daemon does not wake up here)."""
+        self._sent_event = sent = asyncio.Event()
         while True:
+            if time.monotonic() - self._last_sent > PROGRESS_AFTER_SEND_S:
+                sent.clear()
+                await sent.wait()
             await asyncio.sleep(0.005)
-            if time.monotonic() - self._last_sent > 2.0:
-                continue
             try:
                 self._port.progress()
             except Exception as exc:  # noqa: BLE001 - progress is best effort; errors surface on transfers

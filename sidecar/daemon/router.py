@@ -95,6 +95,7 @@ class Router:
                 self._may_bind_completions,
                 self._send_over_zmq,
                 group_gid=gid,
+                on_request=self._on_completion_request,
             )
 
     def _may_bind_completions(self, routing_id: bytes) -> str | None:
@@ -102,6 +103,26 @@ class Router:
         if session is None or session.hello is None:
             return "routing_id: no shim with this routing id has said Hello on the main socket"
         return None
+
+    def _on_completion_request(self, routing_id: bytes, payload: bytes, received: float) -> None:
+        """A packet from a bound completion socket: a Pull, Heartbeat or Abort, else an Error back there."""
+        envelope = [routing_id]
+        try:
+            msg = p.decode_on_completions(payload)
+        except p.DecodeError as exc:
+            self._metrics.invalid_messages.inc()
+            kind, req_id = _peek(payload)
+            self._ratelog.log(
+                "invalid", logging.WARNING, "invalid completion-socket message (%s): %s", kind or "?", exc
+            )
+            self.send(envelope, p.Error(reason=str(exc), in_reply_to=kind, req_id=req_id))
+            return
+        if isinstance(msg, p.BindCompletions):
+            self._metrics.invalid_messages.inc()
+            reason = "already bound: only one BindCompletions travels on this socket"
+            self.send(envelope, p.Error(reason=reason, in_reply_to="BindCompletions"))
+            return
+        self.dispatch(envelope, msg, received)
 
     async def receive_loop(self) -> None:
         assert self._sock is not None

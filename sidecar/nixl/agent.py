@@ -516,8 +516,9 @@ class NixlTransfer:
             raise exc
         return state == "DONE"
 
-    def poll(self, pull: ReadOp, now: float | None = None) -> bool:
-        """Non-blocking: True once every transfer is DONE and the one notification has been sent.
+    def poll(self, pull: ReadOp, now: float | None = None, *, notify: bool = True) -> bool:
+        """Non-blocking: True once every transfer is DONE and the one notification has been sent (with
+        ``notify=False`` the caller sends it with :meth:`notify_read`, e.g. after launching work on the data).
 
         The DONE handles stay with the pull until :meth:`release`: releasing a handle of thousands of
         descriptors takes time the caller can spend after it has answered (the daemon releases after Done).
@@ -537,7 +538,8 @@ class NixlTransfer:
                 pull.landed.append(pull.layer_ranges[i])  # its layers may be converted while others read
         if pull.sealed and all(pull.done_flags):
             pull.done_at = now
-            self._notify_once(pull)  # every read is DONE: the prefill may free its blocks now
+            if notify:
+                self._notify_once(pull)  # every read is DONE: the prefill may free its blocks now
             pull.finished = True
             return True
         if now > pull.deadline:
@@ -548,6 +550,10 @@ class NixlTransfer:
             self._fail(pull, exc)
             raise exc
         return False
+
+    def notify_read(self, pull: ReadOp) -> None:
+        """The finished pull's one notification, if :meth:`poll` was told not to send it."""
+        self._notify_once(pull)
 
     def wait(self, pull: ReadOp, *, sleep_s: float = 0.0005, release: bool = True) -> ReadOp:
         """Blocking helper for benches and tests: poll with a short sleep (no hot spin on small hosts), then

@@ -240,14 +240,18 @@ class NixlPort:
                 raise
         return ops[0] if len(ops) == 1 else ReadGroup(ops)
 
-    def poll(self, read: ReadOp | ReadGroup, now: float) -> bool:
+    def poll(self, read: ReadOp | ReadGroup, now: float, *, notify: bool = True) -> bool:
         if isinstance(read, ReadOp):
-            return self.agent.poll(read, now)
+            return self.agent.poll(read, now, notify=notify)
         try:
-            done = [self.agent.poll(op, now) for op in read.ops]
+            done = [self.agent.poll(op, now, notify=notify) for op in read.ops]
         finally:
             read.take_landed()
         return all(done)
+
+    def notify_read(self, read: ReadOp | ReadGroup) -> None:
+        for op in read.ops if isinstance(read, ReadGroup) else [read]:
+            self.agent.notify_read(op)
 
     def abort(self, read: ReadOp | ReadGroup) -> bool:
         if isinstance(read, ReadOp):

@@ -32,6 +32,8 @@ ENV_NOT_KEYS = frozenset(
 DEFAULT_SOCKET_DIR = "/run/kv-sidecar"
 MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 # Keys SIGHUP may change; the others need a restart.
+DEFAULT_POLL_BUSY_S = 0.05  # poll_busy_s with a GPU when unset
+
 RELOADABLE = frozenset(
     {
         "remotes",
@@ -272,11 +274,21 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             ge=0,
         ),
     ] = 0
+    poll_busy_s: Annotated[
+        Annotated[float, msgspec.Meta(ge=0)] | None,
+        _doc(
+            "while READs or GPU conversions are in flight, poll them pass after pass (yielding to the "
+            "loop, no timer) for this long after the last pass that saw one land; then every "
+            "poll_interval_s. Costs up to a core while requests are in flight, nothing when idle; 0: "
+            "timer only; unset: 0.05 with a GPU, 0 on the CPU twin (there the spinning loop takes the "
+            "GIL and cores from the conversion thread and the prefill: slower, measured)"
+        ),
+    ] = None
     poll_interval_s: Annotated[
         float,
         _doc(
-            "how often in-flight NIXL transfers are polled (the loop sleeps between polls; uvloop timers "
-            "have millisecond resolution, so less than 0.001 polls without sleeping)",
+            "how often in-flight NIXL transfers and GPU events are polled once poll_busy_s has passed "
+            "without progress (uvloop timers have millisecond resolution)",
             gt=0,
         ),
     ] = 0.001
@@ -285,6 +297,13 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     ] = 10.0
     log_json: Annotated[bool, _doc("log one JSON object per line instead of text")] = False
     log_level: Annotated[LogLevel, _doc("DEBUG, INFO, WARNING or ERROR")] = "INFO"
+
+    @property
+    def poll_busy_window_s(self) -> float:
+        """``poll_busy_s``, or its default for the device."""
+        if self.poll_busy_s is not None:
+            return self.poll_busy_s
+        return DEFAULT_POLL_BUSY_S if self.gpu is not None else 0.0
 
     def __post_init__(self) -> None:
         if self.socket and not self.socket.startswith("ipc://"):

@@ -19,7 +19,7 @@ from sidecar.ops.errors import StartupError
 
 OUTCOMES = ("ok", "failed", "refused", "aborted", "expired")
 FP8_REENCODE_KINDS = ("saturated", "nan")
-STAGES = ("handshake", "queue", "transfer", "convert", "signal", "end_to_end")
+STAGES = ("handshake", "queue", "transfer", "convert", "signal", "end_to_end", "delivery")
 # 50 µs .. ~100 s, roughly x2.5 per bucket: signal latencies and multi-second pulls both resolve.
 BUCKETS = (
     5e-5,

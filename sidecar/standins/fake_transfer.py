@@ -52,6 +52,7 @@ class FakeRead:
     nbytes: int = 0
     error: Exception | None = None
     aborted: bool = False
+    notified: bool = False
 
 
 class FakePort:
@@ -180,7 +181,7 @@ class FakePort:
         """Land one pending layer group (by its position among those still pending)."""
         read.landed.append(read.groups.pop(index))
 
-    def poll(self, read: FakeRead, now: float) -> bool:
+    def poll(self, read: FakeRead, now: float, *, notify: bool = True) -> bool:
         if read.finished:
             if read.error is not None:
                 raise read.error
@@ -197,7 +198,7 @@ class FakePort:
                 self.land(read)
         if not read.groups:
             read.done_at = now
-            self._end(read)
+            self._end(read, notify)
             return True
         if now > read.deadline:
             read.error = TransferTimeout("the fake read missed its deadline")
@@ -205,9 +206,15 @@ class FakePort:
             raise read.error
         return False
 
-    def _end(self, read: FakeRead) -> None:
+    def _end(self, read: FakeRead, notify: bool = True) -> None:
         read.finished = True
-        self.notify(read.peer, read.remote_request_id)
+        if notify:
+            self.notify_read(read)
+
+    def notify_read(self, read: FakeRead) -> None:
+        if not read.notified:
+            read.notified = True
+            self.notify(read.peer, read.remote_request_id)
 
     def abort(self, read: FakeRead) -> bool:
         if self.stuck_abort > 0:
@@ -217,6 +224,7 @@ class FakePort:
         read.handles = []
         if not read.finished:
             self._end(read)
+        self.notify_read(read)
         return True
 
     def release(self, read: FakeRead) -> bool:

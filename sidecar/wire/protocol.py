@@ -14,7 +14,11 @@ Completion socket: when ``Welcome.completion_socket`` names one, the shim may co
 SOCK_SEQPACKET socket beside the ZMQ one, same permissions) and send ``BindCompletions`` with its routing id;
 the daemon answers ``CompletionsBound`` there, and from then on sends every reply to that shim over it, in
 order. A ZMQ message crosses four threads on its way, one SEQPACKET packet none: this is the completion
-signal's fast path (``bench/results/ipc-floor-*.json``). ZMQ stays the request channel and the fallback.
+signal's fast path (``bench/results/ipc-floor-*.json``). Once bound, the shim sends its ``Pull``,
+``Heartbeat`` and ``Abort`` messages over it too (protocol 3), one packet each, validated like any other;
+the rest of the conversation (Hello, RegisterCaches, Unregister, Ping) stays on ZMQ, which is also the
+fallback for everything when the completion socket is not bound or breaks. A Pull's ``sent_at_ns`` is
+the shim's send time; the Done's ``timings["delivery"]`` is how long the Pull took to reach the daemon.
 
 Deadlines: a ``Pull`` carries ``timeout_s``, a duration the daemon counts from the moment it receives the
 message (on its own monotonic clock). A duration keeps the message meaningful whatever clock each side
@@ -33,7 +37,9 @@ import msgspec
 from sidecar.wire.formats import PageFormat
 from sidecar.wire.ipc import IpcBuffer, LayerView
 
-PROTOCOL_VERSION = 2  # 2: Welcome.completion_socket, BindCompletions / CompletionsBound
+# 2: Welcome.completion_socket, BindCompletions / CompletionsBound.
+# 3: Pull, Heartbeat and Abort also accepted on a bound completion socket; Pull.sent_at_ns set by the shim.
+PROTOCOL_VERSION = 3
 
 
 class DecodeError(ValueError):
@@ -242,7 +248,8 @@ class Done(_Msg):
 
     ``timings``, in seconds: the stages (queue, handshake, transfer, convert, end_to_end), and within transfer
     "post" (staging slots taken, descriptors built, READ posted), "read" (posted until seen DONE) and, on a
-    GPU, "launch" (CPU time spent starting the conversion kernels).
+    GPU, "launch" (CPU time spent starting the conversion kernels). "delivery" (when the Pull carried
+    ``sent_at_ns``): from the shim's send to the daemon's receipt of the Pull.
     """
 
     req_id: str
@@ -340,8 +347,34 @@ _bind = msgspec.msgpack.Decoder(BindCompletions)
 
 
 def decode_bind(data: bytes) -> BindCompletions:
-    """Decode the shim's packet on the completion socket."""
-    return _decode(_bind, data, "completion-socket")
+    """Decode the shim's first packet on the completion socket."""
+    try:
+        return _decode(_bind, data, "completion-socket")
+    except DecodeError:
+        t = _peek_type(data)
+        if t in FAST_REQUEST_TYPES:
+            raise DecodeError(f"send BindCompletions first: a {t} travels here only once bound") from None
+        raise
+
+
+FastRequest = Union[Pull, Heartbeat, Abort, BindCompletions]  # noqa: UP007
+FAST_REQUEST_TYPES = ("Pull", "Heartbeat", "Abort")
+_fast_request = msgspec.msgpack.Decoder(FastRequest)
+
+
+def decode_on_completions(data: bytes) -> FastRequest:
+    """Decode a packet on a completion socket: a Pull, Heartbeat or Abort (or a repeated BindCompletions,
+    which the caller refuses); a message that belongs on the main socket is named as such."""
+    try:
+        return _decode(_fast_request, data, "completion-socket")
+    except DecodeError as exc:
+        t = _peek_type(data)
+        if t in _DAEMON_TYPES and t not in FAST_REQUEST_TYPES:
+            raise DecodeError(
+                f"message type {t!r} travels on the main (ZMQ) socket; the completion socket carries "
+                f"{', '.join(FAST_REQUEST_TYPES)}"
+            ) from None
+        raise exc from None
 
 
 def decode_any(data: bytes) -> Message:

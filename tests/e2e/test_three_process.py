@@ -63,8 +63,11 @@ def test_many_concurrent_requests_bit_exact_freed_and_counted(work, emulator, da
         - sample(before, "kv_sidecar_stage_seconds_count", stage="end_to_end")
         == 48
     )
-    # The stand-in's shim saw the same timings the daemon measured.
-    assert all(set(r.timings) >= {"handshake", "transfer", "convert", "end_to_end"} for r in results)
+    # The stand-in's shim saw the same timings the daemon measured, and the Pull's delivery (its shim's send
+    # time to the daemon's receipt, protocol 3: over the completion socket).
+    stages = {"handshake", "transfer", "convert", "end_to_end", "delivery"}
+    assert all(set(r.timings) >= stages for r in results)
+    assert all(0 < r.timings["delivery"] < r.timings["end_to_end"] + 1.0 for r in results)
 
 
 def test_staged_mode_is_bit_exact_too(work, emulator, make_standin) -> None:

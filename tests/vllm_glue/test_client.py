@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import pytest
 import zmq
 
@@ -226,6 +227,10 @@ class FastPeer(Peer):
         assert self.fast is not None
         self.fast.send(p.encode(msg))
 
+    def recv_fast(self) -> p.ToDaemon:
+        assert self.fast is not None
+        return p.decode_on_completions(self.fast.recv(65536))
+
     def close(self) -> None:
         if self.fast is not None:
             self.fast.close()
@@ -245,8 +250,21 @@ def test_completion_socket_is_bound_before_registering_and_carries_replies(addre
         assert isinstance(peer.recv(), p.RegisterCaches)
         peer.send_fast(p.Registered(generation=1, registered_bytes=4096, num_layers=1))
         assert client.wait_ready(5)
+        before = time.monotonic_ns()
+        direct = client.sent_direct
         client.send(pull("r1"))
-        assert isinstance(peer.recv(), p.Pull)
+        # Protocol 3: once bound and registered, Pulls, Heartbeats and Aborts take the completion socket too.
+        got_pull = peer.recv_fast()
+        assert isinstance(got_pull, p.Pull) and got_pull.req_id == "r1"
+        assert before <= got_pull.sent_at_ns <= time.monotonic_ns()  # the shim's send time, for "delivery"
+        client.send(p.Heartbeat(targets=[]))
+        client.send(p.Abort(req_id="r1"))
+        assert isinstance(peer.recv_fast(), p.Heartbeat)
+        assert peer.recv_fast() == p.Abort(req_id="r1")
+        assert client.sent_direct == direct + 3  # from this thread: no hop to the I/O thread
+        client.send(p.Ping(nonce=5))  # the rest stays on ZMQ
+        assert peer.recv() == p.Ping(nonce=5)
+        assert not peer.sock.poll(100), "a completion-socket request also went over ZMQ"
         peer.send_fast(p.Done(req_id="r1", ok=True))
         peer.send(p.Done(req_id="r0", ok=False, reason="over zmq"))  # ZMQ still delivers (daemon's fallback)
         got = {ev.message.req_id: ev.message.ok for ev in wait_events(client, 2)}
@@ -259,6 +277,44 @@ def test_completion_socket_is_bound_before_registering_and_carries_replies(addre
         peer.send(p.Done(req_id="r2", ok=True))
         (ev,) = wait_events(client, 1)
         assert ev.message.req_id == "r2" and client.is_ready()
+        client.send(pull("r3"))  # and so do the requests
+        assert peer.recv().req_id == "r3"
+    finally:
+        client.close()
+        peer.close()
+
+
+def test_an_abort_never_overtakes_its_pull(address: str, tmp_path) -> None:
+    """A Pull too large for one completion-socket packet goes over ZMQ, and so does its Abort (sent over the
+    completion socket it could reach the daemon first, find nothing in flight, and be answered safe while the
+    Pull still writes); a small Pull and its Abort both take the completion socket."""
+    peer = FastPeer(address, f"{tmp_path}/d.sock.done")
+    client = SidecarClient(address, hello(), register_msg())
+    try:
+        peer.welcome()
+        peer.accept_bind()
+        peer.send_fast(p.CompletionsBound(ok=True))
+        assert isinstance(peer.recv(), p.RegisterCaches)
+        peer.send_fast(p.Registered(generation=1, registered_bytes=4096, num_layers=1))
+        assert client.wait_ready(5)
+        big = list(range(20_000))  # ~60-100 KB of msgpack
+        client.send(p.Pull(**{**msgspec.structs.asdict(pull("big")), "remote_block_ids": big,
+                              "local_block_ids": big}))
+        direct = client.sent_direct
+        client.send(p.Abort(req_id="big"))
+        client.send(pull("small"))
+        client.send(p.Abort(req_id="small"))
+        got_big = peer.recv()
+        assert isinstance(got_big, p.Pull) and got_big.req_id == "big" and got_big.sent_at_ns > 0
+        assert peer.recv() == p.Abort(req_id="big")
+        assert peer.recv_fast().req_id == "small"
+        assert peer.recv_fast() == p.Abort(req_id="small")
+        assert client.sent_direct == direct  # a ZMQ Pull unanswered: everything waits its turn in the inbox
+        peer.send(p.Aborted(req_id="big", safe=True))
+        (ev,) = wait_events(client, 1)
+        assert ev.message.req_id == "big"
+        client.send(p.Abort(req_id="big"))  # answered: a later Abort of that id may take the fast way
+        assert peer.recv_fast() == p.Abort(req_id="big")
     finally:
         client.close()
         peer.close()

@@ -164,7 +164,7 @@ _PEER = textwrap.dedent(
     fast, _ = lst.accept(); fast.recv(65536); fast.send(p.encode(p.CompletionsBound(ok=True)))
     r.recv_multipart()
     fast.send(p.encode(p.Registered(generation=1, registered_bytes=1, num_layers=1)))
-    r.recv_multipart()  # the Pull
+    assert isinstance(p.decode_on_completions(fast.recv(65536)), p.Pull)  # protocol 3: on the fast socket
     print("pulled", flush=True)
     time.sleep(60)
     """

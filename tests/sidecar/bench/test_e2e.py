@@ -180,3 +180,29 @@ def test_cpu_run_end_to_end(tmp_path) -> None:
         assert all(r["scope"] == "intra-node" for r in t[role]["reads"])
     assert sorted(p.name for p in logs.glob("daemon-*.toml")) == ["daemon-direct.toml", "daemon-staged.toml"]
     assert r["must_show_failures"]
+
+
+def test_idle_cpu_pct_measures_a_process_by_pid():
+    """A sleeping child uses ~0 % of a core, a spinning one ~100 % (at least a clear share on a busy host)."""
+    import subprocess
+    import sys
+
+    # each says "up" once its interpreter has started, so the start-up's CPU is not in the window
+    sleeper = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    spinner = subprocess.Popen(
+        [sys.executable, "-c", "print('up', flush=True)\nwhile True: pass"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert sleeper.stdout.readline().strip() == "up" and spinner.stdout.readline().strip() == "up"
+        got = e2e.idle_cpu_pct({"sleeper": sleeper.pid, "spinner": spinner.pid}, 0.5)
+    finally:
+        sleeper.kill()
+        spinner.kill()
+        sleeper.wait()
+        spinner.wait()
+    assert got["sleeper"] < 5.0
+    assert got["spinner"] > 10.0

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import time
 
+import msgspec
 import pytest
 import zmq
 
@@ -98,15 +100,79 @@ def test_welcome_offers_an_owner_only_socket_and_binding_moves_the_replies_there
     assert isinstance(err, p.Error) and "Expected `object`" in err.reason
 
 
-def test_a_second_packet_is_answered_with_an_error_and_the_binding_stays(client):
+def test_garbage_on_a_bound_socket_is_answered_with_an_error_and_the_binding_stays(client):
     c = client(b"shim-twice")
     path = c.hello().completion_socket
     assert c.bind(path) == p.CompletionsBound(ok=True)
-    c.fast.send(b"anything")
-    err = c.recv_fast()
-    assert isinstance(err, p.Error) and "already bound" in err.reason
+    for packet, needle in [
+        (b"\xc1", "malformed"),
+        (b"anything", "Expected `object`"),
+        (p.encode(p.BindCompletions(routing_id=b"shim-twice")), "already bound"),
+        (p.encode(p.Hello(protocol_version=p.PROTOCOL_VERSION, package_version="t")), "main (ZMQ) socket"),
+        (p.encode(p.Ping(nonce=3)), "main (ZMQ) socket"),
+        (p.encode(p.Welcome(protocol_version=3, package_version="t", device="cpu")), "travels daemon→shim"),
+    ]:
+        c.fast.send(packet)
+        err = c.recv_fast()
+        assert isinstance(err, p.Error) and needle in err.reason, (packet, err)
     c.dealer.send(p.encode(p.Ping(nonce=1)))
     assert isinstance(c.recv_fast(), p.Pong)
+
+
+def _pull(req_id: str, **kw) -> p.Pull:
+    values = {
+        "req_id": req_id,
+        "remote_engine_id": "prefill-0",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+        "remote_request_id": f"r-{req_id}",
+        "remote_block_ids": [1, 2],
+        "local_block_ids": [3, 4],
+        "timeout_s": 5.0,
+        **kw,
+    }
+    return p.Pull(**values)
+
+
+def test_pull_heartbeat_and_abort_over_the_completion_socket_are_served_there(client):
+    """Protocol 3: a bound shim's requests travel on the completion socket and are answered there (this
+    daemon has no caches, so the Pull is refused by the pipeline: it went all the way through it)."""
+    c = client(b"shim-requests")
+    assert c.bind(c.hello().completion_socket) == p.CompletionsBound(ok=True)
+    sent = time.monotonic_ns()
+    c.fast.send(p.encode(_pull("fast-1", sent_at_ns=sent)))
+    done = c.recv_fast()
+    assert isinstance(done, p.Done) and done.req_id == "fast-1" and not done.ok, done
+    assert "caches" in done.reason
+    delivery = done.timings["delivery"]
+    assert 0 < delivery < (time.monotonic_ns() - sent) / 1e9
+    c.fast.send(p.encode(p.Heartbeat(targets=[])))  # no reply
+    c.fast.send(p.encode(p.Abort(req_id="never-pulled")))
+    aborted = c.recv_fast()
+    assert aborted == p.Aborted(req_id="never-pulled", safe=True, reason=aborted.reason) and aborted.safe
+    assert not c.dealer.poll(100), "a reply to a completion-socket request went over ZMQ"
+
+
+def test_a_malformed_pull_on_the_completion_socket_gets_an_error_naming_it(client):
+    c = client(b"shim-bad-pull")
+    assert c.bind(c.hello().completion_socket) == p.CompletionsBound(ok=True)
+    bad = msgspec.msgpack.encode({**msgspec.to_builtins(_pull("bad-1")), "remote_port": 0})
+    c.fast.send(bad)
+    err = c.recv_fast()
+    assert isinstance(err, p.Error) and err.in_reply_to == "Pull" and err.req_id == "bad-1", err
+    assert "remote_port" in err.reason
+    c.fast.send(p.encode(_pull("good-1")))  # and the next one is served
+    done = c.recv_fast()
+    assert isinstance(done, p.Done) and done.req_id == "good-1"
+    assert "delivery" not in done.timings  # no send time given, none claimed
+
+
+def test_a_pull_before_binding_is_refused_as_a_bind(daemon, client):
+    raw = client(b"shim-unbound")
+    raw.hello()
+    raw.connect_fast(completion_path(daemon.removeprefix("ipc://"))).send(p.encode(_pull("early")))
+    answer = raw.recv_fast()
+    assert isinstance(answer, p.CompletionsBound) and not answer.ok and "BindCompletions" in answer.reason
 
 
 @pytest.mark.parametrize(
@@ -165,3 +231,13 @@ def test_disabled_fast_completions_offer_no_socket(tmp_path):
     finally:
         c.close()
         assert proc.stop() == 0
+
+
+def test_a_protocol_2_shim_is_refused_with_both_versions_named(daemon, client):
+    c = client(b"shim-old")
+    c.dealer.send(p.encode(p.Hello(protocol_version=2, package_version="old")))
+    err = c.recv_zmq()
+    assert isinstance(err, p.Error) and err.in_reply_to == "Hello", err
+    assert "protocol_version" in err.reason and "2" in err.reason and str(p.PROTOCOL_VERSION) in err.reason
+    refused = c.bind(completion_path(daemon.removeprefix("ipc://")))  # nor may it send Pulls there
+    assert isinstance(refused, p.CompletionsBound) and not refused.ok and "said Hello" in refused.reason

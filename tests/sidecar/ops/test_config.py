@@ -103,3 +103,14 @@ def test_reload_splits_live_and_restart_keys():
     applied, restart = c.reload_changes(old, new)
     assert sorted(applied) == ["log_level", "remotes"] and restart == ["gpu"]
     assert c.reload_changes(old, old) == ([], [])
+
+
+def test_poll_busy_window_defaults_by_device_and_can_be_set():
+    Config, DEFAULT_POLL_BUSY_S = c.Config, c.DEFAULT_POLL_BUSY_S
+
+    assert Config().poll_busy_window_s == 0.0  # the CPU twin: the timer only
+    assert Config(gpu=0).poll_busy_window_s == DEFAULT_POLL_BUSY_S == 0.05
+    assert Config(gpu=0, poll_busy_s=0).poll_busy_window_s == 0
+    assert Config(poll_busy_s=0.2).poll_busy_window_s == 0.2
+    with pytest.raises(msgspec.ValidationError, match="poll_busy_s"):
+        msgspec.convert({"poll_busy_s": -1}, Config)

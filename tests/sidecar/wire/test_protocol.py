@@ -132,3 +132,31 @@ def test_shim_rejects_unknown_fields():
 
 def test_decode_error_is_a_value_error():
     assert issubclass(p.DecodeError, ValueError)
+
+
+def test_protocol_3_carries_requests_on_the_completion_socket():
+    """Version 3: Pull, Heartbeat and Abort decode on a bound completion socket; nothing else does."""
+    assert p.PROTOCOL_VERSION == 3
+    pull = p.Pull(
+        req_id="r",
+        remote_engine_id="e",
+        remote_host="h",
+        remote_port=1,
+        remote_request_id="rr",
+        remote_block_ids=[1],
+        local_block_ids=[2],
+        sent_at_ns=123,
+    )
+    for msg in (pull, p.Heartbeat(targets=[]), p.Abort(req_id="r"), p.BindCompletions(routing_id=b"x")):
+        assert p.decode_on_completions(p.encode(msg)) == msg
+    for msg in (p.Hello(protocol_version=3, package_version="t"), p.Ping(), p.Unregister()):
+        with pytest.raises(p.DecodeError, match="main \\(ZMQ\\) socket"):
+            p.decode_on_completions(p.encode(msg))
+    with pytest.raises(p.DecodeError, match="travels daemon→shim"):
+        p.decode_on_completions(p.encode(p.Done(req_id="r", ok=True)))
+    with pytest.raises(p.DecodeError, match="invalid Pull.*remote_port"):
+        p.decode_on_completions(msgspec.msgpack.encode({**msgspec.to_builtins(pull), "remote_port": 0}))
+    with pytest.raises(p.DecodeError, match="malformed"):
+        p.decode_on_completions(b"\xc1")
+    with pytest.raises(p.DecodeError, match="BindCompletions first"):
+        p.decode_bind(p.encode(pull))
