@@ -95,8 +95,15 @@ class Router:
                 self._may_bind_completions,
                 self._send_over_zmq,
                 group_gid=gid,
+                max_connections=max_connections,
+                on_refused=self._connection_refused,
+                on_closed=on_closed,
                 on_request=self._on_completion_request,
             )
+
+    def _connection_refused(self, why: str) -> None:
+        self._metrics.connections_refused.inc()
+        self._ratelog.log("refused", logging.WARNING, "completion socket: connection refused: %s", why)
 
     def _may_bind_completions(self, routing_id: bytes) -> str | None:
         session = self._sessions.get(routing_id)

@@ -14,6 +14,7 @@ import time
 import pytest
 import zmq
 
+from sidecar.standins.demo import sample, scrape
 from sidecar.standins.faults import Rig
 from sidecar.wire import protocol as p
 from tests.e2e.faults.conftest import open_rig
@@ -122,6 +123,29 @@ def test_fd_pressure_on_the_completion_socket(tmp_path) -> None:
             for c in idle:
                 c.close()
         assert rig.daemon.proc.poll() is None
+
+
+def test_completion_connections_over_max_connections_are_refused_and_counted(tmp_path) -> None:
+    """``max_connections`` (64 by default) bounds the completion socket's connections; the rest are closed
+    at once and counted in kv_sidecar_connections_refused_total, and the decoder keeps being served."""
+    with open_rig(str(tmp_path)) as rig:
+        path = rig.socket.removeprefix("ipc://") + ".done"
+        idle = open_idle(path, 100, 10.0)
+        try:
+            deadline = time.monotonic() + 10.0
+            refused = 0.0
+            while time.monotonic() < deadline:
+                refused = sample(scrape(rig.daemon.metrics_url), "kv_sidecar_connections_refused_total")
+                if refused >= 30:
+                    break
+                time.sleep(0.1)
+            # 100 idle + the decoder's own connection against 64: at least 36 refused
+            assert refused >= 36, (refused, rig.daemon_log())
+            res = rig.batch(8)
+            assert res.ok == 8 and not res.failed and not res.unanswered, res.as_dict()
+        finally:
+            for c in idle:
+                c.close()
 
 
 def open_idle(path: str, n: int, within_s: float) -> list[socket.socket]:
