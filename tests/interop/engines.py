@@ -222,9 +222,14 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float = 60.0) -> dict[s
         raise AssertionError(f"POST {url} -> {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
 
 
-def start_daemon(work: Path, page_format: dict[str, Any] | None = None, lease_s: float = LEASE_S) -> Any:
+def start_daemon(
+    work: Path,
+    page_format: dict[str, Any] | None = None,
+    lease_s: float = LEASE_S,
+    extra: tuple[str, ...] = (),
+) -> Any:
     """kv-sidecar serve (CPU twin) that declares loopback prefills' pages as the opaque cpu_attn format
-    (``page_format``: what one prefill rank serves, CPU_PAGE unless given)."""
+    (``page_format``: what one prefill rank serves, CPU_PAGE unless given; ``extra``: more top-level keys)."""
     from sidecar.cli import spawn_serve
 
     fmt = CPU_PAGE if page_format is None else page_format
@@ -239,6 +244,7 @@ def start_daemon(work: Path, page_format: dict[str, Any] | None = None, lease_s:
                 f"lease_s = {lease_s}",
                 "lease_margin_s = 1.0",
                 "heartbeat_interval_s = 1.0",
+                *extra,
                 "",
                 "[[remotes]]",
                 'match = "127.0.0.1:*"',
