@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from vllm_glue.local_format import local_page_format, required_layout
+from vllm_glue.local_format import local_page_format, one_scale, required_layout
 from vllm_glue.orders import StepOrders
 from vllm_glue.scheduler_book import DEFAULT_LEASE_S, SchedulerBook
 from vllm_glue.worker import DEFAULT_SOCKET, WorkerHalf
@@ -221,6 +221,16 @@ def describe_local_caches(vllm_config: VllmConfig, kv_caches: dict[str, Any]) ->
     layout = _resolved_layout(vllm_config)
     mc = vllm_config.model_config
     first = next(iter(kv_caches.values()))
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    k_scale = v_scale = 1.0
+    if cache_dtype.startswith("fp8"):
+        layers = vllm_config.compilation_config.static_forward_context
+        k_scale = one_scale(
+            "k_scale", {n: float(getattr(layers.get(n), "_k_scale_float", 1.0)) for n in kv_caches}
+        )
+        v_scale = one_scale(
+            "v_scale", {n: float(getattr(layers.get(n), "_v_scale_float", 1.0)) for n in kv_caches}
+        )
     fmt = local_page_format(
         backend_name=backend_name,
         layout=layout,
@@ -229,8 +239,19 @@ def describe_local_caches(vllm_config: VllmConfig, kv_caches: dict[str, Any]) ->
         head_size=mc.get_head_size(),
         layer_shape=list(first.shape),
         env=os.environ,
+        cache_dtype=cache_dtype,
+        fp8_e4m3_dtype=_platform_fp8_dtype(),
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     return fmt, compat_factors(vllm_config, backend_name)
+
+
+def _platform_fp8_dtype() -> str:
+    """The e4m3 flavour vLLM stores for --kv-cache-dtype fp8 on this platform (e4m3fnuz on MI300)."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.fp8_dtype()).removeprefix("torch.")
 
 
 def compat_factors(vllm_config: VllmConfig, backend_name: str) -> dict[str, Any]:

@@ -145,7 +145,11 @@ class Pipeline:
             entry, handshake = self._peers.acquire(target, caches)
             job.peer_entries.append(entry)
             handshakes.append(handshake)
-        job.peer = PeerSet(tuple(await asyncio.shield(asyncio.gather(*handshakes))))
+        gathered = asyncio.gather(*handshakes)
+        # Shielded so an aborted pull leaves shared handshakes running; one that then fails has nobody
+        # awaiting it, so retrieve its outcome here (each handshake's own waiters still see the error).
+        gathered.add_done_callback(_retrieve)
+        job.peer = PeerSet(tuple(await asyncio.shield(gathered)))
         if not self._leases.check(msg.remote_request_id, time.monotonic()):
             raise Failed(
                 f"lease: cannot vouch for {msg.remote_request_id!r} any more (lease {cfg.lease_s:g} s, "
@@ -368,3 +372,9 @@ def _targets(job: Job, refuse: bool = True) -> list[PeerTarget]:
         )
         for rank in ranks
     ]
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    """Mark a finished future's exception as seen (asyncio logs unseen ones at ERROR when it is collected)."""
+    if not fut.cancelled():
+        fut.exception()

@@ -63,22 +63,22 @@ def tiny_model(python: str) -> str:
     return str(out)
 
 
-def prefill_config() -> dict[str, Any]:
+def prefill_config(lease_s: float = LEASE_S) -> dict[str, Any]:
     return {
         "kv_connector": "NixlConnector",
         "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"kv_lease_duration": LEASE_S},
+        "kv_connector_extra_config": {"kv_lease_duration": lease_s},
     }
 
 
-def decoder_config(socket: str) -> dict[str, Any]:
+def decoder_config(socket: str, lease_s: float = LEASE_S) -> dict[str, Any]:
     return {
         "kv_connector": "SidecarConnector",
         "kv_connector_module_path": "vllm_glue.connector",
         "kv_role": "kv_consumer",
         "kv_connector_extra_config": {
             "sidecar_socket": socket,
-            "kv_lease_duration": LEASE_S,
+            "kv_lease_duration": lease_s,
             "sidecar_pull_timeout_s": 30,
         },
     }
@@ -116,6 +116,7 @@ class Stack:
                 engine.stop()
         if self.daemon is not None:
             self.daemon.stop()
+        self.prefill = self.decoder = self.daemon = None
 
 
 @pytest.fixture(scope="package")

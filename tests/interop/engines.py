@@ -89,6 +89,7 @@ class Engine:
         kv_transfer_config: dict[str, Any] | None,
         *,
         extra_args: tuple[str, ...] = (),
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         self.name = name
         self.port = free_port()
@@ -122,7 +123,7 @@ class Engine:
             args,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=engine_env(self.side_channel_port),
+            env={**engine_env(self.side_channel_port), **(extra_env or {})},
             start_new_session=True,
             cwd=log_dir,
         )
@@ -221,11 +222,18 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float = 60.0) -> dict[s
         raise AssertionError(f"POST {url} -> {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
 
 
-def start_daemon(work: Path) -> Any:
-    """kv-sidecar serve (CPU twin) that declares loopback prefills' pages as the opaque cpu_attn format."""
+def start_daemon(
+    work: Path,
+    page_format: dict[str, Any] | None = None,
+    lease_s: float = LEASE_S,
+    extra: tuple[str, ...] = (),
+) -> Any:
+    """kv-sidecar serve (CPU twin) that declares loopback prefills' pages as the opaque cpu_attn format
+    (``page_format``: what one prefill rank serves, CPU_PAGE unless given; ``extra``: more top-level keys)."""
     from sidecar.cli import spawn_serve
 
-    page = ", ".join(f'{k} = "{v}"' if isinstance(v, str) else f"{k} = {v}" for k, v in CPU_PAGE.items())
+    fmt = CPU_PAGE if page_format is None else page_format
+    page = ", ".join(f'{k} = "{v}"' if isinstance(v, str) else f"{k} = {v}" for k, v in fmt.items())
     config = work / "kv-sidecar.toml"
     config.write_text(
         "\n".join(
@@ -233,9 +241,10 @@ def start_daemon(work: Path) -> Any:
                 f'socket = "ipc://{work}/kv-sidecar.sock"',
                 "metrics_port = 0",
                 'log_level = "DEBUG"',
-                f"lease_s = {LEASE_S}",
+                f"lease_s = {lease_s}",
                 "lease_margin_s = 1.0",
                 "heartbeat_interval_s = 1.0",
+                *extra,
                 "",
                 "[[remotes]]",
                 'match = "127.0.0.1:*"',

