@@ -71,7 +71,7 @@ def prefill_config(lease_s: float = LEASE_S) -> dict[str, Any]:
     }
 
 
-def decoder_config(socket: str, lease_s: float = LEASE_S) -> dict[str, Any]:
+def decoder_config(socket: str, lease_s: float = LEASE_S, pull_timeout_s: float = 30) -> dict[str, Any]:
     return {
         "kv_connector": "SidecarConnector",
         "kv_connector_module_path": "vllm_glue.connector",
@@ -79,7 +79,7 @@ def decoder_config(socket: str, lease_s: float = LEASE_S) -> dict[str, Any]:
         "kv_connector_extra_config": {
             "sidecar_socket": socket,
             "kv_lease_duration": lease_s,
-            "sidecar_pull_timeout_s": 30,
+            "sidecar_pull_timeout_s": pull_timeout_s,
         },
     }
 

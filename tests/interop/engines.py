@@ -169,7 +169,7 @@ class Engine:
         *,
         max_tokens: int,
         kv_transfer_params: dict[str, Any] | None = None,
-        timeout_s: float = 60.0,
+        timeout_s: float = 180.0,  # vLLM's CPU busy loops can starve a 2-core host for tens of seconds
         **extra: Any,
     ) -> dict[str, Any]:
         body = {
