@@ -10,7 +10,6 @@ to core 1, the prefill's to core 0: with both cores taken by the decoder's worke
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,9 +17,14 @@ import pytest
 
 from sidecar.standins.demo import sample, scrape
 from tests.interop.conftest import START_TIMEOUT_S, Stack, decoder_config, prefill_config
-from tests.interop.controls import LOGPROB_TOLERANCE, logprob_diff, swapped_kv_output
+from tests.interop.controls import (
+    assert_matches_one_engine,
+    assert_only_ok,
+    assert_other_kv_differs,
+    assert_prefill_freed,
+)
 from tests.interop.engines import CPU_PAGE, Engine, start_daemon
-from tests.interop.test_pd import MAX_TOKENS, PROMPTS, generate, pd
+from tests.interop.test_pd import PROMPTS, generate, pd
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]
 
@@ -95,52 +99,21 @@ def test_tp1_prefill_to_tp2_decoder_greedy_equal_and_prefill_freed(dtp: DecoderT
     results = [pd(prefill, decoder, p) for p in PROMPTS]
     after = [scrape(d.metrics_url) for d in dtp.daemons]
 
-    diffs = []
-    for prompt, ref, (_, out) in zip(PROMPTS, reference, results, strict=True):
-        assert out["token_ids"] == ref["token_ids"], (
-            f"P/D (TP 1 → 2) differs from the TP 1 engine for {prompt[:40]!r}: {out['token_ids']} != "
-            f"{ref['token_ids']}\ndecoder log:\n{decoder.log_tail(40)}"
-        )
-        assert len(out["token_ids"]) == MAX_TOKENS
-        diffs.append(logprob_diff(out, ref))
     # Decode at TP 2 against a TP 1 reference (another reduction order); controls.py for the bound.
-    assert max(diffs) <= LOGPROB_TOLERANCE, diffs
-    assert len({tuple(out["token_ids"]) for _, out in results}) > 1
-    print(f"TP 1 -> 2: max |logprob diff| per prompt {diffs}")
+    assert_matches_one_engine("TP 1 -> 2", reference, results, decoder)
 
     # Each decoder rank's daemon pulled every request: its one head of every block.
-    n = len(PROMPTS)
     blocks = sum(len(k["remote_block_ids"][0]) for k, _ in results)
     for rank, (b, a) in enumerate(zip(before, after, strict=True)):
-
-        def delta(name: str, **labels: str) -> float:
-            return sample(a, name, **labels) - sample(b, name, **labels)  # noqa: B023
-
-        assert delta("kv_sidecar_requests_total", outcome="ok") == n, rank
-        for outcome in ("failed", "refused", "aborted", "expired"):
-            assert delta("kv_sidecar_requests_total", outcome=outcome) == 0, (rank, outcome)
-        assert delta("kv_sidecar_bytes_pulled_total") == blocks * LAYERS * LOCAL_PAGE_BYTES, rank
+        assert_only_ok(b, a, len(PROMPTS), rank)
+        pulled = sample(a, "kv_sidecar_bytes_pulled_total") - sample(b, "kv_sidecar_bytes_pulled_total")
+        assert pulled == blocks * LAYERS * LOCAL_PAGE_BYTES, rank
 
     # The prefill frees a request only after "id:2" from both daemons; none by lease expiry.
-    deadline = time.monotonic() + 10
-    while prefill.metric("vllm:kv_cache_usage_perc") != 0.0 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert prefill.metric("vllm:kv_cache_usage_perc") == 0.0
-    expired = [
-        ln
-        for ln in prefill.log_text().splitlines()
-        for k, _ in results
-        if k["remote_request_id"] in ln and ("expired" in ln or "invalid" in ln)
-    ]
-    assert not expired, expired[:5]
+    assert_prefill_freed(prefill, results)
 
 
 def test_dtp_pd_with_another_prompts_kv_differs(dtp: DecoderTP2Stack) -> None:
     """The control (controls.py): another prompt's blocks move the output beyond the bound."""
     assert dtp.prefill is not None and dtp.decoder is not None
-    out, reference = swapped_kv_output(dtp.prefill, dtp.decoder)
-    diff = logprob_diff(out, reference)
-    print(
-        f"dtp control: tokens equal {out['token_ids'] == reference['token_ids']}, max |logprob diff| {diff}"
-    )
-    assert out["token_ids"] != reference["token_ids"] or diff > LOGPROB_TOLERANCE
+    assert_other_kv_differs("dtp", dtp.prefill, dtp.decoder)
