@@ -433,6 +433,32 @@ class NixlTransfer:
 
         self._post(pull, make, "initialize_xfer", int(local.shape[0]), int(local[:, 1].sum()))
 
+    @staticmethod
+    def table(
+        geo: PairGeometry,
+        mode: Mode,
+        local_block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+        remote_num_tokens: int | None,
+        pool: StagingPool | None,
+        slots: np.ndarray | None,
+        gaps: Any = None,
+    ) -> DescIndices | Descs:
+        """A request's descriptors against ``geo``; raises GeometryError naming the field."""
+        if geo.source is not None:  # a head slice (heterogeneous TP): explicit descriptors in every mode
+            return geo.sliced_descs(local_block_ids, remote_block_ids, remote_num_tokens, slots)
+        if mode == "staged":
+            if pool is None or slots is None:
+                raise GeometryError("pool", "a staged pull needs a pool and slots")
+            return geo.staged_descs(
+                remote_block_ids,
+                slots,
+                local_block_ids=local_block_ids,
+                remote_num_tokens=remote_num_tokens,
+                gaps=gaps,
+            )
+        return geo.indices(local_block_ids, remote_block_ids, remote_num_tokens)
+
     def pull(
         self,
         peer: Peer,
@@ -449,30 +475,21 @@ class NixlTransfer:
         pool: StagingPool | None = None,
         slots: np.ndarray | None = None,
         gaps: Any = None,
+        table: DescIndices | Descs | None = None,
     ) -> ReadOp:
-        """Build the request's descriptors and post them in ``layer_groups`` READs; returns the sealed pull.
+        """Build the request's descriptors (unless ``table`` gives them, from :meth:`table`) and post them in
+        ``layer_groups`` READs; returns the sealed pull.
         ``gaps`` (staged): a ``spans.GapRead`` of blocks read into staging only, to merge runs.
 
         Staged mode reads into ``pool`` (see ``staging``) at ``slots[layer, i]``. With no block to read (a
         full local prefix hit) nothing is posted and the pull completes with just the notification."""
         geo = self.geometry(peer, dest, mode, pool)
         pull = self.start(peer, remote_request_id, readers=readers, timeout_s=timeout_s)
-        table: DescIndices | Descs
         try:
-            if geo.source is not None:  # a head slice (heterogeneous TP): explicit descriptors in every mode
-                table = geo.sliced_descs(local_block_ids, remote_block_ids, remote_num_tokens, slots)
-            elif mode == "staged":
-                if pool is None or slots is None:
-                    raise GeometryError("pool", "a staged pull needs a pool and slots")
-                table = geo.staged_descs(
-                    remote_block_ids,
-                    slots,
-                    local_block_ids=local_block_ids,
-                    remote_num_tokens=remote_num_tokens,
-                    gaps=gaps,
+            if table is None:
+                table = self.table(
+                    geo, mode, local_block_ids, remote_block_ids, remote_num_tokens, pool, slots, gaps
                 )
-            else:
-                table = geo.indices(local_block_ids, remote_block_ids, remote_num_tokens)
         except GeometryError as exc:
             # Nothing will be read: tell the prefill now rather than let the blocks wait for the lease.
             self._fail(pull, RequestRefused(exc.reason, exc.field))

@@ -214,18 +214,20 @@ class NixlPort:
         """The request's reads from each prefill rank of ``peer`` (a ``PeerSet`` or one peer); each rank gets
         its own notification ``id:n`` once its reads are DONE (or stopped)."""
         members = _members(peer)
-        if len(members) > 1:  # check every rank's geometry before anything is posted (or notified)
-            for m in members:
-                geo = self.agent.geometry(m, dest, mode, pool)
-                if geo.source is not None:
-                    geo.sliced_descs(local_ids, remote_ids, remote_num_tokens, slots)
+        tables: list[Any] = [None] * len(members)
+        if len(members) > 1:  # every rank's descriptors before anything is posted (or notified); built once
+            tables = [
+                self.agent.table(self.agent.geometry(m, dest, mode, pool), mode, local_ids, remote_ids,
+                                 remote_num_tokens, pool, slots, gaps)
+                for m in members
+            ]
         ops: list[ReadOp] = []
         for i, m in enumerate(members):
             try:
                 ops.append(self.agent.pull(
                     m, dest, mode, local_ids, remote_ids, remote_request_id, readers=m.notif_count,
                     layer_groups=layer_groups, timeout_s=timeout_s, remote_num_tokens=remote_num_tokens,
-                    pool=pool, slots=slots, gaps=gaps,
+                    pool=pool, slots=slots, gaps=gaps, table=tables[i],
                 ))
             except Exception:
                 # The failed rank was notified by its pull; stop and notify the others exactly once too.

@@ -60,6 +60,10 @@ class StubAgent:
     def geometry(self, peer, dest, mode, pool=None):
         return Unsliced()
 
+    @staticmethod
+    def table(geo, mode, *args):
+        return ("descriptors of", mode)  # built once per rank before any post; pull receives it
+
 
 class Unsliced:
     source = None  # the multi-rank pre-check has nothing to slice
