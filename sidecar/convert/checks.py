@@ -184,11 +184,12 @@ def _aligned16(tensors: Sequence[torch.Tensor]) -> bool:
 
 def aligned16(job: Job) -> bool:
     """16-byte vectors fit every tensor of the job (the planes were checked once, the sources now)."""
-    if job.src_rows is None or not len(job.src_rows):
+    rows = job.src_rows
+    if rows is None or not len(rows) or not job.planes_aligned16:
         return job.planes_aligned16
-    one_row = job.ids.numel() <= 1 and job.src_index is None
-    rows_ok = one_row or not (job.src_rows[:, 1] % job.x).any()
-    return job.planes_aligned16 and rows_ok and not (job.src_rows[:, 0] % 16).any()
+    if job.ids.numel() <= 1 and job.src_index is None:  # one row: its stride is never used
+        return not (rows[:, 0] % 16).any()
+    return not (rows % (16, job.x)).any()  # every base on 16 bytes, every row stride a whole vector
 
 
 def check_planes(

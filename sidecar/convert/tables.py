@@ -88,16 +88,19 @@ class MetaCache:
 def pack(segments: Sequence[Sequence[np.ndarray]], out: np.ndarray) -> list[tuple[int, int]]:
     """Write each segment (its parts back to back, flattened) into ``out`` at ``layout``'s starts; returns
     each segment's (start, length). ``out`` must hold ``layout``'s length; padding is left as it is."""
-    sizes = [sum(int(p.size) for p in seg) for seg in segments]
+    sizes = [sum(p.size for p in seg) for seg in segments]
     starts, total = layout(sizes)
     if out.shape != (total,):
         raise ValueError(f"out has shape {out.shape}, the layout needs ({total},)")
-    for start, seg in zip(starts, segments, strict=True):
-        at = start
-        for part in seg:
-            out[at : at + part.size] = part.reshape(-1)
-            at += part.size
+    _fill(out, starts, segments)
     return list(zip(starts, sizes, strict=True))
+
+
+def _fill(out: np.ndarray, starts: list[int], segments: Sequence[Sequence[np.ndarray]]) -> None:
+    for at, seg in zip(starts, segments, strict=True):
+        for part in seg:
+            out[at : at + part.size] = part.ravel()
+            at += part.size
 
 
 def upload(segments: Sequence[Sequence[np.ndarray]], device: torch.device) -> list[torch.Tensor]:
@@ -106,9 +109,10 @@ def upload(segments: Sequence[Sequence[np.ndarray]], device: torch.device) -> li
 
     The pinned buffer goes back to PyTorch's caching host allocator when this returns; the allocator hands
     that block out again only after the copy's recorded event has completed."""
-    _, total = layout([sum(int(p.size) for p in seg) for seg in segments])
+    sizes = [sum(p.size for p in seg) for seg in segments]
+    starts, total = layout(sizes)
     on_gpu = device.type != "cpu"
     host = torch.empty(max(total, ALIGN), dtype=torch.int64, pin_memory=on_gpu)
-    spans = pack(segments, host.numpy()[:total])
+    _fill(host.numpy(), starts, segments)
     buf = host.to(device, non_blocking=True) if on_gpu else host
-    return [buf[start : start + size] for start, size in spans]
+    return [buf[start : start + size] for start, size in zip(starts, sizes, strict=True)]
