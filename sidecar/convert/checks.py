@@ -337,7 +337,7 @@ class SourceMemo:
         self, planes: Planes, src: torch.Tensor, layers: int, m: int | None
     ) -> tuple[torch.Tensor, np.ndarray]:
         """``_batched_src(planes, src, layers, m)``, its checks and rows remembered."""
-        key = (src.data_ptr(), src.shape, src.stride(), src.dtype, src.device, layers, m)
+        key = (planes, src.data_ptr(), src.shape, src.stride(), src.dtype, src.device, layers, m)
         rows = self._rows.get(key)
         if rows is None:
             view, rows = _batched_src(planes, src, layers, m)
