@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -324,11 +325,13 @@ class SourceMemo:
     shape, strides, dtype, device), so a daemon's staging view is checked once, not on every launch.
 
     A source whose properties match a remembered one passes exactly the same checks, so this never lets
-    through what ``check_request`` would refuse; the last ``capacity`` sources are kept."""
+    through what ``check_request`` would refuse; the last ``capacity`` sources are kept. Safe to share
+    between threads."""
 
     def __init__(self, capacity: int = 256) -> None:
         self.capacity = capacity
         self._rows: dict[tuple, np.ndarray] = {}
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -342,9 +345,10 @@ class SourceMemo:
         if rows is None:
             view, rows = _batched_src(planes, src, layers, m)
             rows.flags.writeable = False
-            if len(self._rows) >= self.capacity:
-                self._rows.pop(next(iter(self._rows)))
-            self._rows[key] = rows
+            with self._lock:
+                if len(self._rows) >= self.capacity:
+                    self._rows.pop(next(iter(self._rows)))
+                self._rows[key] = rows
             return view, rows
         return src.view(BASE[planes.elem_bytes]), rows
 

@@ -12,6 +12,7 @@ buffer.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -54,13 +55,15 @@ def meta_table(
 
 
 class MetaCache:
-    """Meta tables by what they are computed from (so never stale), the last ``capacity`` used kept."""
+    """Meta tables by what they are computed from (so never stale), the last ``capacity`` used kept.
+    Safe to share between threads (a daemon launches from its loop, a benchmark may pace from a worker)."""
 
     def __init__(self, capacity: int = 256) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self._tables: OrderedDict[tuple, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
         self.hits = self.misses = 0
 
     def __len__(self) -> int:
@@ -71,17 +74,19 @@ class MetaCache:
     ) -> np.ndarray:
         """``meta_table`` of these arguments (read-only: a cached table is shared)."""
         key = (plane_rows.tobytes(), None if src_rows is None else src_rows.tobytes(), anchor, elem_bytes)
-        found = self._tables.get(key)
-        if found is not None:
-            self._tables.move_to_end(key)
-            self.hits += 1
-            return found
-        self.misses += 1
+        with self._lock:
+            found = self._tables.get(key)
+            if found is not None:
+                self._tables.move_to_end(key)
+                self.hits += 1
+                return found
+            self.misses += 1
         table = meta_table(plane_rows, src_rows, anchor, elem_bytes)
         table.flags.writeable = False
-        self._tables[key] = table
-        if len(self._tables) > self.capacity:
-            self._tables.popitem(last=False)
+        with self._lock:
+            self._tables[key] = table
+            if len(self._tables) > self.capacity:
+                self._tables.popitem(last=False)
         return table
 
 
