@@ -46,6 +46,8 @@ class Job:
     counts: torch.Tensor | None = None  # int64 [2] on the planes' device, added into
     # Out of place only: block ids[i] reads source row src_index[i] (int64, CPU) instead of row i.
     src_index: torch.Tensor | None = None
+    # Whether 16-byte vectors fit the sources, when the check already knows (``aligned16`` then skips it).
+    src_aligned16: bool | None = None
 
     @property
     def x(self) -> int:
@@ -188,9 +190,17 @@ def aligned16(job: Job) -> bool:
     rows = job.src_rows
     if rows is None or not len(rows) or not job.planes_aligned16:
         return job.planes_aligned16
-    if job.ids.numel() <= 1 and job.src_index is None:  # one row: its stride is never used
+    if job.src_aligned16 is not None:
+        return job.src_aligned16
+    return _sources_aligned16(rows, job.x, job.ids.numel() <= 1 and job.src_index is None)
+
+
+def _sources_aligned16(rows: np.ndarray, x: int, one_row: bool) -> bool:
+    """Every source base on 16 bytes and, unless one row is read (its stride never used), every row stride
+    a whole 16-byte vector of ``x`` elements."""
+    if one_row:
         return not (rows[:, 0] % 16).any()
-    return not (rows % (16, job.x)).any()  # every base on 16 bytes, every row stride a whole vector
+    return not (rows % (16, x)).any()
 
 
 def check_planes(
@@ -330,7 +340,7 @@ class SourceMemo:
 
     def __init__(self, capacity: int = 256) -> None:
         self.capacity = capacity
-        self._rows: dict[tuple, np.ndarray] = {}
+        self._rows: dict[tuple, tuple[np.ndarray, bool, bool]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -338,19 +348,22 @@ class SourceMemo:
 
     def batched(
         self, planes: Planes, src: torch.Tensor, layers: int, m: int | None
-    ) -> tuple[torch.Tensor, np.ndarray]:
-        """``_batched_src(planes, src, layers, m)``, its checks and rows remembered."""
+    ) -> tuple[torch.Tensor, np.ndarray, bool, bool]:
+        """``_batched_src(planes, src, layers, m)``, its checks and rows remembered; with whether 16-byte
+        vectors fit the source when it has one row (its base) and when it has more (base and row stride)."""
         key = (planes, src.data_ptr(), src.shape, src.stride(), src.dtype, src.device, layers, m)
-        rows = self._rows.get(key)
-        if rows is None:
+        found = self._rows.get(key)
+        if found is None:
             view, rows = _batched_src(planes, src, layers, m)
             rows.flags.writeable = False
+            x = x_of(planes.elem_bytes)
+            found = (rows, _sources_aligned16(rows, x, True), _sources_aligned16(rows, x, False))
             with self._lock:
                 if len(self._rows) >= self.capacity:
                     self._rows.pop(next(iter(self._rows)))
-                self._rows[key] = rows
-            return view, rows
-        return src.view(BASE[planes.elem_bytes]), rows
+                self._rows[key] = found
+            return (view, *found)
+        return (src.view(BASE[planes.elem_bytes]), *found)
 
 
 def check_request(
@@ -373,16 +386,20 @@ def check_request(
     if src_index is not None and src is None:
         raise ValueError("src_index needs a src (it picks source rows; in place has none)")
     m = ids.numel() if src_index is None else None
-    srcs = src_rows = None
+    srcs = src_rows = src_aligned = None
     if isinstance(src, torch.Tensor):
-        srcs, src_rows = (memo.batched if memo is not None else _batched_src)(planes, src, last - first, m)
+        if memo is not None:
+            srcs, src_rows, one_ok, many_ok = memo.batched(planes, src, last - first, m)
+            src_aligned = one_ok if ids.numel() <= 1 and src_index is None else many_ok
+        else:
+            srcs, src_rows = _batched_src(planes, src, last - first, m)
     elif src is not None:
         srcs, src_rows = _listed_srcs(planes, _as_src_list(src, last - first), m)
     index = None
     if src_index is not None:
         rows = srcs.shape[1] if isinstance(srcs, torch.Tensor) else srcs[0].shape[0]
         index = _check_src_index(src_index, ids.numel(), rows)
-    return _job(planes, first, last, ids, srcs, src_rows, lut, counts, index)
+    return _job(planes, first, last, ids, srcs, src_rows, lut, counts, index, src_aligned)
 
 
 def check_launch(
@@ -401,11 +418,14 @@ def check_launch(
     first, last = _layer_range(planes, layers)
     ids = _id_array("block_ids", block_ids)
     _check_id_values(ids, planes.num_blocks)
-    srcs = src_rows = index = None
+    srcs = src_rows = index = src_aligned = None
     if src is not None:
         if not isinstance(src, torch.Tensor):
             raise ValueError(f"src must be a torch.Tensor, got {type(src).__name__}")
-        srcs, src_rows = memo.batched(planes, src, last - first, None if src_index is not None else len(ids))
+        srcs, src_rows, one_ok, many_ok = memo.batched(
+            planes, src, last - first, None if src_index is not None else len(ids)
+        )
+        src_aligned = one_ok if len(ids) <= 1 and src_index is None else many_ok
     if src_index is not None:
         if src is None:
             raise ValueError("src_index needs a src (it picks source rows; in place has none)")
@@ -416,7 +436,7 @@ def check_launch(
             bad = int(rows.min()) if int(rows.min()) < 0 else int(rows.max())
             raise ValueError(f"src_index holds {bad}, out of range [0, {srcs.shape[1]}) source rows")
         index = torch.from_numpy(rows)
-    return _job(planes, first, last, torch.from_numpy(ids), srcs, src_rows, lut, counts, index)
+    return _job(planes, first, last, torch.from_numpy(ids), srcs, src_rows, lut, counts, index, src_aligned)
 
 
 def _layer_range(planes: Planes, layers: tuple[int, int] | None) -> tuple[int, int]:
@@ -429,7 +449,8 @@ def _layer_range(planes: Planes, layers: tuple[int, int] | None) -> tuple[int, i
 
 
 def _job(planes: Planes, first: int, last: int, ids: torch.Tensor, srcs: object, src_rows: np.ndarray | None,
-         lut: torch.Tensor | None, counts: torch.Tensor | None, index: torch.Tensor | None) -> Job:
+         lut: torch.Tensor | None, counts: torch.Tensor | None, index: torch.Tensor | None,
+         src_aligned16: bool | None = None) -> Job:
     return Job(
         k_planes=planes.k_planes[first:last],
         v_planes=planes.v_planes[first:last],
@@ -445,6 +466,7 @@ def _job(planes: Planes, first: int, last: int, ids: torch.Tensor, srcs: object,
         lut=lut,
         counts=counts,
         src_index=index,
+        src_aligned16=src_aligned16,
     )
 
 
