@@ -7,9 +7,10 @@ path is the launch as it was before its tables went through pinned memory, repla
 first wait for the work already queued on the stream) and a fresh zeroed counts tensor. Each is timed per
 call (p50/p99 µs) for a staged request (``staged``), a staged span with gap rows read through a source index
 (``staged_gaps``) and in place, as one launch for every layer or one launch per layer group, with the stream
-idle (synchronised before each call, untimed) and busy (a ~1 ms kernel queued on the stream just before each
+idle (synchronised before each call, untimed), busy (a ~1 ms kernel queued on the stream just before each
 call: a launch that waits for it shows ~1 ms; ``pending_after`` is the share of calls that returned while
-that kernel still ran). Then each path's bytes are checked against the torch reference on the same device.
+that kernel still ran) and queued (8 requests' launches back to back, as the daemon's groups and requests
+queue). Then each path's bytes are checked against the torch reference on the same device.
 
 The new path's parts are also timed alone (``components_us``): the checks, the tables (built and sent), the
 Triton launch, the stream switch and the event. On the CPU the same paths run through the torch reference
@@ -41,6 +42,7 @@ from sidecar.convert import PlaneSet
 from sidecar.convert.checks import aligned16, check_launch, check_request
 from sidecar.convert.launch import convert_blocks, launch_gpu
 from sidecar.convert.reference import run_reference
+from sidecar.convert.tables import upload
 from sidecar.wire.formats import AITER_SHUFFLED
 
 MODES = ("staged", "staged_gaps", "in_place")
@@ -176,22 +178,32 @@ def _sub(src: Any, layers: tuple[int, int]) -> Any:
     return None if src is None else src[layers[0] : layers[1]]
 
 
-def time_cell(rig: Rig, stream: Any, launch: Launch, mode: str, per_launch: int, busy: bool, iters: int,
+STREAM_STATES = ("idle", "busy", "queued")
+QUEUED_REQUESTS = 8  # "queued": requests launched back to back between synchronisations
+
+
+def time_cell(rig: Rig, stream: Any, launch: Launch, mode: str, per_launch: int, state: str, iters: int,
               warmup: int, busy_cycles: int) -> dict[str, Any]:
-    """Host time of ``iters`` launches of ``mode``, ``per_launch`` layers each, fresh ids per request."""
+    """Host time of ``iters`` launches of ``mode``, ``per_launch`` layers each, fresh ids per request.
+    ``state``: the stream synchronised before each call ("idle"), a ~1 ms kernel queued just before each
+    call ("busy"), or every launch of ``QUEUED_REQUESTS`` requests queued back to back ("queued": each
+    call finds the earlier ones' conversions still queued, as the daemon's layer groups and requests do)."""
     cuda = rig.device.type == "cuda"
     groups = layer_groups(rig.shape.layers, per_launch)
     xs, pending = [], 0
-    calls = 0
+    calls = requests = 0
     while calls < warmup + iters:
         ids, src, index = rig.request(mode)
+        if cuda and state == "queued" and requests % QUEUED_REQUESTS == 0:
+            stream.synchronize()
+        requests += 1
         for layers in groups:
             if calls >= warmup + iters:
                 break
-            if cuda:
+            ahead = None
+            if cuda and state != "queued":
                 stream.synchronize()
-                ahead = None
-                if busy:
+                if state == "busy":
                     with torch.cuda.stream(stream):
                         torch.cuda._sleep(busy_cycles)
                         ahead = torch.cuda.Event()
@@ -201,13 +213,13 @@ def time_cell(rig: Rig, stream: Any, launch: Launch, mode: str, per_launch: int,
             took = time.perf_counter() - t0
             if calls >= warmup:
                 xs.append(took)
-                if cuda and busy and not ahead.query():
+                if ahead is not None and not ahead.query():
                     pending += 1
             calls += 1
     if cuda:
         stream.synchronize()
     out = quantiles(xs)
-    if busy:
+    if state == "busy":
         out["pending_after"] = round(pending / max(1, len(xs)), 3)
     return out
 
@@ -257,7 +269,11 @@ def components(rig: Rig, stream: Any, iters: int) -> dict[str, dict[str, Any]]:
         with torch.cuda.stream(stream):
             pass
 
+    meta = ps.tables.get(job.plane_rows, job.src_rows, job.k_planes[0].data_ptr(), job.elem_bytes)
+    segments = [[ids], [meta]]
     parts: dict[str, Callable[[], Any]] = {
+        "tables: one pinned buffer, one copy": lambda: upload(segments, rig.device),
+        "tables: one pageable copy each (old)": lambda: rig.old_launcher.upload(segments, rig.device),
         "check_request (public, torch ids)": lambda: check_request(ps.planes, tid, src, layers),
         "check_launch (daemon, numpy ids)": lambda: check_launch(ps.planes, ids, src, layers, ps.sources),
         "aligned16": lambda: aligned16(job),
@@ -344,14 +360,13 @@ def main(argv: list[str] | None = None) -> int:
         stream = make_stream(device)
         paths = {"old": old_launch, "new": new_launch}
         busy_cycles = sleep_cycles(device, args.busy_us)
-    conditions = (False, True) if cuda else (False,)
+    states = STREAM_STATES if cuda else ("idle",)
     cells = []
     print(f"{'mode':12s} {'layers/launch':>13s} {'stream':6s} {'path':4s} {'p50 µs':>9s} {'p99 µs':>9s} "
           f"{'pending':>7s}", flush=True)
     warmup = 20 if cuda else 2
-    for mode, per, busy, (name, launch) in itertools.product(modes, per_launch, conditions, paths.items()):
-        got = time_cell(rig, stream, launch, mode, per, busy, iters, warmup, busy_cycles)
-        where = "busy" if busy else "idle"
+    for mode, per, where, (name, launch) in itertools.product(modes, per_launch, states, paths.items()):
+        got = time_cell(rig, stream, launch, mode, per, where, iters, warmup, busy_cycles)
         cells.append({"path": name, "mode": mode, "layers_per_launch": per, "stream": where, **got})
         print(f"{mode:12s} {per:13d} {where:6s} {name:4s} {got['p50_us']:9.1f} {got['p99_us']:9.1f} "
               f"{got.get('pending_after', ''):>7}", flush=True)
@@ -368,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "shape": asdict(shape),
         "settings": {"iters": iters, "per_launch": per_launch, "modes": modes, "busy_us": args.busy_us,
+                     "queued_requests": QUEUED_REQUESTS,
                      "gap_density": 1 / GAP_DENSITY, "seed": args.seed},
         "note": None if cuda else "CPU: both paths convert through the torch reference inside the call, so "
         "these times include the conversion (not launch times); only the bytes check means the same",
