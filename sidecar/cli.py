@@ -39,6 +39,7 @@ DELEGATED = {
 BENCHES = {
     "convert": ("sidecar.bench.convert", "converter speed as a ratio of a device copy of the same bytes"),
     "pull": ("sidecar.bench.pull", "kv-sidecar's NIXL reads against bare NIXL reads of the same descriptors"),
+    "launch": ("sidecar.bench.probe_launch", "host CPU time of one conversion launch, old path against new"),
     "signal": ("sidecar.bench.completion_signal", "Done's delivery delay, completion socket against ZMQ"),
     "e2e": ("sidecar.bench.e2e", "Pull sent to Done received through the real daemon, against a bare read"),
     "interference": (

@@ -1,110 +1,410 @@
-"""Where the CPU time of one conversion launch goes on a GPU (exploratory; bench/results/launch-probe-*.json).
+"""``kv-sidecar bench launch``: host CPU time of one conversion launch, old path and new side by side.
 
-Times the daemon's path (``PlaneSet.convert`` on its own stream, then an event) and, alone, each part of it:
-the request check, the Launcher's device tables, the kernel launch, the stream context, the event; and, for
-scale, a bare torch launch and small host-to-device copies. Usage on a GPU machine:
-``OUT=/tmp python3 sidecar/bench/probe_launch.py`` (writes $OUT/probe.json).
+The new path is the daemon's own call, ``launch_gpu`` (``Conversions.convert_group`` times the same call as
+each Done's ``launch``), on its own stream, with random block ids in a cache of ``--blocks`` blocks. The old
+path is the launch as it was before its tables went through pinned memory, replayed here: the full
+``check_request`` on torch ids, the meta table rebuilt, one pageable host-to-device copy per table (each may
+first wait for the work already queued on the stream) and a fresh zeroed counts tensor. Each is timed per
+call (p50/p99 µs) for a staged request (``staged``), a staged span with gap rows read through a source index
+(``staged_gaps``) and in place, as one launch for every layer or one launch per layer group, with the stream
+idle (synchronised before each call, untimed), busy (a ~1 ms kernel queued on the stream just before each
+call: a launch that waits for it shows ~1 ms; ``pending_after`` is the share of calls that returned while
+that kernel still ran) and queued (8 requests' launches back to back, as the daemon's groups and requests
+queue). Then each path's bytes are checked against the torch reference on the same device.
+
+The new path's parts are also timed alone (``components_us``): the checks, the tables (built and sent), the
+Triton launch, the stream switch and the event. On the CPU the same paths run through the torch reference
+on a small shape (the times then include the conversion itself) and the bytes are checked the same way.
+
+Usage on a GPU: ``python -m sidecar.bench.probe_launch --out $OUT/launch-probe.json``.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime as dt
+import itertools
 import json
-import os
-import statistics
+import platform
+import shlex
+import sys
 import time
+import types
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-import triton
 
 from sidecar.convert import PlaneSet
-from sidecar.convert import triton_kernel as tk
-from sidecar.convert.checks import check_request
+from sidecar.convert.checks import aligned16, check_launch, check_request
+from sidecar.convert.launch import convert_blocks, launch_gpu
+from sidecar.convert.reference import run_reference
+from sidecar.convert.tables import upload
+from sidecar.wire.formats import AITER_SHUFFLED
 
-L, H, D, N, NB, M = 36, 8, 128, 16, 4096, 256
-dev = torch.device("cuda:0")
-row = H * N * D
-ks = [torch.zeros((NB, row), dtype=torch.bfloat16, device=dev) for _ in range(L)]
-vs = [torch.zeros((NB, row), dtype=torch.bfloat16, device=dev) for _ in range(L)]
-ps = PlaneSet(ks, vs, num_heads=H, block_size=N, head_size=D)
-ps.warm_up()
-stage = torch.zeros((L, M, 2 * row), dtype=torch.bfloat16, device=dev)
-ids_np = np.random.default_rng(0).choice(np.arange(1, NB), M, replace=False).astype(np.int64)
-stream = torch.cuda.Stream(dev)
-out: dict[str, object] = {}
+MODES = ("staged", "staged_gaps", "in_place")
+GAP_DENSITY = 4  # staged_gaps: the span holds 4x the request's rows (25 % density)
 
 
-def t(name, fn, iters=300):  # noqa: ANN001, ANN201
-    """Median µs of ``fn()`` (20 untimed calls first; a device sync every 32 calls, not timed)."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    xs = []
-    for i in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        xs.append(time.perf_counter() - t0)
-        if i % 32 == 31:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    out[name] = round(statistics.median(xs) * 1e6, 1)
-    print(f"{name:50s} {out[name]:8.1f} us", flush=True)
+@dataclass(frozen=True)
+class ProbeShape:
+    layers: int
+    heads: int
+    head_size: int
+    block_size: int
+    num_blocks: int  # blocks per plane: ids are drawn from [0, num_blocks)
+    request_blocks: int  # blocks per request (4096 tokens / 16 = 256)
+
+    @property
+    def row(self) -> int:
+        return self.heads * self.block_size * self.head_size
 
 
-ids_t = torch.from_numpy(ids_np)
-for g, (lo, hi) in (("all36", (0, 36)), ("grp3", (0, 3))):
-    src = stage[lo:hi]
-    t(f"check_request inplace {g}", lambda: check_request(ps.planes, ids_t, None, (lo, hi)))  # noqa: B023
-    t(f"check_request staged {g}", lambda: check_request(ps.planes, ids_t, src, (lo, hi)))  # noqa: B023
-    job_i = check_request(ps.planes, ids_t, None, (lo, hi))
-    job_s = check_request(ps.planes, ids_t, src, (lo, hi))
-    t(f"Launcher() init inplace {g}", lambda: tk.Launcher(job_i))  # noqa: B023
-    t(f"Launcher() init staged {g}", lambda: tk.Launcher(job_s))  # noqa: B023
-    li, ls = tk.Launcher(job_i), tk.Launcher(job_s)
+GPU_SHAPE = ProbeShape(layers=36, heads=8, head_size=128, block_size=16, num_blocks=8192, request_blocks=256)
+CPU_SHAPE = ProbeShape(layers=6, heads=2, head_size=64, block_size=16, num_blocks=64, request_blocks=16)
+
+
+def quantiles(xs: list[float]) -> dict[str, float]:
+    """p50/p99/mean/max of seconds, in µs."""
+    a = np.asarray(xs) * 1e6
+    return {"n": len(xs), "p50_us": round(float(np.percentile(a, 50)), 2),
+            "p99_us": round(float(np.percentile(a, 99)), 2), "mean_us": round(float(a.mean()), 2),
+            "max_us": round(float(a.max()), 2)}
+
+
+def layer_groups(layers: int, per_launch: int) -> list[tuple[int, int]]:
+    """Layers [0, layers) as consecutive ranges of ``per_launch`` layers (the last may be shorter)."""
+    return [(lo, min(lo + per_launch, layers)) for lo in range(0, layers, per_launch)]
+
+
+class Rig:
+    """Planes, staging and ids of one probe: what both paths convert."""
+
+    def __init__(self, shape: ProbeShape, device: torch.device, seed: int) -> None:
+        self.shape, self.device = shape, device
+        s = shape
+        gen = torch.Generator(device=device).manual_seed(seed)
+        # one allocation per layer, as vLLM's per-layer caches; random bits (any pattern: a permutation)
+        self.k = [self._random((s.num_blocks, s.row), gen) for _ in range(s.layers)]
+        self.v = [self._random((s.num_blocks, s.row), gen) for _ in range(s.layers)]
+        self.ps = PlaneSet(self.k, self.v, num_heads=s.heads, block_size=s.block_size, head_size=s.head_size)
+        self.caches = types.SimpleNamespace(plane_set=self.ps)  # what launch_gpu reads of the daemon's caches
+        m = s.request_blocks
+        self.stage = self._random((s.layers, m, 2 * s.row), gen)  # the request's staging slots
+        self.span = self._random((s.layers, GAP_DENSITY * m, 2 * s.row), gen)  # a span read through gaps
+        self.rng = np.random.default_rng(seed)
+        self.old_launcher: Any = None  # GPU: the launcher class of the old path (``_pageable_launcher``)
+
+    def _random(self, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+        t = torch.empty(shape, dtype=torch.int16, device=self.device)
+        t.random_(-(2**15), 2**15, generator=gen)
+        return t.view(torch.bfloat16)
+
+    def request(self, mode: str) -> tuple[np.ndarray, Any, np.ndarray | None]:
+        """Fresh random ids (int64, distinct) and the source (all layers) and source rows of ``mode``."""
+        s = self.shape
+        ids = self.rng.choice(s.num_blocks, s.request_blocks, replace=False).astype(np.int64)
+        if mode == "staged":
+            return ids, self.stage, None
+        if mode == "staged_gaps":
+            rows = self.rng.choice(self.span.shape[1], s.request_blocks, replace=False)
+            return ids, self.span, np.sort(rows).astype(np.int64)
+        return ids, None, None
+
+
+def _pageable_launcher() -> type:
+    from sidecar.convert import triton_kernel as tk
+
+    class PageableLauncher(tk.Launcher):
+        """The launcher as it was: one pageable copy per table, a fresh zeroed counts tensor per launch."""
+
+        def __init__(self, job: Any, tuning: Any = tk.TUNING, tables: Any = None) -> None:
+            super().__init__(job, tuning, None)  # no meta cache: rebuilt every launch
+            if job.lut is None:
+                counts = torch.zeros(2, dtype=torch.int64, device=job.device)
+                self.reenc = dict(lut=counts, cnt=counts, REENC=False)
+
+        @staticmethod
+        def upload(segments: list[list[np.ndarray]], device: torch.device) -> list[torch.Tensor]:
+            return [torch.from_numpy(np.concatenate([p.ravel() for p in seg])).to(device, non_blocking=True)
+                    for seg in segments]
+
+    return PageableLauncher
+
+
+def old_launch(rig: Rig, stream: Any, ids: np.ndarray, src: Any, layers: tuple[int, int],
+               index: np.ndarray | None) -> Any:
+    """The launch path before pinned tables, replayed (see the module's docstring); returns its event."""
+    ps = rig.ps
     with torch.cuda.stream(stream):
-        t(f"kernel launch only inplace {g}", li)
-        t(f"kernel launch only staged {g}", ls)
+        tid = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+        tix = None if index is None else torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64))
+        job = check_request(ps.planes, tid, src, layers, src_index=tix)  # no memo: every check every time
+        if aligned16(job):
+            rig.old_launcher(job)()
+        else:
+            run_reference(job)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
 
-    def full(src_=None, lo=lo, hi=hi):  # noqa: ANN001, ANN202
+
+def new_launch(rig: Rig, stream: Any, ids: np.ndarray, src: Any, layers: tuple[int, int],
+               index: np.ndarray | None) -> Any:
+    """The daemon's call (``Conversions.convert_group``): ``launch_gpu`` on its stream."""
+    return launch_gpu(stream, rig.caches, ids, AITER_SHUFFLED, src, layers, None, None, None, index)
+
+
+def cpu_old(rig: Rig, _stream: Any, ids: np.ndarray, src: Any, layers: tuple[int, int],
+            index: np.ndarray | None) -> None:
+    """The public path on the CPU: ``PlaneSet.convert`` on torch ids."""
+    rig.ps.convert(torch.from_numpy(ids), src=src, layers=layers,
+                   src_index=None if index is None else torch.from_numpy(index))
+
+
+def cpu_new(rig: Rig, _stream: Any, ids: np.ndarray, src: Any, layers: tuple[int, int],
+            index: np.ndarray | None) -> None:
+    """The daemon's CPU twin call: ``convert_blocks`` in its worker."""
+    convert_blocks(rig.caches, ids, AITER_SHUFFLED, src, layers, None, None, index)
+
+
+Launch = Callable[[Rig, Any, np.ndarray, Any, tuple[int, int], "np.ndarray | None"], Any]
+
+
+def _sub(src: Any, layers: tuple[int, int]) -> Any:
+    return None if src is None else src[layers[0] : layers[1]]
+
+
+STREAM_STATES = ("idle", "busy", "queued")
+QUEUED_REQUESTS = 8  # "queued": requests launched back to back between synchronisations
+
+
+def time_cell(rig: Rig, stream: Any, launch: Launch, mode: str, per_launch: int, state: str, iters: int,
+              warmup: int, busy_cycles: int) -> dict[str, Any]:
+    """Host time of ``iters`` launches of ``mode``, ``per_launch`` layers each, fresh ids per request.
+    ``state``: the stream synchronised before each call ("idle"), a ~1 ms kernel queued just before each
+    call ("busy"), or every launch of ``QUEUED_REQUESTS`` requests queued back to back ("queued": each
+    call finds the earlier ones' conversions still queued, as the daemon's layer groups and requests do)."""
+    cuda = rig.device.type == "cuda"
+    groups = layer_groups(rig.shape.layers, per_launch)
+    xs, pending = [], 0
+    calls = requests = 0
+    while calls < warmup + iters:
+        ids, src, index = rig.request(mode)
+        if cuda and state == "queued" and requests % QUEUED_REQUESTS == 0:
+            stream.synchronize()
+        requests += 1
+        for layers in groups:
+            if calls >= warmup + iters:
+                break
+            ahead = None
+            if cuda and state != "queued":
+                stream.synchronize()
+                if state == "busy":
+                    with torch.cuda.stream(stream):
+                        torch.cuda._sleep(busy_cycles)
+                        ahead = torch.cuda.Event()
+                        ahead.record(stream)
+            t0 = time.perf_counter()
+            launch(rig, stream, ids, _sub(src, layers), layers, index)
+            took = time.perf_counter() - t0
+            if calls >= warmup:
+                xs.append(took)
+                if ahead is not None and not ahead.query():
+                    pending += 1
+            calls += 1
+    if cuda:
+        stream.synchronize()
+    out = quantiles(xs)
+    if state == "busy":
+        out["pending_after"] = round(pending / max(1, len(xs)), 3)
+    return out
+
+
+def _gather(planes: list[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    return torch.stack([p.view(torch.int16).index_select(0, ids) for p in planes])
+
+
+def verify(rig: Rig, stream: Any, launch: Launch, mode: str, per_launch: int) -> bool:
+    """The path's bytes for one fresh request equal the torch reference's on the same input (the blocks'
+    content before is put back between the two, so in place compares like with like)."""
+    ids, src, index = rig.request(mode)
+    tid = torch.from_numpy(ids).to(rig.device)
+    before_k, before_v = _gather(rig.k, tid), _gather(rig.v, tid)
+    for layers in layer_groups(rig.shape.layers, per_launch):
+        launch(rig, stream, ids, _sub(src, layers), layers, index)
+    if rig.device.type == "cuda":
+        stream.synchronize()
+    got_k, got_v = _gather(rig.k, tid), _gather(rig.v, tid)
+    for planes, before in ((rig.k, before_k), (rig.v, before_v)):
+        for layer, p in enumerate(planes):
+            p.view(torch.int16).index_copy_(0, tid, before[layer])
+    job = check_request(rig.ps.planes, torch.from_numpy(ids), src, None,
+                        src_index=None if index is None else torch.from_numpy(index))
+    run_reference(job)
+    if rig.device.type == "cuda":
+        torch.cuda.synchronize(rig.device)
+    changed = not torch.equal(got_k, before_k)  # it converted something
+    return changed and torch.equal(got_k, _gather(rig.k, tid)) and torch.equal(got_v, _gather(rig.v, tid))
+
+
+def components(rig: Rig, stream: Any, iters: int) -> dict[str, dict[str, Any]]:
+    """The new path's parts, each timed alone (staged, one launch for every layer, stream idle)."""
+    from sidecar.convert import triton_kernel as tk
+
+    ps, layers = rig.ps, (0, rig.shape.layers)
+    ids, src, _ = rig.request("staged")
+    tid = torch.from_numpy(ids)
+    job = check_launch(ps.planes, ids, src, layers, ps.sources)
+    launcher = tk.Launcher(job, tk.TUNING, ps.tables)
+
+    def event() -> None:
+        e = torch.cuda.Event()
+        e.record(stream)
+
+    def switch() -> None:
         with torch.cuda.stream(stream):
-            ids = torch.from_numpy(np.ascontiguousarray(ids_np, dtype=np.int64))
-            ps.convert(ids, src=src_, layers=(lo, hi))
-            e = torch.cuda.Event()
-            e.record(stream)
+            pass
 
-    t(f"daemon path inplace {g}", lambda: full(None))  # noqa: B023
-    t(f"daemon path staged {g}", lambda: full(src))  # noqa: B023
+    meta = ps.tables.get(job.plane_rows, job.src_rows, job.k_planes[0].data_ptr(), job.elem_bytes)
+    segments = [[ids], [meta]]
+    parts: dict[str, Callable[[], Any]] = {
+        "tables: one pinned buffer, one copy": lambda: upload(segments, rig.device),
+        "tables: one pageable copy each (old)": lambda: rig.old_launcher.upload(segments, rig.device),
+        "check_request (public, torch ids)": lambda: check_request(ps.planes, tid, src, layers),
+        "check_launch (daemon, numpy ids)": lambda: check_launch(ps.planes, ids, src, layers, ps.sources),
+        "aligned16": lambda: aligned16(job),
+        "Launcher() (tables built + one pinned copy)": lambda: tk.Launcher(job, tk.TUNING, ps.tables),
+        "Launcher() old (tables rebuilt + pageable copies)": lambda: rig.old_launcher(job),
+        "Triton launch only": launcher,
+        "stream switch (torch.cuda.stream)": switch,
+        "Event() + record": event,
+    }
+    out = {}
+    for name, fn in parts.items():
+        xs = []
+        for i in range(iters + 20):
+            if i % 32 == 0:
+                torch.cuda.synchronize(rig.device)
+            with torch.cuda.stream(stream):
+                t0 = time.perf_counter()
+                fn()
+                took = time.perf_counter() - t0
+            if i >= 20:
+                xs.append(took)
+        out[name] = quantiles(xs)
+    torch.cuda.synchronize(rig.device)
+    return out
 
-a = torch.zeros(16, device=dev)
-with torch.cuda.stream(stream):
-    t("torch add_ small (one bare launch)", lambda: a.add_(1))
-t("stream ctx enter/exit", lambda: torch.cuda.stream(stream).__enter__() or None)
+
+def sleep_cycles(device: torch.device, us: float) -> int:
+    """``torch.cuda._sleep`` cycles that keep the GPU busy about ``us`` µs (measured here)."""
+    probe = 1_000_000
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(probe)  # warm
+    a.record()
+    torch.cuda._sleep(probe)
+    b.record()
+    b.synchronize()
+    per_us = probe / max(1e-3, a.elapsed_time(b) * 1e3)
+    return max(1, int(per_us * us))
 
 
-def ev() -> None:
-    e = torch.cuda.Event()
-    e.record(stream)
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kv-sidecar bench launch", description=__doc__.split("\n")[0])
+    p.add_argument("--device", default=None, help="cuda:N or cpu (default: cuda:0 when a GPU is present)")
+    p.add_argument("--blocks", type=int, default=None, help="blocks per plane (GPU default 8192)")
+    p.add_argument("--request-blocks", type=int, default=None, help="blocks per request (GPU default 256)")
+    p.add_argument("--layers", type=int, default=None, help="layers (GPU default 36)")
+    p.add_argument("--per-launch", default=None,
+                   help="layers per launch, comma-separated (default: all layers, and 3)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
+    p.add_argument("--iters", type=int, default=None, help="timed launches per cell (GPU 300, CPU 10)")
+    p.add_argument("--busy-us", type=float, default=1000.0, help="the kernel queued before each busy call")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON results file (default: print only)")
+    return p.parse_args(argv)
 
 
-t("Event()+record", ev)
-t("pageable H2D 256 int64 non_blocking", lambda: ids_t.to(dev, non_blocking=True))
-t(
-    "pageable H2D 36x6 int64 non_blocking",
-    lambda: torch.from_numpy(np.zeros((36, 6), np.int64)).to(dev, non_blocking=True),
-)
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    base = GPU_SHAPE if cuda else CPU_SHAPE
+    shape = ProbeShape(layers=args.layers or base.layers, heads=base.heads, head_size=base.head_size,
+                       block_size=base.block_size, num_blocks=args.blocks or base.num_blocks,
+                       request_blocks=args.request_blocks or base.request_blocks)
+    if shape.request_blocks > shape.num_blocks:
+        raise SystemExit(f"--request-blocks {shape.request_blocks} > --blocks {shape.num_blocks}")
+    per_launch = ([int(v) for v in args.per_launch.split(",")] if args.per_launch
+                  else sorted({shape.layers, min(3, shape.layers)}, reverse=True))
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        if m not in MODES:
+            raise SystemExit(f"unknown mode {m!r}; modes: {', '.join(MODES)}")
+    iters = args.iters or (300 if cuda else 10)
+    if cuda:
+        torch.cuda.set_device(device)
+    rig = Rig(shape, device, args.seed)
+    stream = None
+    paths: dict[str, Launch] = {"old": cpu_old, "new": cpu_new}
+    busy_cycles = 0
+    if cuda:
+        from sidecar.convert.launch import make_stream
+
+        rig.old_launcher = _pageable_launcher()
+        rig.ps.warm_up()
+        stream = make_stream(device)
+        paths = {"old": old_launch, "new": new_launch}
+        busy_cycles = sleep_cycles(device, args.busy_us)
+    states = STREAM_STATES if cuda else ("idle",)
+    cells = []
+    print(f"{'mode':12s} {'layers/launch':>13s} {'stream':6s} {'path':4s} {'p50 µs':>9s} {'p99 µs':>9s} "
+          f"{'pending':>7s}", flush=True)
+    warmup = 20 if cuda else 2
+    for mode, per, where, (name, launch) in itertools.product(modes, per_launch, states, paths.items()):
+        got = time_cell(rig, stream, launch, mode, per, where, iters, warmup, busy_cycles)
+        cells.append({"path": name, "mode": mode, "layers_per_launch": per, "stream": where, **got})
+        print(f"{mode:12s} {per:13d} {where:6s} {name:4s} {got['p50_us']:9.1f} {got['p99_us']:9.1f} "
+              f"{got.get('pending_after', ''):>7}", flush=True)
+    verified = {name: {f"{mode}/{per}": verify(rig, stream, launch, mode, per) for mode in modes
+                       for per in per_launch} for name, launch in paths.items()}
+    print("bit-exact against the torch reference:", json.dumps(verified), flush=True)
+    report: dict[str, Any] = {
+        "bench": "launch",
+        "what": __doc__.split("\n\n")[1].replace("\n", " "),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": "kv-sidecar bench launch " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "host": platform.node(),
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "shape": asdict(shape),
+        "settings": {"iters": iters, "per_launch": per_launch, "modes": modes, "busy_us": args.busy_us,
+                     "queued_requests": QUEUED_REQUESTS,
+                     "gap_density": 1 / GAP_DENSITY, "seed": args.seed},
+        "note": None if cuda else "CPU: both paths convert through the torch reference inside the call, so "
+        "these times include the conversion (not launch times); only the bytes check means the same",
+        "cells": cells,
+        "verified": verified,
+        "all_verified": all(all(v.values()) for v in verified.values()),
+    }
+    if cuda:
+        import triton
+
+        report["versions"]["triton"] = triton.__version__
+        report["components_us"] = components(rig, stream, iters)
+        for name, q in report["components_us"].items():
+            print(f"{name:52s} p50 {q['p50_us']:8.1f} µs  p99 {q['p99_us']:8.1f} µs", flush=True)
+        report["tables"] = {"meta_cache_hits": rig.ps.tables.hits, "meta_cache_misses": rig.ps.tables.misses}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        print("wrote", args.out)
+    return 0 if report["all_verified"] else 1
 
 
-def pinned() -> torch.Tensor:
-    h = torch.empty(256 + 216, dtype=torch.int64, pin_memory=True)
-    h.numpy()[:256] = ids_np
-    return h.to(dev, non_blocking=True)
-
-
-t("pinned (caching host alloc) fill + H2D 472 int64", pinned)
-t("torch.from_numpy(ids)", lambda: torch.from_numpy(np.ascontiguousarray(ids_np, dtype=np.int64)))
-out["triton"] = triton.__version__
-out["torch"] = torch.__version__
-print("triton", out["triton"], "torch", out["torch"])
-os.makedirs(os.environ.get("OUT", "/tmp"), exist_ok=True)
-with open(os.path.join(os.environ.get("OUT", "/tmp"), "probe.json"), "w") as f:
-    json.dump(out, f, indent=1)
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,17 +7,26 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from sidecar.convert.checks import Job, aligned16, check_job, check_planes, check_request
+from sidecar.convert.checks import (
+    Job,
+    SourceMemo,
+    aligned16,
+    check_job,
+    check_launch,
+    check_planes,
+    check_request,
+)
 from sidecar.convert.reference import run_reference
+from sidecar.convert.tables import MetaCache
 from sidecar.convert.tuning import Tuning
 
 
-def _run(job: Job, tuning: Tuning | None = None) -> None:
+def _run(job: Job, tuning: Tuning | None = None, tables: MetaCache | None = None) -> None:
     if job.device.type == "cuda":  # CUDA and ROCm (HIP) builds of torch both say "cuda"
         from sidecar.convert import triton_kernel  # lazy: the CPU torch wheel has no Triton
 
         if aligned16(job):  # the kernels move 16-byte vectors
-            triton_kernel.run_triton(job, tuning)
+            triton_kernel.run_triton(job, tuning, tables)
             return
     run_reference(job)
 
@@ -101,6 +110,8 @@ class PlaneSet:
             if self.planes.elem_bytes != 1:
                 raise ValueError(f"a byte re-encode needs 1-byte planes, not {self.planes.dtype}")
             self.lut = torch.from_numpy(table.copy()).to(self.planes.device)
+        self.sources = SourceMemo()  # staged sources checked once
+        self.tables = MetaCache()  # the kernels' meta tables built once per layer range and source
 
     @property
     def num_layers(self) -> int:
@@ -143,7 +154,26 @@ class PlaneSet:
         (a staged span read through gaps)."""
         counts = None if self.lut is None else torch.zeros(2, dtype=torch.int64, device=self.planes.device)
         job = check_request(
-            self.planes, block_ids, src, layers, lut=self.lut, counts=counts, src_index=src_index
+            self.planes, block_ids, src, layers, lut=self.lut, counts=counts, src_index=src_index,
+            memo=self.sources,
         )
-        _run(job, tuning)
+        _run(job, tuning, self.tables)
+        return counts
+
+    def convert_arrays(
+        self,
+        block_ids: np.ndarray,
+        *,
+        src: torch.Tensor | None = None,
+        layers: tuple[int, int] | None = None,
+        tuning: Tuning | None = None,
+        src_index: np.ndarray | None = None,
+    ) -> torch.Tensor | None:
+        """As ``convert`` for the daemon's launches: ``block_ids`` and ``src_index`` as numpy int arrays,
+        ``src`` one ``[layers, rows, page]`` tensor (the staging view) or None. The same checks of ids,
+        source and source rows, with less per call (``checks.check_launch``)."""
+        counts = None if self.lut is None else torch.zeros(2, dtype=torch.int64, device=self.planes.device)
+        job = check_launch(self.planes, block_ids, src, layers, self.sources, lut=self.lut, counts=counts,
+                           src_index=src_index)
+        _run(job, tuning, self.tables)
         return counts

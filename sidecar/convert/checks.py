@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,6 +46,8 @@ class Job:
     counts: torch.Tensor | None = None  # int64 [2] on the planes' device, added into
     # Out of place only: block ids[i] reads source row src_index[i] (int64, CPU) instead of row i.
     src_index: torch.Tensor | None = None
+    # Whether 16-byte vectors fit the sources, when the check already knows (``aligned16`` then skips it).
+    src_aligned16: bool | None = None
 
     @property
     def x(self) -> int:
@@ -105,8 +108,14 @@ def _check_ids(block_ids: object, device: torch.device, num_blocks: int) -> torc
         raise ValueError(f"block_ids is on {block_ids.device}; it must be on the CPU or on the planes' "
                          f"{device}")
     ids = block_ids.to("cpu", torch.int64)  # a GPU tensor costs one sync here: pass CPU ids on hot paths
-    if ids.numel():
-        ordered = np.sort(ids.numpy())  # one sort finds the range and any duplicate (cheaper than torch ops)
+    _check_id_values(ids.numpy(), num_blocks)
+    return ids
+
+
+def _check_id_values(ids: np.ndarray, num_blocks: int) -> None:
+    """Every id in [0, num_blocks), none twice."""
+    if ids.size:
+        ordered = np.sort(ids)  # one sort finds the range and any duplicate (cheaper than torch ops)
         lo, hi = int(ordered[0]), int(ordered[-1])
         if lo < 0 or hi >= num_blocks:
             bad = lo if lo < 0 else hi
@@ -114,7 +123,19 @@ def _check_ids(block_ids: object, device: torch.device, num_blocks: int) -> torc
         same = np.flatnonzero(ordered[1:] == ordered[:-1])
         if same.size:
             raise ValueError(f"block_ids holds duplicates, e.g. {int(ordered[same[0]])}")
-    return ids
+
+
+def _id_array(name: str, values: object) -> np.ndarray:
+    """A 1-D integer numpy array as int64 (a view when it already is one)."""
+    if not isinstance(values, np.ndarray):
+        raise ValueError(f"{name} must be a numpy array, got {type(values).__name__}")
+    if values.dtype.kind not in "iu":
+        raise ValueError(f"{name} dtype {values.dtype} must be an integer type")
+    if values.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {values.shape}")
+    if values.dtype.kind == "u" and values.size and int(values.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{name} holds {int(values.max())}, beyond int64")
+    return np.ascontiguousarray(values, dtype=np.int64)
 
 
 def _as_src_list(src: object, num_layers: int) -> list[object]:
@@ -166,11 +187,20 @@ def _aligned16(tensors: Sequence[torch.Tensor]) -> bool:
 
 def aligned16(job: Job) -> bool:
     """16-byte vectors fit every tensor of the job (the planes were checked once, the sources now)."""
-    if job.src_rows is None or not len(job.src_rows):
+    rows = job.src_rows
+    if rows is None or not len(rows) or not job.planes_aligned16:
         return job.planes_aligned16
-    one_row = job.ids.numel() <= 1 and job.src_index is None
-    rows_ok = one_row or not (job.src_rows[:, 1] % job.x).any()
-    return job.planes_aligned16 and rows_ok and not (job.src_rows[:, 0] % 16).any()
+    if job.src_aligned16 is not None:
+        return job.src_aligned16
+    return _sources_aligned16(rows, job.x, job.ids.numel() <= 1 and job.src_index is None)
+
+
+def _sources_aligned16(rows: np.ndarray, x: int, one_row: bool) -> bool:
+    """Every source base on 16 bytes and, unless one row is read (its stride never used), every row stride
+    a whole 16-byte vector of ``x`` elements."""
+    if one_row:
+        return not (rows[:, 0] % 16).any()
+    return not (rows % (16, x)).any()
 
 
 def check_planes(
@@ -300,6 +330,42 @@ def _listed_srcs(planes: Planes, srcs: Sequence[object], m: int | None) -> tuple
     return tuple(t.view(BASE[planes.elem_bytes]) for t in src_list), rows
 
 
+class SourceMemo:
+    """Checked [layers, rows, page] sources of one ``Planes``, by every property the check reads (address,
+    shape, strides, dtype, device), so a daemon's staging view is checked once, not on every launch.
+
+    A source whose properties match a remembered one passes exactly the same checks, so this never lets
+    through what ``check_request`` would refuse; the last ``capacity`` sources are kept. Safe to share
+    between threads."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self._rows: dict[tuple, tuple[np.ndarray, bool, bool]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def batched(
+        self, planes: Planes, src: torch.Tensor, layers: int, m: int | None
+    ) -> tuple[torch.Tensor, np.ndarray, bool, bool]:
+        """``_batched_src(planes, src, layers, m)``, its checks and rows remembered; with whether 16-byte
+        vectors fit the source when it has one row (its base) and when it has more (base and row stride)."""
+        key = (planes, src.data_ptr(), src.shape, src.stride(), src.dtype, src.device, layers, m)
+        found = self._rows.get(key)
+        if found is None:
+            view, rows = _batched_src(planes, src, layers, m)
+            rows.flags.writeable = False
+            x = x_of(planes.elem_bytes)
+            found = (rows, _sources_aligned16(rows, x, True), _sources_aligned16(rows, x, False))
+            with self._lock:
+                if len(self._rows) >= self.capacity:
+                    self._rows.pop(next(iter(self._rows)))
+                self._rows[key] = found
+            return (view, *found)
+        return (src.view(BASE[planes.elem_bytes]), *found)
+
+
 def check_request(
     planes: Planes,
     block_ids: object,
@@ -308,29 +374,83 @@ def check_request(
     lut: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
     src_index: object = None,
+    memo: SourceMemo | None = None,
 ) -> Job:
     """Check one request against checked planes: its ids and its source for layers ``[first, last)``
     (default all): None (in place), a [layers, M, page] tensor, or a sequence of [M, page] tensors.
     ``src_index`` (out of place only): block ``ids[i]`` reads source row ``src_index[i]``; the source
-    may then hold any number of rows (e.g. a staged span with other blocks in between)."""
-    first, last = layers if layers is not None else (0, len(planes.k_planes))
-    if not 0 <= first < last <= len(planes.k_planes):
-        raise ValueError(
-            f"layers [{first}, {last}) is not a non-empty range of the {len(planes.k_planes)} layers"
-        )
+    may then hold any number of rows (e.g. a staged span with other blocks in between). ``memo``: sources
+    of these planes already checked (a [layers, M, page] source is then checked once)."""
+    first, last = _layer_range(planes, layers)
     ids = _check_ids(block_ids, planes.device, planes.num_blocks)
     if src_index is not None and src is None:
         raise ValueError("src_index needs a src (it picks source rows; in place has none)")
     m = ids.numel() if src_index is None else None
-    srcs = src_rows = None
+    srcs = src_rows = src_aligned = None
     if isinstance(src, torch.Tensor):
-        srcs, src_rows = _batched_src(planes, src, last - first, m)
+        if memo is not None:
+            srcs, src_rows, one_ok, many_ok = memo.batched(planes, src, last - first, m)
+            src_aligned = one_ok if ids.numel() <= 1 and src_index is None else many_ok
+        else:
+            srcs, src_rows = _batched_src(planes, src, last - first, m)
     elif src is not None:
         srcs, src_rows = _listed_srcs(planes, _as_src_list(src, last - first), m)
     index = None
     if src_index is not None:
         rows = srcs.shape[1] if isinstance(srcs, torch.Tensor) else srcs[0].shape[0]
         index = _check_src_index(src_index, ids.numel(), rows)
+    return _job(planes, first, last, ids, srcs, src_rows, lut, counts, index, src_aligned)
+
+
+def check_launch(
+    planes: Planes,
+    block_ids: np.ndarray,
+    src: torch.Tensor | None,
+    layers: tuple[int, int] | None,
+    memo: SourceMemo,
+    lut: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    src_index: np.ndarray | None = None,
+) -> Job:
+    """``check_request`` for the daemon's own launches: ids and source rows as numpy int arrays, the source
+    one [layers, rows, page] tensor (its staging) or None. The same checks of ids, source and source rows;
+    the source's checked once per ``memo`` (the planes were checked once, at registration)."""
+    first, last = _layer_range(planes, layers)
+    ids = _id_array("block_ids", block_ids)
+    _check_id_values(ids, planes.num_blocks)
+    srcs = src_rows = index = src_aligned = None
+    if src is not None:
+        if not isinstance(src, torch.Tensor):
+            raise ValueError(f"src must be a torch.Tensor, got {type(src).__name__}")
+        srcs, src_rows, one_ok, many_ok = memo.batched(
+            planes, src, last - first, None if src_index is not None else len(ids)
+        )
+        src_aligned = one_ok if len(ids) <= 1 and src_index is None else many_ok
+    if src_index is not None:
+        if src is None:
+            raise ValueError("src_index needs a src (it picks source rows; in place has none)")
+        rows = _id_array("src_index", src_index)
+        if rows.shape != ids.shape:
+            raise ValueError(f"src_index shape {rows.shape} must be [len(block_ids)] = [{len(ids)}]")
+        if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= srcs.shape[1]):
+            bad = int(rows.min()) if int(rows.min()) < 0 else int(rows.max())
+            raise ValueError(f"src_index holds {bad}, out of range [0, {srcs.shape[1]}) source rows")
+        index = torch.from_numpy(rows)
+    return _job(planes, first, last, torch.from_numpy(ids), srcs, src_rows, lut, counts, index, src_aligned)
+
+
+def _layer_range(planes: Planes, layers: tuple[int, int] | None) -> tuple[int, int]:
+    first, last = layers if layers is not None else (0, len(planes.k_planes))
+    if not 0 <= first < last <= len(planes.k_planes):
+        raise ValueError(
+            f"layers [{first}, {last}) is not a non-empty range of the {len(planes.k_planes)} layers"
+        )
+    return first, last
+
+
+def _job(planes: Planes, first: int, last: int, ids: torch.Tensor, srcs: object, src_rows: np.ndarray | None,
+         lut: torch.Tensor | None, counts: torch.Tensor | None, index: torch.Tensor | None,
+         src_aligned16: bool | None = None) -> Job:
     return Job(
         k_planes=planes.k_planes[first:last],
         v_planes=planes.v_planes[first:last],
@@ -346,6 +466,7 @@ def check_request(
         lut=lut,
         counts=counts,
         src_index=index,
+        src_aligned16=src_aligned16,
     )
 
 

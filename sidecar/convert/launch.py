@@ -112,58 +112,45 @@ def convert_blocks(
     ``PlaneSet`` to use instead of the caches' own (one with an fp8 re-encode table). Returns the re-encode's
     (saturated, NaN) counts as an int64 [2] tensor on the planes' device, or None without a table.
     ``src_index``: block ``i`` reads source row ``src_index[i]`` (a staged span with gap rows)."""
-    ps, ids = _planes_and_ids(caches, fmt, block_ids, planes)
+    ps = _plane_set(caches, fmt, planes)
     counts = None
-    for piece in _pieces(ps, ids, src, layers, limits, _index(src_index)):
+    for piece in _pieces(ps, np.asarray(block_ids), src, layers, limits, src_index):
         got = piece()
         if got is not None:
             counts = got if counts is None else counts + got
     return counts
 
 
-def _planes_and_ids(
-    caches: Any, fmt: PageFormat, block_ids: np.ndarray, planes: Any = None
-) -> tuple[Any, Any]:
-    """The PlaneSet to convert with (``planes``, else the caches' own, made here for a non-shuffled cache)
-    and the block ids as an int64 tensor."""
-    import torch
-
+def _plane_set(caches: Any, fmt: PageFormat, planes: Any = None) -> Any:
+    """The PlaneSet to convert with: ``planes``, else the caches' own (made here for a non-shuffled cache)."""
     if planes is None:
         if caches.plane_set is None:  # made at registration for a shuffled cache
             caches.plane_set = conversion_planes(caches, fmt)
         planes = caches.plane_set
-    return planes, torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64))
-
-
-def _index(src_index: np.ndarray | None) -> Any:
-    import torch
-
-    if src_index is None:
-        return None
-    return torch.from_numpy(np.ascontiguousarray(src_index, dtype=np.int64))
+    return planes
 
 
 def _pieces(
     ps: Any,
-    ids: Any,
+    ids: np.ndarray,
     src: Any,
     layers: tuple[int, int] | None,
     limits: ConversionLimits | None,
-    index: Any = None,
+    index: np.ndarray | None = None,
 ) -> list[Any]:
     """One callable per launch of the request (one unless ``limits`` slices it), on PlaneSet ``ps``.
-    ``index``: source rows per block (int64 tensor); a slice then keeps every source row."""
-    span = layers if layers is not None else (0, ps.num_layers)
+    ``index``: source rows per block; a slice then keeps every source row."""
     if limits is None or limits.unbounded:
-        return [lambda: ps.convert(ids, src=src, layers=layers, src_index=index)]
+        return [lambda: ps.convert_arrays(ids, src=src, layers=layers, src_index=index)]
+    span = layers if layers is not None else (0, ps.num_layers)
     tuning = limits.tuning()
     out = []
-    for l0, l1, b0, b1 in plan_slices(span, int(ids.numel()), limits.max_slice_pairs):
+    for l0, l1, b0, b1 in plan_slices(span, len(ids), limits.max_slice_pairs):
         rows = slice(None) if index is not None else slice(b0, b1)
         part = None if src is None else src[l0 - span[0] : l1 - span[0], rows]
         sub = None if index is None else index[b0:b1]
         out.append(
-            lambda i=ids[b0:b1], s=part, lr=(l0, l1), x=sub: ps.convert(
+            lambda i=ids[b0:b1], s=part, lr=(l0, l1), x=sub: ps.convert_arrays(
                 i, src=s, layers=lr, tuning=tuning, src_index=x
             )
         )
@@ -220,11 +207,11 @@ def convert_paced(
     calling thread (run it in a worker); returns the last slice's event (already complete)."""
     import torch
 
-    ps, ids = _planes_and_ids(caches, fmt, block_ids)
+    ps = _plane_set(caches, fmt)
     gap = 0.0 if limits is None else limits.slice_gap_us * 1e-6
     event = torch.cuda.Event()
     with torch.cuda.stream(stream):
-        for piece in _pieces(ps, ids, src, layers, limits, _index(src_index)):
+        for piece in _pieces(ps, np.asarray(block_ids), src, layers, limits, src_index):
             piece()
             event = torch.cuda.Event()
             event.record(stream)

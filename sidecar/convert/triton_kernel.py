@@ -24,12 +24,15 @@ bench/results/convert-h200-*.json):
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from sidecar.convert.checks import Job
+from sidecar.convert.tables import MetaCache, meta_table, upload
 from sidecar.convert.tuning import TUNING, Tuning
 
 
@@ -261,19 +264,13 @@ def _floor_pow2(v: int) -> int:
     return 1 << (max(1, v).bit_length() - 1)
 
 
-def _meta_table(job: Job, anchor: torch.Tensor, src_cols: np.ndarray | None) -> torch.Tensor:
-    """int64 [L, 6] of element offsets from ``anchor`` and row strides, built on the CPU, copied once.
-    ``src_cols``: [L, 2] source offsets (elements from the anchor) and row strides, or None (in place)."""
-    rows = np.zeros((len(job.plane_rows), 6), dtype=np.int64)
-    a = anchor.data_ptr()
-    e = job.elem_bytes
-    rows[:, 0] = (job.plane_rows[:, 0] - a) // e
-    rows[:, 1] = job.plane_rows[:, 1]
-    rows[:, 2] = (job.plane_rows[:, 2] - a) // e
-    rows[:, 3] = job.plane_rows[:, 3]
-    if src_cols is not None:
-        rows[:, 4:] = src_cols
-    return torch.from_numpy(rows).to(job.device, non_blocking=True)
+def _meta_table(job: Job, anchor: torch.Tensor, src_rows: np.ndarray | None,
+                cache: MetaCache | None = None) -> np.ndarray:
+    """int64 [L, 6] of element offsets from ``anchor`` and row strides (``tables.meta_table``), host side.
+    ``src_rows``: [L, 2] source addresses (bytes) and row strides, or None (in place)."""
+    if cache is None:
+        return meta_table(job.plane_rows, src_rows, anchor.data_ptr(), job.elem_bytes)
+    return cache.get(job.plane_rows, src_rows, anchor.data_ptr(), job.elem_bytes)
 
 
 def in_place_strategy(job: Job, tuning: Tuning = TUNING) -> str:
@@ -293,10 +290,23 @@ def in_place_strategy(job: Job, tuning: Tuning = TUNING) -> str:
     return "scratch"
 
 
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":  # Triton's CPU interpreter (development only)
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_UNUSED_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _unused_counts(device: torch.device) -> torch.Tensor:
+    """A kernel argument never read or written without a re-encode: one per device, not one per launch
+    (a fresh ``torch.zeros`` costs an allocation and a fill kernel on every launch)."""
+    found = _UNUSED_COUNTS.get(device)
+    if found is None:
+        found = _UNUSED_COUNTS[device] = torch.zeros(2, dtype=torch.int64, device=device)
+    return found
 
 
 def _warps(elems: int, per_thread: int) -> int:
@@ -304,31 +314,39 @@ def _warps(elems: int, per_thread: int) -> int:
 
 
 class Launcher:
-    """A checked job turned into device-side tables once; ``__call__`` only launches (for the benchmark)."""
+    """A checked job turned into device-side tables once; ``__call__`` only launches (for the benchmark).
 
-    def __init__(self, job: Job, tuning: Tuning = TUNING) -> None:
+    Every table (ids, source rows, meta, scratch chunks) reaches the device in one copy from pinned memory
+    (``tables.upload``), so building a launcher never waits for work already queued on the stream.
+    ``tables``: meta tables kept across launches (a ``PlaneSet``'s); None builds them here."""
+
+    def __init__(self, job: Job, tuning: Tuning = TUNING, tables: MetaCache | None = None) -> None:
         self.job, self.t = job, tuning
         self.anchor = job.k_planes[0]
         self.layers = len(job.k_planes)
         self.m = job.ids.numel()
         # With a source index the ids tensor carries the M source rows after the M block ids.
         self.src_idx = job.src_index is not None and job.srcs is not None
-        ids = torch.cat([job.ids, job.src_index]) if self.src_idx else job.ids
-        self.ids = ids.to(job.device, non_blocking=True)
-        src_cols = None
-        if job.src_rows is not None:
-            offsets = (job.src_rows[:, 0] - self.anchor.data_ptr()) // job.elem_bytes
-            src_cols = np.stack([offsets, job.src_rows[:, 1]], axis=1)
-        self.meta = _meta_table(job, self.anchor, src_cols)
         self.geom = dict(N=job.block_size, D=job.head_size, X=job.x)
-        counts = job.counts if job.counts is not None else torch.zeros(2, dtype=torch.int64, device=job.device)
+        counts = job.counts if job.counts is not None else _unused_counts(job.device)
         lut = job.lut if job.lut is not None else counts  # unused without REENC
         self.reenc = dict(lut=lut, cnt=counts, REENC=job.lut is not None)
         # A register cap lets more in-place programs share an SM (CUDA only: HIP's Triton has no such option).
         self.extra = {"maxnreg": tuning.maxnreg} if tuning.maxnreg and torch.version.hip is None else {}
         self.strategy = "out_of_place" if job.srcs is not None else in_place_strategy(job, tuning)
+        ids = [job.ids.numpy(), job.src_index.numpy()] if self.src_idx else [job.ids.numpy()]
+        segments = [ids, [_meta_table(job, self.anchor, job.src_rows, tables)]]
         if self.strategy == "scratch" and self.m:
-            self._prepare_scratch()
+            segments += [[rows] for rows in self._prepare_scratch()]
+        got = self.upload(segments, job.device)
+        self.ids, self.meta = got[0], got[1]
+        if self.strategy == "scratch" and self.m:
+            self.chunks = [(*chunk, table) for chunk, table in zip(self.chunks, got[2:], strict=True)]
+
+    @staticmethod
+    def upload(segments: list[list[np.ndarray]], device: torch.device) -> list[torch.Tensor]:
+        """The host tables as device tensors, in one asynchronous copy (a seam for the launch probe)."""
+        return upload(segments, device)
 
     def __call__(self) -> None:
         if self.m == 0:
@@ -389,23 +407,27 @@ class Launcher:
                                 num_warps=self.t.oop_warps, SRC_IDX=src_idx,
                                 **self.reenc, **self.geom)
 
-    def _prepare_scratch(self) -> None:
+    def _prepare_scratch(self) -> list[np.ndarray]:
+        """Allocate the scratch; ``self.chunks`` gets (pair0, pairs) per chunk, the result each chunk's meta
+        table (uploaded with the other tables)."""
         job = self.job
         half = job.plane_block_elems
         total = self.layers * self.m
         self.per_chunk = min(total, max(1, self.t.scratch_bytes // (2 * job.elem_bytes * half)))
         self.scratch = torch.empty((self.per_chunk, 2 * half), dtype=self.anchor.dtype, device=job.device)
-        s_off = (self.scratch.data_ptr() - self.anchor.data_ptr()) // job.elem_bytes
+        s_addr = self.scratch.data_ptr()
+        row_bytes = 2 * half * job.elem_bytes
         # One table per chunk: pair p = layer*M + i reads scratch row p - pair0.
-        self.chunks = []
+        self.chunks, tables = [], []
         for pair0 in range(0, total, self.per_chunk):
             rows = np.array(
-                [(s_off + (layer * self.m - pair0) * 2 * half, 2 * half) for layer in range(self.layers)],
+                [(s_addr + (layer * self.m - pair0) * row_bytes, 2 * half) for layer in range(self.layers)],
                 dtype=np.int64,
-            )
-            pairs = min(self.per_chunk, total - pair0)
-            self.chunks.append((pair0, pairs, _meta_table(job, self.anchor, rows)))
+            ).reshape(-1, 2)
+            self.chunks.append((pair0, min(self.per_chunk, total - pair0)))
+            tables.append(meta_table(job.plane_rows, rows, self.anchor.data_ptr(), job.elem_bytes))
         self.piece = min(4096, job.block_size * job.head_size)  # a power of two that divides the half page
+        return tables
 
     def _in_place_scratch(self) -> None:
         half = self.job.plane_block_elems
@@ -418,6 +440,6 @@ class Launcher:
             self._out_of_place(table, pair0, pairs)
 
 
-def run_triton(job: Job, tuning: Tuning | None = None) -> None:
-    """Convert a checked job on its GPU (current stream)."""
-    Launcher(job, TUNING if tuning is None else tuning)()
+def run_triton(job: Job, tuning: Tuning | None = None, tables: MetaCache | None = None) -> None:
+    """Convert a checked job on its GPU (current stream); ``tables`` as in ``Launcher``."""
+    Launcher(job, TUNING if tuning is None else tuning, tables)()

@@ -1,0 +1,58 @@
+"""``kv-sidecar bench launch`` on the CPU: both paths run, and its bytes check fails a wrong path."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from sidecar.bench import probe_launch as pl
+
+
+def test_layer_groups_cover_every_layer_once():
+    for layers in range(1, 40):
+        for per in range(1, layers + 2):
+            got = pl.layer_groups(layers, per)
+            assert [lay for lo, hi in got for lay in range(lo, hi)] == list(range(layers))
+            assert all(0 < hi - lo <= per for lo, hi in got)
+
+
+def test_quantiles_in_microseconds():
+    got = pl.quantiles([1e-6 * v for v in range(1, 101)])
+    assert got["n"] == 100 and got["max_us"] == 100.0
+    assert 50 <= got["p50_us"] <= 51 and 98 <= got["p99_us"] <= 100
+
+
+def test_cpu_run_writes_every_cell_verified(tmp_path):
+    out = tmp_path / "launch.json"
+    assert pl.main(["--device", "cpu", "--iters", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["all_verified"] is True
+    cells = {(c["path"], c["mode"], c["layers_per_launch"], c["stream"]) for c in report["cells"]}
+    layers = pl.CPU_SHAPE.layers
+    want = {(p, m, per, "idle") for p in ("old", "new") for m in pl.MODES for per in (layers, 3)}
+    assert cells == want
+    assert all(c["n"] == 2 and c["p50_us"] > 0 for c in report["cells"])
+
+
+def _rig():
+    return pl.Rig(pl.CPU_SHAPE, torch.device("cpu"), seed=3)
+
+
+def test_verify_fails_a_path_that_writes_nothing():
+    rig = _rig()
+    for mode in pl.MODES:
+        assert not pl.verify(rig, None, lambda *a: None, mode, 3), mode
+
+
+def test_verify_fails_a_path_that_converts_the_wrong_rows():
+    rig = _rig()
+
+    def shifted(rig_, stream, ids, src, layers, index):  # every block reads its neighbour's source row
+        rows = np.roll(np.arange(len(ids)), 1) if index is None else np.roll(index, 1)
+        pl.cpu_new(rig_, stream, ids, src, layers, rows)
+
+    for mode in ("staged", "staged_gaps"):
+        assert not pl.verify(rig, None, shifted, mode, 3), mode
+        assert pl.verify(rig, None, pl.cpu_new, mode, 3), mode
