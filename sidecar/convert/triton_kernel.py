@@ -161,25 +161,40 @@ def convert_kernel(anchor, meta, ids, M, H, pair0, HC: tl.constexpr, HCHUNKS: tl
     _store_tiles(anchor, k_base, v_base, kv, vv, h0, n0, d0, HC, NC, DC, H, N, D, X, KD, EVICT, lut, cnt, REENC)
 
 
+@triton.jit
+def _convert_chunk(anchor, meta, ids, M, H, pair0, q, HC: tl.constexpr, HCHUNKS: tl.constexpr,
+                   NC: tl.constexpr, DC: tl.constexpr, N: tl.constexpr, D: tl.constexpr, X: tl.constexpr, KD: tl.constexpr,
+                   EVICT: tl.constexpr, lut, cnt, REENC: tl.constexpr, SRC_IDX: tl.constexpr):
+    """Out of place: ``convert_kernel``'s program ``q``."""
+    per_pair = HCHUNKS * (N // NC) * (D // DC)
+    pair = pair0 + q // per_pair
+    c = q % per_pair
+    h0 = (c // ((N // NC) * (D // DC))) * HC
+    n0 = ((c // (D // DC)) % (N // NC)) * NC
+    d0 = (c % (D // DC)) * DC
+    k_base, v_base, s_base = _row_bases_src(meta, ids, pair, M, SRC_IDX)
+    kv, vv = _load_sources(anchor, k_base, v_base, s_base, h0, n0, d0, HC, NC, DC, H, True, H, N, D, X,
+                           True, KD, EVICT)
+    _store_tiles(anchor, k_base, v_base, kv, vv, h0, n0, d0, HC, NC, DC, H, N, D, X, KD, EVICT, lut, cnt,
+                 REENC)
+
+
 @triton.jit(do_not_specialize=["M", "H", "pair0", "programs"])
 def convert_persistent_kernel(anchor, meta, ids, M, H, pair0, programs, HC: tl.constexpr,
                               HCHUNKS: tl.constexpr, NC: tl.constexpr, DC: tl.constexpr, N: tl.constexpr,
-                              D: tl.constexpr, X: tl.constexpr, KD: tl.constexpr, EVICT: tl.constexpr, lut, cnt,
-                              REENC: tl.constexpr, SRC_IDX: tl.constexpr):
+                              D: tl.constexpr, X: tl.constexpr, KD: tl.constexpr, EVICT: tl.constexpr, lut,
+                              cnt, REENC: tl.constexpr, SRC_IDX: tl.constexpr, STAGES: tl.constexpr):
     """Out of place with a capped grid: program ``pid`` does ``convert_kernel``'s programs pid, pid+grid, ...
-    (caps the conversion's share of the SMs; every program's work is independent)."""
-    per_pair = HCHUNKS * (N // NC) * (D // DC)
-    for q in range(tl.program_id(0), programs, tl.num_programs(0)):
-        pair = pair0 + q // per_pair
-        c = q % per_pair
-        h0 = (c // ((N // NC) * (D // DC))) * HC
-        n0 = ((c // (D // DC)) % (N // NC)) * NC
-        d0 = (c % (D // DC)) * DC
-        k_base, v_base, s_base = _row_bases_src(meta, ids, pair, M, SRC_IDX)
-        kv, vv = _load_sources(anchor, k_base, v_base, s_base, h0, n0, d0, HC, NC, DC, H, True, H, N, D, X,
-                               True, KD, EVICT)
-        _store_tiles(anchor, k_base, v_base, kv, vv, h0, n0, d0, HC, NC, DC, H, N, D, X, KD, EVICT, lut, cnt,
-                     REENC)
+    (caps the conversion's share of the SMs; every program's work is independent). STAGES > 0: Triton's
+    software pipeliner keeps that many chunks' loads in flight; 0: the compiler's default for the loop."""
+    if STAGES > 0:
+        for q in tl.range(tl.program_id(0), programs, tl.num_programs(0), num_stages=STAGES):
+            _convert_chunk(anchor, meta, ids, M, H, pair0, q, HC, HCHUNKS, NC, DC, N, D, X, KD, EVICT,
+                           lut, cnt, REENC, SRC_IDX)
+    else:
+        for q in range(tl.program_id(0), programs, tl.num_programs(0)):
+            _convert_chunk(anchor, meta, ids, M, H, pair0, q, HC, HCHUNKS, NC, DC, N, D, X, KD, EVICT,
+                           lut, cnt, REENC, SRC_IDX)
 
 
 @triton.jit(do_not_specialize=["M", "H"])
@@ -400,7 +415,7 @@ class Launcher:
             convert_persistent_kernel[(self.t.oop_max_programs,)](
                 self.anchor, meta, self.ids, self.m, h, pair0, grid, HC=hc, HCHUNKS=hchunks, NC=nc, DC=dc,
                 KD=self.t.k_direct_oop, EVICT=self.t.evict, num_warps=self.t.oop_warps, SRC_IDX=src_idx,
-                **self.reenc, **self.geom)
+                STAGES=self.t.oop_stages, **self.reenc, **self.geom)
             return
         convert_kernel[(grid,)](self.anchor, meta, self.ids, self.m, h, pair0, HC=hc, HCHUNKS=hchunks, NC=nc,
                                 DC=dc, FROM_SRC=True, KD=self.t.k_direct_oop, EVICT=self.t.evict,

@@ -14,6 +14,7 @@ class Tuning:
     oop_elems: int = 2048  # page elements (K+V) per out-of-place program
     oop_warps: int = 4
     oop_max_programs: int = 0  # cap on the out-of-place grid (0: none; programs then loop): a GPU share cap
+    oop_stages: int = 0  # capped grid: chunks a program keeps loading ahead (Triton's num_stages; 0: default)
     oop_max_dims: int = 128  # split larger heads by dims (keeps the V transpose tile at D <= 128)
     in_place: str = "split"  # "split" (half the pair resident), "pipe", "whole" (all of it) or "scratch"
     pipe_max_pair_bytes: int = 64 * 1024  # "pipe" falls back to "split" above this

@@ -170,14 +170,15 @@ def no_reference(monkeypatch):
 @pytest.mark.parametrize(
     ("h", "n", "d"), [(1, 16, 64), (3, 32, 128), (8, 16, 128), (5, 16, 256), (8, 32, 64)]
 )
-@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("persistent", [0, 1, 2])
 def test_kernel_with_index_matches_reference(cases, no_reference, h, n, d, persistent):
     from sidecar.convert.tuning import Tuning
 
     rng = np.random.default_rng(h * n + d)
     layers, blocks, dt = 3, 12, torch.bfloat16
     ids = cases.distinct_ids(rng, blocks, 5)
-    tuning = Tuning(oop_max_programs=3) if persistent else None
+    # persistent: a capped grid whose programs loop (2: with loads pipelined two chunks ahead)
+    tuning = Tuning(oop_max_programs=3, oop_stages=2 if persistent == 2 else 0) if persistent else None
     for word in (0, 1):
         case = cases.make_case(layers, blocks, ids, h, n, d, word, seed=h + d)
         span, rows = spanned(case, 9, rng)
