@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Issue 12/13 evidence on one H200 in one device call (carry: .whl): each step under its own timeout, every
+# step runs even when an earlier one failed, results as JSON under $OUT, a one-line status per step at the end.
+#
+#   bash scripts/gpu-fastpath.sh STEP...     steps: tests launch sweep contiguous orders groups poll interference
+# Knobs: FASTPATH_BUDGET_S (default 560: the whole call).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-$PWD/gpu-fastpath-out}
+BUDGET_S=${FASTPATH_BUDGET_S:-560}
+START=$(date +%s)
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y NIXL_LOG_LEVEL=WARN
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/*.whl >/dev/null 2>&1
+export PYTHONPATH=$PWD:/tmp/site
+STATUS=()
+E2E=(python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 --warmup 1
+  --daemon-set nixl_num_threads=4)
+
+# run NAME MAX_S CMD...: CMD's output to $OUT/NAME.log (its tail echoed), bounded by what the call has left.
+run() {
+  local name=$1 max=$2
+  shift 2
+  local left=$((BUDGET_S - ($(date +%s) - START) - 10))
+  local t=$((max < left ? max : left))
+  if ((t < 20)); then
+    STATUS+=("$name: skipped, the call's budget is spent")
+    return
+  fi
+  echo "=== [$(($(date +%s) - START))s] $name (timeout ${t}s)"
+  timeout -k 5 "$t" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  grep -v "━\|─" "$OUT/$name.log" | tail -n "${TAIL:-12}"
+  STATUS+=("$name: rc=$rc")
+}
+
+for step in "$@"; do
+  case $step in
+    tests) run tests 150 python3 -m pytest -m gpu -p no:cacheprovider -q tests/sidecar/convert \
+      tests/sidecar/daemon tests/gpu/test_gpu_slice.py ;;
+    launch) run launch 120 python3 -m sidecar.cli bench launch --out "$OUT/launch-probe-h200.json" ;;
+    sweep) run sweep 150 python3 -m sidecar.cli bench convert --device cuda --dtype bfloat16 \
+      --shapes qwen3-8b-4k,qwen3-8b-16k --no-verify --no-plot --reps 40 --tag h200-sweep-stages --out-dir "$OUT" \
+      --variant default: --variant p1056:oop_max_programs=1056 --variant p2112:oop_max_programs=2112 \
+      --variant p1056s2:oop_max_programs=1056,oop_stages=2 --variant p528s3:oop_max_programs=528,oop_stages=3 \
+      --variant p1056o4ks2:oop_max_programs=1056,oop_elems=4096,oop_stages=2 \
+      --variant pipe2:in_place=pipe,pipe_ctas_per_sm=2 --variant whole:in_place=whole ;;
+    contiguous) TAIL=30 run contiguous 200 "${E2E[@]}" --contexts 4096,16384 --concurrency 1,8 --reps 3 \
+      --pairs staged/contiguous,direct/contiguous --budget-s 150 --out "$OUT/e2e-h200-contiguous.json" ;;
+    orders) TAIL=30 run orders 200 "${E2E[@]}" --contexts 4096 --concurrency 1,8 --reps 3 --modes staged \
+      --orders churn,density-0.25,random --max-batch-tokens 65536 --prefill-pool-factor 4 --staging-factor 2 \
+      --budget-s 150 --out "$OUT/e2e-h200-orders.json" ;;
+    groups) TAIL=20 run groups 150 "${E2E[@]}" --contexts 4096,16384 --concurrency 1 --reps 3 \
+      --pairs staged/contiguous --layer-groups 4 --budget-s 110 --out "$OUT/e2e-h200-groups4.json" ;;
+    poll) TAIL=20 run poll 150 "${E2E[@]}" --contexts 4096 --concurrency 1,8 --reps 3 --pairs staged/contiguous \
+      --daemon-set poll_busy_s=0 --budget-s 110 --out "$OUT/e2e-h200-poll0.json" ;;
+    interference) TAIL=16 run interference 300 python3 -m sidecar.cli bench interference --source daemon \
+      --settings none,mps-cap --cells "4096:0,10,20,50 16384:0,10,20" --phase-s 4 --budget-s 260 \
+      --daemon-set nixl_num_threads=4 --out "$OUT/interference" ;;
+    *) STATUS+=("$step: unknown step") ;;
+  esac
+done
+echo "=== $(($(date +%s) - START))s"
+printf '%s\n' "${STATUS[@]}"
