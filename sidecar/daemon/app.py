@@ -272,6 +272,8 @@ class Daemon:
         await asyncio.gather(*self._background, return_exceptions=True)
         if self.peers is not None:
             self.peers.close()
+        if self.reads is not None:
+            self.reads.close()  # the poster thread's last call returns before the port closes
         if self.port is not None:
             if self.staging is not None:
                 try:

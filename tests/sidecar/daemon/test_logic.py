@@ -151,8 +151,10 @@ def test_a_pull_is_read_converted_and_answered_once(mode):
             assert done.ok, done
             assert {"queue", "handshake", "transfer", "convert", "end_to_end"} <= set(done.timings)
             assert h.port.notified == ["r-a"]  # exactly one notification, after the reads
-            assert h.port.reads[0].mode == mode and h.port.reads[0].handles == []  # released after Done
+            assert h.port.reads[0].mode == mode
             await asyncio.sleep(0.01)
+            assert h.port.reads[0].handles == []  # released after Done, on the poster thread
+            assert h.port.post_threads == ["kv-sidecar-post_0"]  # posted off the event loop
             assert len(h.answers("a")) == 1 and len(h.daemon.jobs) == 0
 
     run(main())
