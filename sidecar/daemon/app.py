@@ -16,6 +16,7 @@ import gc
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +35,7 @@ from sidecar.daemon.peers import Peers
 from sidecar.daemon.pipeline import Pipeline
 from sidecar.daemon.polling import Poller
 from sidecar.daemon.port import TransferPort
-from sidecar.daemon.reads import Reads
+from sidecar.daemon.reads import GIL_SWITCH_S, Reads
 from sidecar.daemon.registration import Registrations
 from sidecar.daemon.router import Router
 from sidecar.daemon.staging import Staging
@@ -156,6 +157,7 @@ class Daemon:
             loops.append(self.reads.progress_loop())
         for coro in loops:
             self._spawn(coro)
+        sys.setswitchinterval(GIL_SWITCH_S)  # the loop waits at most this for the GIL held by the poster
         gc.collect()
         gc.freeze()  # startup objects (torch, NIXL) never need scanning again: shorter GC pauses per Done
         sdnotify.ready(f"serving {cfg.socket_endpoint} ({cfg.device})")
