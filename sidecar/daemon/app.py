@@ -178,7 +178,7 @@ class Daemon:
         self.caches = CacheRegistry(port, cfg.device, cfg.gpu)
         self.reads = reads = Reads(port, self.poller.wake, self.conversions.convert_group)
         self.poller.add(reads.poll)
-        self.leases = Leases(tracker, port, self.metrics, reads.sent)
+        self.leases = Leases(tracker, port, self.metrics, reads.sent, reads.on_poster)
         stopping = lambda: self._stopping  # noqa: E731
         self.peers = Peers(
             port,
@@ -187,6 +187,7 @@ class Daemon:
             lambda k, peer: self._admitted(k, peer),
             self._spawn,
             reads.sent,
+            reads.on_poster,
         )
         self.heartbeats = Heartbeats(
             leases=self.leases,

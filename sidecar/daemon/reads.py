@@ -6,7 +6,8 @@ behind it. The loop keeps receiving and planning Pulls meanwhile; a poll pass th
 the transport skips (the post itself moves UCX along) and the loop is woken when the post returns. A job
 stopped while its post runs waits for the post, then stops what it posted (``post``), so nothing is written
 after its answer. Aborts and the release of finished reads run on the poster thread too (in order, after
-the post in progress), so the loop never waits for a post.
+the post in progress), and so do notifications and heartbeats that find the transport busy (``Peers``,
+``Leases``): the loop never waits for a post.
 
 ``poll`` is one pass over every read in flight, run by the daemon's ``Poller`` (``polling.py``: hot while
 reads are in flight, asleep when none is). A layer group seen DONE is handed to the conversion at once
@@ -95,7 +96,7 @@ class Reads:
         """Post the job's READs on the poster thread (it must have its peer, caches and, when staged, its
         slots and gaps). Cancelled meanwhile (Abort, deadline, shutdown), it still waits for the post to
         return and keeps its read in ``job.read``, so ``stop`` can stop it before the job is answered."""
-        fut = self._on_poster(self._post_now, job, mode, layer_groups, pool, slots, gaps)
+        fut = self.on_poster(self._post_now, job, mode, layer_groups, pool, slots, gaps)
         cancelled = False
         while True:
             try:
@@ -117,9 +118,9 @@ class Reads:
         if cancelled:
             raise asyncio.CancelledError
 
-    def _on_poster(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-        """Run ``fn`` on the poster thread; the poller is woken when it returns (a pass that found the
-        transport busy skipped the reads in flight)."""
+    def on_poster(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """Run ``fn`` on the poster thread, after the calls before it; the poller is woken when it returns
+        (a pass that found the transport busy skipped the reads in flight)."""
         loop = asyncio.get_running_loop()
 
         def run() -> Any:
@@ -189,11 +190,11 @@ class Reads:
             fut.cancel()
         if job.read.finished:
             return True
-        safe = await self._on_poster(self._port.abort, job.read)
+        safe = await self.on_poster(self._port.abort, job.read)
         give_up = time.monotonic() + RELEASE_GIVE_UP_S
         while not safe and time.monotonic() < give_up:
             await asyncio.sleep(0.01)
-            safe = await self._on_poster(self._port.abort, job.read)
+            safe = await self.on_poster(self._port.abort, job.read)
         if not safe:
             log.error("pull %s: NIXL would not release its transfers; its blocks are unsafe", job.req_id)
         return safe
@@ -203,7 +204,7 @@ class Reads:
         poll; releasing thousands of descriptors is work the answer need not wait for)."""
         self.sent()
         if job.read.handles:
-            self._on_poster(self._release_now, job.req_id, job.read).add_done_callback(_log_failure)
+            self.on_poster(self._release_now, job.req_id, job.read).add_done_callback(_log_failure)
 
     def _release_now(self, req_id: str, read: Any) -> None:
         if not self._port.release(read):

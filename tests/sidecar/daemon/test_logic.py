@@ -415,6 +415,31 @@ def test_shutdown_during_a_post_waits_for_it_stops_it_and_notifies_once():
     run(main())
 
 
+def test_notifications_and_heartbeats_during_a_post_go_out_after_it_without_blocking_the_loop():
+    async def main():
+        async with started() as h:
+            h.port.auto_land = False
+            await _posting(h, "a")
+            peer = h.port.peers[0]
+            sent0 = h.daemon.metrics.heartbeats_sent._value.get()
+            t0 = time.monotonic()
+            h.daemon.peers.notify(peer, "r-other")
+            h.daemon.leases.send(peer, ["r-a"])
+            assert time.monotonic() - t0 < 0.05  # queued behind the post, not waited for
+            await asyncio.sleep(0.05)
+            assert "r-other" not in h.port.notified and h.port.heartbeats == []
+            h.port.post_gate.set()
+            deadline = time.monotonic() + 2
+            while h.daemon.metrics.heartbeats_sent._value.get() == sent0:
+                assert time.monotonic() < deadline, h.port.heartbeats
+                await asyncio.sleep(0.005)
+            assert h.port.notified == ["r-other"] and h.port.heartbeats == [["r-a"]]
+            h.port.auto_land = True
+            assert (await h.reply(p.Done, "a")).ok
+
+    run(main())
+
+
 # -- staging -------------------------------------------------------------------------------------------
 
 
