@@ -115,7 +115,7 @@ class Reads:
                 if cancelled:  # a failed post told the prefill already; the stop's ending answers
                     break
                 raise
-        if cancelled:
+        if cancelled or job.read is None:  # None: stopped before its turn came, nothing posted
             raise asyncio.CancelledError
 
     def on_poster(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
@@ -141,7 +141,10 @@ class Reads:
         slots: np.ndarray | None,
         gaps: Any,
     ) -> Any:
-        """The post itself, on the poster thread; errors as the daemon's (Refused, PeerLost, Failed)."""
+        """The post itself, on the poster thread; errors as the daemon's (Refused, PeerLost, Failed). None
+        when the job was stopped while it waited behind other posts: then nothing is posted at all."""
+        if job.stop is not None:
+            return None
         msg = job.msg
         remaining = max(0.001, job.deadline - time.monotonic())
         try:

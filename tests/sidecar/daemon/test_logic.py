@@ -379,6 +379,28 @@ def test_an_abort_during_a_post_waits_for_it_then_stops_it_and_notifies_once(fai
     run(main())
 
 
+def test_a_pull_stopped_while_its_post_waits_behind_another_is_never_posted():
+    async def main():
+        async with started() as h:
+            h.port.auto_land = False
+            await _posting(h, "a")
+            h.pull("b")
+            await h.until_stage("b", "transfer")  # its post is queued behind "a"'s
+            h.send(p.Abort(req_id="b"))
+            await asyncio.sleep(0.05)
+            assert h.answers("b") == []  # its turn on the poster thread has not come yet
+            h.port.post_gate.set()
+            aborted = await h.reply(p.Aborted, "b")
+            assert aborted.safe, aborted
+            await asyncio.sleep(0.02)
+            assert len(h.port.post_threads) == 1 and len(h.port.reads) == 1  # only "a" was posted
+            assert h.port.notified == ["r-b"]  # told once, without a read
+            h.port.auto_land = True
+            assert (await h.reply(p.Done, "a")).ok
+
+    run(main())
+
+
 def test_a_deadline_during_a_post_answers_after_stopping_what_it_posted():
     async def main():
         async with started(default_timeout_s=0.1) as h:
