@@ -4,7 +4,8 @@ share one agent? Real NIXL over UCX, DRAM, a prefill-like target in a second pro
 Part 1 (GIL): a Python thread counts in a loop while the main thread makes one NIXL call on a
 ``--descs``-descriptor READ (scattered, so nothing merges). ``share`` is the counter's progress during the
 call over its progress alone for as long: about 0 means the call holds the GIL throughout, about 1 (or
-more, with the GIL free and a core to spare) that it releases it.
+more, with the GIL free and a core to spare) that it releases it. A call of about a millisecond reads 0
+either way (the counter thread does not wake in time): meter long calls (``--descs 200000 --unit 256``).
 
 Part 2 (threads): one thread posts and waits on big READs while another polls a second READ's state and
 sends notifications on the same agent, at the agent's ``sync_mode``; every read is checked byte for byte.
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--descs", type=int, default=20_000)
     ap.add_argument("--unit", type=int, default=2048, help="bytes per descriptor")
     ap.add_argument("--sync-mode", default="NONE", choices=["NONE", "STRICT", "RW"])
+    ap.add_argument("--num-threads", type=int, default=0, help="the initiator's UCX worker threads")
     ap.add_argument("--threads-s", type=float, default=3.0, help="length of part 2 (0: skip)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
@@ -170,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         md_hex, base = target.stdout.readline().split()  # type: ignore[union-attr]
         mode = getattr(nixl_thread_sync_t, f"NIXL_THREAD_SYNC_{args.sync_mode}")
-        ag = nixl_agent("nt-initiator", nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
-                                                          sync_mode=mode))
+        conf = nixl_agent_config(enable_prog_thread=False, backends=["UCX"], sync_mode=mode,
+                                 num_threads=args.num_threads)
+        ag = nixl_agent("nt-initiator", conf)
         local = np.zeros(2 * size, np.uint8)
         ag.register_memory(ag.get_reg_descs([(local.ctypes.data, local.nbytes, 0, "")], "DRAM"))
         remote = ag.add_remote_agent(bytes.fromhex(md_hex))
@@ -179,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         ag.make_connection(remote)
         time.sleep(0.5)
         expect = (np.arange(size, dtype=np.uint64) * 2654435761 % 1000003).astype(np.uint8)
-        result: dict[str, Any] = {"descs": args.descs, "unit": args.unit, "sync_mode": args.sync_mode}
+        result: dict[str, Any] = {"descs": args.descs, "unit": args.unit, "sync_mode": args.sync_mode,
+                                  "num_threads": args.num_threads}
         result["gil"] = gil_part(ag, remote, int(base), local, args.descs, args.unit)
         if args.threads_s > 0:
             result["threads"] = threads_part(ag, remote, int(base), local, args.descs, args.unit, expect,
