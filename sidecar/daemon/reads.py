@@ -59,7 +59,9 @@ class Reads:
         self._waiting: dict[Any, tuple[asyncio.Future, Job]] = {}  # read handle -> (its wait, its job)
         self._last_sent = 0.0
         self._sent_event: asyncio.Event | None = None
-        self._poster = ThreadPoolExecutor(1, thread_name_prefix="kv-sidecar-post", initializer=port.thread_init)
+        self._poster = ThreadPoolExecutor(
+            1, thread_name_prefix="kv-sidecar-post", initializer=port.thread_init
+        )
 
     def sent(self) -> None:
         """Something went out on NIXL (a notification, a heartbeat): keep UCX moving for a while."""

@@ -12,8 +12,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
