@@ -16,6 +16,7 @@ import gc
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +35,7 @@ from sidecar.daemon.peers import Peers
 from sidecar.daemon.pipeline import Pipeline
 from sidecar.daemon.polling import Poller
 from sidecar.daemon.port import TransferPort
-from sidecar.daemon.reads import Reads
+from sidecar.daemon.reads import GIL_SWITCH_S, Reads
 from sidecar.daemon.registration import Registrations
 from sidecar.daemon.router import Router
 from sidecar.daemon.staging import Staging
@@ -156,6 +157,7 @@ class Daemon:
             loops.append(self.reads.progress_loop())
         for coro in loops:
             self._spawn(coro)
+        sys.setswitchinterval(GIL_SWITCH_S)  # the loop waits at most this for the GIL held by the poster
         gc.collect()
         gc.freeze()  # startup objects (torch, NIXL) never need scanning again: shorter GC pauses per Done
         sdnotify.ready(f"serving {cfg.socket_endpoint} ({cfg.device})")
@@ -176,7 +178,7 @@ class Daemon:
         self.caches = CacheRegistry(port, cfg.device, cfg.gpu)
         self.reads = reads = Reads(port, self.poller.wake, self.conversions.convert_group)
         self.poller.add(reads.poll)
-        self.leases = Leases(tracker, port, self.metrics, reads.sent)
+        self.leases = Leases(tracker, port, self.metrics, reads.sent, reads.on_poster)
         stopping = lambda: self._stopping  # noqa: E731
         self.peers = Peers(
             port,
@@ -185,6 +187,7 @@ class Daemon:
             lambda k, peer: self._admitted(k, peer),
             self._spawn,
             reads.sent,
+            reads.on_poster,
         )
         self.heartbeats = Heartbeats(
             leases=self.leases,
@@ -272,6 +275,8 @@ class Daemon:
         await asyncio.gather(*self._background, return_exceptions=True)
         if self.peers is not None:
             self.peers.close()
+        if self.reads is not None:
+            self.reads.close()  # the poster thread's last call returns before the port closes
         if self.port is not None:
             if self.staging is not None:
                 try:

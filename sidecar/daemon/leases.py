@@ -85,9 +85,17 @@ class Leases:
     (queued or reading) when they fall due.
     """
 
-    def __init__(self, tracker: LeaseTracker, port: Any, metrics: Any, sent: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        tracker: LeaseTracker,
+        port: Any,
+        metrics: Any,
+        sent: Callable[[], None],
+        later: Callable[..., Any] | None = None,
+    ) -> None:
         self.tracker = tracker
         self._sent = sent
+        self._later = later  # runs a call on the poster thread (Reads.on_poster), when one is given
         self._port = port
         self._metrics = metrics
         # remote_request_id -> the prefill ranks the shim heartbeats it for (engine id, rank): several when
@@ -114,18 +122,35 @@ class Leases:
         return [rid for rid, keys in self._heartbeated.items() if key in keys]
 
     def send(self, peer: Any, remote_request_ids: list[str]) -> None:
-        """Heartbeat those of ``remote_request_ids`` we can still vouch for (a late one proves nothing)."""
+        """Heartbeat those of ``remote_request_ids`` we can still vouch for (a late one proves nothing). Sent
+        now, or on the poster thread after the post in progress (the loop does not wait for a post)."""
         now = time.monotonic()
         live = [rid for rid in remote_request_ids if self.tracker.check(rid, now)]
         if not live:
             return
         self._sent()
+        with self._port.hold(blocking=self._later is None) as held:
+            if held:
+                self._counted(self._send_now(peer, live), live)
+                return
+        assert self._later is not None
+        fut = self._later(self._send_now, peer, live)
+        fut.add_done_callback(lambda f: self._counted(None if f.cancelled() else f.result(), live))
+
+    def _send_now(self, peer: Any, live: list[str]) -> float | None:
+        """Send the heartbeat; when it went out, the time just before (what it can vouch from)."""
+        sent_at = time.monotonic()
         try:
             self._port.heartbeat(peer, live)
         except Exception as exc:  # noqa: BLE001 - a failed heartbeat only shortens what we can vouch for
             log.info("heartbeat to %s failed: %s", getattr(peer, "address", peer), exc)
+            return None
+        return sent_at
+
+    def _counted(self, sent_at: float | None, live: list[str]) -> None:
+        if sent_at is None:
             return
-        self.tracker.heartbeat_sent(live, now)
+        self.tracker.heartbeat_sent(live, sent_at)  # a heartbeat sent after a lease lapsed counts for none
         self._metrics.heartbeats_sent.inc()
 
     def due(self, now: float) -> list[str]:

@@ -61,8 +61,10 @@ class Peers:
         on_admitted: Callable[[Key, Any], None],
         spawn: Callable[[Any], asyncio.Task],
         sent: Callable[[], None],
+        later: Callable[..., Any] | None = None,
     ) -> None:
         self._port = port
+        self._later = later  # runs a call on the poster thread (Reads.on_poster), when one is given
         self._config = config
         self._metrics = metrics
         self._on_admitted = on_admitted
@@ -179,8 +181,17 @@ class Peers:
     # -- notifications
 
     def notify(self, peer: Any, remote_request_id: str) -> None:
-        """Tell the prefill to free a request's blocks (best effort: its lease frees them anyway)."""
+        """Tell the prefill to free a request's blocks (best effort: its lease frees them anyway). Sent now,
+        or on the poster thread after the post in progress (the loop does not wait for a post)."""
         self._sent()
+        with self._port.hold(blocking=self._later is None) as held:
+            if held:
+                self._notify_now(peer, remote_request_id)
+                return
+        assert self._later is not None
+        self._later(self._notify_now, peer, remote_request_id)
+
+    def _notify_now(self, peer: Any, remote_request_id: str) -> None:
         try:
             self._port.notify(peer, remote_request_id)
         except Exception as exc:  # noqa: BLE001

@@ -204,7 +204,7 @@ class Pipeline:
         converting = bool(job.peer.plan.convert and blocks)
         if converting:
             self._conversions.begin(job, src, job.peer.plan, None if staged is None else staged.pos)
-        self._reads.post(job, mode, layer_groups, pool, slots, None if staged is None else staged.gaps)
+        await self._reads.post(job, mode, layer_groups, pool, slots, None if staged is None else staged.gaps)
         if staged is not None:
             job.gap_bytes = staged.gap_bytes(fmt.page_bytes)
         return converting

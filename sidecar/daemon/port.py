@@ -3,8 +3,10 @@
 The daemon's parts talk to prefills only through this contract. ``sidecar.nixl.port.NixlPort`` is the real
 one (vLLM's side channel + a NIXL agent); ``sidecar.standins.fake_transfer.FakePort`` is an in-process fake
 that can be told to be slow, fail a READ, lose a peer or complete out of order, so the daemon's logic can be
-unit-tested without processes. All methods except ``connect`` are synchronous and return at once: they run
-on the daemon's event loop thread.
+unit-tested without processes. All methods except ``connect`` are synchronous. ``read`` (posting: long on
+a NIXL agent, ~5-8 µs per descriptor) and ``release``/``abort`` of reads run on the daemon's poster thread
+(``reads.py``); the rest on its event loop. The port serialises the two threads itself; the loop asks
+``hold(blocking=False)`` before work it may skip while the poster is inside the transport.
 
 What the daemon reads off the objects the port returns:
 
@@ -18,6 +20,7 @@ What the daemon reads off the objects the port returns:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -149,6 +152,15 @@ class TransferPort(Protocol):
     def heartbeat(self, peer: Any, remote_request_ids: Sequence[str]) -> None: ...
     def progress(self) -> None:
         """Let the transport move queued messages (when no progress thread does)."""
+        ...
+
+    def hold(self, blocking: bool = True) -> AbstractContextManager[bool]:
+        """A context holding the transport (True); with ``blocking=False`` False at once if another thread
+        is inside it (the poster thread posting)."""
+        ...
+
+    def thread_init(self) -> None:
+        """Prepare the calling thread (the poster thread) for transport calls, e.g. its CUDA context."""
         ...
 
     def close(self) -> None: ...

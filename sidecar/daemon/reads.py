@@ -1,5 +1,14 @@
 """Reads: posting a job's READs through the port, and the loop that polls them until they land.
 
+Posting runs on one poster thread: NIXL's ``transfer()`` spends ~5-8 µs per descriptor with the GIL released
+(``sidecar.bench.nixl_threads``), tens of ms for a scattered request, and on the loop every later Pull waited
+behind it. The loop keeps receiving and planning Pulls meanwhile; a poll pass that finds the poster inside
+the transport skips (the post itself moves UCX along) and the loop is woken when the post returns. A job
+stopped while its post runs waits for the post, then stops what it posted (``post``), so nothing is written
+after its answer. Aborts and the release of finished reads run on the poster thread too (in order, after
+the post in progress), and so do notifications and heartbeats that find the transport busy (``Peers``,
+``Leases``): the loop never waits for a post.
+
 ``poll`` is one pass over every read in flight, run by the daemon's ``Poller`` (``polling.py``: hot while
 reads are in flight, asleep when none is). A layer group seen DONE is handed to the conversion at once
 (``on_landed``), so it converts while later groups still read; the prefill's notification of a finished read
@@ -9,9 +18,11 @@ goes out only after its last group's conversion was launched.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -26,6 +37,9 @@ log = logging.getLogger("kv_sidecar.reads")
 
 # How long to keep asking NIXL to release a read's transfers before calling its blocks unsafe.
 RELEASE_GIVE_UP_S = 5.0
+# The interpreter's GIL switch interval while the daemon runs (CPython's default is 5 ms): when the poster
+# thread runs Python (building a request's descriptors), the loop gets the GIL back within this, not 5 ms.
+GIL_SWITCH_S = 0.0005
 # How long after sending something on NIXL the progress loop keeps calling in (no progress thread).
 PROGRESS_AFTER_SEND_S = 2.0
 
@@ -45,6 +59,9 @@ class Reads:
         self._waiting: dict[Any, tuple[asyncio.Future, Job]] = {}  # read handle -> (its wait, its job)
         self._last_sent = 0.0
         self._sent_event: asyncio.Event | None = None
+        self._poster = ThreadPoolExecutor(
+            1, thread_name_prefix="kv-sidecar-post", initializer=port.thread_init
+        )
 
     def sent(self) -> None:
         """Something went out on NIXL (a notification, a heartbeat): keep UCX moving for a while."""
@@ -69,7 +86,7 @@ class Reads:
         except RemoteRefused as exc:
             raise Refused(exc.field or "remote", exc.reason) from None
 
-    def post(
+    async def post(
         self,
         job: Job,
         mode: ReadMode,
@@ -78,11 +95,62 @@ class Reads:
         slots: np.ndarray | None,
         gaps: Any = None,
     ) -> None:
-        """Post the job's READs (it must have its peer, caches and, when staged, its slots and gaps)."""
+        """Post the job's READs on the poster thread (it must have its peer, caches and, when staged, its
+        slots and gaps). Cancelled meanwhile (Abort, deadline, shutdown), it still waits for the post to
+        return and keeps its read in ``job.read``, so ``stop`` can stop it before the job is answered."""
+        fut = self.on_poster(self._post_now, job, mode, layer_groups, pool, slots, gaps)
+        cancelled = False
+        while True:
+            try:
+                job.read = await asyncio.shield(fut)
+                break
+            except asyncio.CancelledError:
+                cancelled = True
+                if not fut.done():
+                    continue  # the post goes on in its thread: wait for it, then stop what it posted
+                if fut.cancelled():
+                    raise
+                if fut.exception() is None:
+                    job.read = fut.result()
+                break
+            except Exception:
+                if cancelled:  # a failed post told the prefill already; the stop's ending answers
+                    break
+                raise
+        if cancelled or job.read is None:  # None: stopped before its turn came, nothing posted
+            raise asyncio.CancelledError
+
+    def on_poster(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """Run ``fn`` on the poster thread, after the calls before it; the poller is woken when it returns
+        (a pass that found the transport busy skipped the reads in flight)."""
+        loop = asyncio.get_running_loop()
+
+        def run() -> Any:
+            try:
+                return fn(*args)
+            finally:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(self._wake)
+
+        return loop.run_in_executor(self._poster, run)
+
+    def _post_now(
+        self,
+        job: Job,
+        mode: ReadMode,
+        layer_groups: int,
+        pool: StagingPool | None,
+        slots: np.ndarray | None,
+        gaps: Any,
+    ) -> Any:
+        """The post itself, on the poster thread; errors as the daemon's (Refused, PeerLost, Failed). None
+        when the job was stopped while it waited behind other posts: then nothing is posted at all."""
+        if job.stop is not None:
+            return None
         msg = job.msg
         remaining = max(0.001, job.deadline - time.monotonic())
         try:
-            job.read = self._port.read(
+            return self._port.read(
                 job.peer,
                 job.caches.destination,
                 mode,
@@ -127,23 +195,41 @@ class Reads:
             fut.cancel()
         if job.read.finished:
             return True
-        safe = self._port.abort(job.read)
+        safe = await self.on_poster(self._port.abort, job.read)
         give_up = time.monotonic() + RELEASE_GIVE_UP_S
         while not safe and time.monotonic() < give_up:
             await asyncio.sleep(0.01)
-            safe = self._port.abort(job.read)
+            safe = await self.on_poster(self._port.abort, job.read)
         if not safe:
             log.error("pull %s: NIXL would not release its transfers; its blocks are unsafe", job.req_id)
         return safe
 
     def release(self, job: Job) -> None:
-        """Release a finished read's handles (its notification went out with the last poll)."""
+        """Release a finished read's handles on the poster thread (its notification went out with the last
+        poll; releasing thousands of descriptors is work the answer need not wait for)."""
         self.sent()
-        if job.read.handles and not self._port.release(job.read):
-            log.warning("pull %s: some DONE transfers could not be released", job.req_id)
+        if job.read.handles:
+            self.on_poster(self._release_now, job.req_id, job.read).add_done_callback(_log_failure)
+
+    def _release_now(self, req_id: str, read: Any) -> None:
+        if not self._port.release(read):
+            log.warning("pull %s: some DONE transfers could not be released", req_id)
+
+    def close(self) -> None:
+        """Wait for the poster thread's last call (after every job was answered, before the port closes)."""
+        self._poster.shutdown(wait=True)
 
     def poll(self, now: float) -> tuple[bool, bool]:
-        """One pass over the reads in flight: (did one land or end, is one still in flight)."""
+        """One pass over the reads in flight: (did one land or end, is one still in flight). Skipped while
+        the poster thread is inside the transport: the post's return wakes the poller."""
+        if not self._waiting:
+            return False, False
+        with self._port.hold(blocking=False) as held:
+            if not held:
+                return False, False
+            return self._poll(now)
+
+    def _poll(self, now: float) -> tuple[bool, bool]:
         changed = False
         for read, (fut, job) in list(self._waiting.items()):
             if fut.done():
@@ -180,6 +266,14 @@ class Reads:
                 await sent.wait()
             await asyncio.sleep(0.005)
             try:
-                self._port.progress()
+                with self._port.hold(blocking=False) as held:
+                    if held:  # else a post is in progress, and moves UCX itself
+                        self._port.progress()
             except Exception as exc:  # noqa: BLE001 - progress is best effort; errors surface on transfers
                 log.debug("progress: %s", exc)
+
+
+def _log_failure(fut: asyncio.Future) -> None:
+    exc = None if fut.cancelled() else fut.exception()
+    if exc is not None:
+        log.warning("releasing a read's transfers: %s: %s", type(exc).__name__, exc)

@@ -1,6 +1,10 @@
 """The NIXL agent: register local memory, load remote prefills, read, poll, notify, heartbeat.
 
-Synchronous and non-blocking: every call returns at once and the daemon polls from its asyncio loop.
+Synchronous: the daemon polls from its asyncio loop and posts READs from one worker thread (``transfer()``
+runs for ~5-8 µs per descriptor with the GIL released). NIXL's agent is not safe for two threads at once at
+its default ``sync_mode`` (measured: a segfault in ``check_xfer_state``, ``sidecar.bench.nixl_threads``), and
+at ``STRICT``/``RW`` a second thread's call waits for the first anyway, so every call goes through one lock
+of ours (``NixlTransfer.lock``); the loop only *tries* it where it can skip (``NixlTransfer.hold``).
 The wire formats (notification, heartbeat, metadata) come from ``sidecar.wire.prefill``; the byte geometry
 from ``sidecar.nixl.geometry``. ``nixl`` is imported lazily (it costs ~2 s with CPU torch installed).
 
@@ -17,11 +21,13 @@ are split out.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,8 +182,29 @@ def init_cuda_context(device: int) -> None:
     torch.zeros(1, device=f"cuda:{device}")
 
 
+class _Serialized:
+    """The NIXL agent with every method call taken under ``lock`` (one thread inside NIXL at a time)."""
+
+    def __init__(self, agent: Any, lock: threading.RLock) -> None:
+        self._agent = agent
+        self._lock = lock
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._agent, name)
+        if not callable(attr):
+            return attr
+        lock = self._lock
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                return attr(*args, **kwargs)
+
+        return call
+
+
 class NixlTransfer:
-    """A NIXL agent used to pull KV pages from prefills. Single-threaded use (the daemon's loop)."""
+    """A NIXL agent used to pull KV pages from prefills. Any thread may call it: calls into NIXL are
+    serialised by ``lock`` (the daemon posts from its poster thread and polls from its loop)."""
 
     def __init__(self, settings: TransferSettings | None = None) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
@@ -192,10 +219,27 @@ class NixlTransfer:
             backends=list(self.settings.backends),
             num_threads=self.settings.num_threads,
         )
-        self.agent = _nixl_call("create agent", nixl_agent, self.name, conf)
+        self.lock = threading.RLock()
+        self.agent = _Serialized(_nixl_call("create agent", nixl_agent, self.name, conf), self.lock)
         self._peers: dict[tuple[str, int], Peer] = {}
         self._registrations: list[Registration] = []
         self._dests: dict[int, Destination] = {}
+
+    @contextlib.contextmanager
+    def hold(self, blocking: bool = True) -> Iterator[bool]:
+        """Hold the agent (True), or with ``blocking=False`` yield False at once if another thread is in
+        NIXL (a post): for work that can be skipped this time round (a poll pass, UCX progress)."""
+        got = self.lock.acquire(blocking)
+        try:
+            yield got
+        finally:
+            if got:
+                self.lock.release()
+
+    def thread_init(self) -> None:
+        """Prepare the calling thread for NIXL calls: on a GPU its CUDA context (current per thread)."""
+        if self.settings.cuda_device is not None:
+            init_cuda_context(self.settings.cuda_device)
 
     # -- local memory --
 

@@ -282,5 +282,11 @@ class NixlPort:
     def progress(self) -> None:
         self.agent.agent.get_new_notifs()
 
+    def hold(self, blocking: bool = True) -> Any:
+        return self.agent.hold(blocking)
+
+    def thread_init(self) -> None:
+        self.agent.thread_init()
+
     def close(self) -> None:
         self.agent.close()

@@ -270,7 +270,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         _doc(
             "UCX worker threads of the daemon's NIXL agent (the UCX backend's num_threads, as vLLM sets it): "
             "with N > 0 a READ's descriptors are posted by N threads in parallel instead of inside the "
-            "event loop's transfer() call; 0 keeps UCX's single worker",
+            "poster thread's transfer() call; 0 keeps UCX's single worker",
             ge=0,
         ),
     ] = 0

@@ -9,8 +9,10 @@ needs real bytes uses the real port (tests/e2e, tests/sidecar/daemon/test_serve.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +79,14 @@ class FakePort:
         self.heartbeat_ranks: list[tuple[int, list[str]]] = []  # (prefill rank, ids) per heartbeat
         self.targets: list[PeerTarget] = []  # every connect's target
         self.registrations = 0
+        # read() runs on the daemon's poster thread: with post_gate set it holds the port (as a NIXL post
+        # holds the agent) until the test sets the event, then fails the post if fail_post.
+        self.post_gate: threading.Event | None = None
+        self.fail_post = False
+        self.post_threads: list[str] = []  # the thread each read() ran on
+        self.held_skips = 0  # hold(blocking=False) calls answered False (a post was in progress)
+        self._lock = threading.RLock()
+        self.spent: set[str] = set()
 
     # -- local memory
     def register(self, ranges: Sequence[tuple[int, int, int]], mem_type: str) -> Any:
@@ -162,6 +172,14 @@ class FakePort:
         slots: np.ndarray | None = None,
         gaps: Any = None,
     ) -> FakeRead:
+        self.post_threads.append(threading.current_thread().name)
+        with self._lock:
+            if self.post_gate is not None:
+                self.post_gate.wait(10.0)
+            if self.fail_post:  # the real port notified the failed rank already; so does the fake
+                self._tell(peer, remote_request_id)
+                self.spent.add(remote_request_id)
+                raise TransferFailed("the fake post failed midway")
         if slots is not None:
             layers = int(slots.shape[0])
         else:
@@ -214,7 +232,7 @@ class FakePort:
     def notify_read(self, read: FakeRead) -> None:
         if not read.notified:
             read.notified = True
-            self.notify(read.peer, read.remote_request_id)
+            self._tell(read.peer, read.remote_request_id)
 
     def abort(self, read: FakeRead) -> bool:
         if self.stuck_abort > 0:
@@ -232,6 +250,12 @@ class FakePort:
         return True
 
     def notify(self, peer: Any, remote_request_id: str) -> None:
+        if remote_request_id in self.spent:  # as NixlPort: a failed post told the prefill already
+            self.spent.discard(remote_request_id)
+            return
+        self._tell(peer, remote_request_id)
+
+    def _tell(self, peer: Any, remote_request_id: str) -> None:
         for m in _members(peer):
             self.notified.append(remote_request_id)
             self.notifications.append((remote_request_id, m.tp_rank, m.notif_count))
@@ -241,6 +265,20 @@ class FakePort:
         self.heartbeat_ranks.append((peer.tp_rank, list(remote_request_ids)))
 
     def progress(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def hold(self, blocking: bool = True) -> Iterator[bool]:
+        got = self._lock.acquire(blocking)
+        if not got:
+            self.held_skips += 1
+        try:
+            yield got
+        finally:
+            if got:
+                self._lock.release()
+
+    def thread_init(self) -> None:
         pass
 
     def close(self) -> None:

@@ -151,8 +151,10 @@ def test_a_pull_is_read_converted_and_answered_once(mode):
             assert done.ok, done
             assert {"queue", "handshake", "transfer", "convert", "end_to_end"} <= set(done.timings)
             assert h.port.notified == ["r-a"]  # exactly one notification, after the reads
-            assert h.port.reads[0].mode == mode and h.port.reads[0].handles == []  # released after Done
+            assert h.port.reads[0].mode == mode
             await asyncio.sleep(0.01)
+            assert h.port.reads[0].handles == []  # released after Done, on the poster thread
+            assert h.port.post_threads == ["kv-sidecar-post_0"]  # posted off the event loop
             assert len(h.answers("a")) == 1 and len(h.daemon.jobs) == 0
 
     run(main())
@@ -297,6 +299,165 @@ def test_an_abort_of_a_read_nixl_will_not_release_at_once_waits_until_it_does():
             h.send(p.Abort(req_id="x"))
             aborted = await h.reply(p.Aborted, "x")
             assert aborted.safe and h.port.stuck_abort == 0
+
+    run(main())
+
+
+# -- posting on the poster thread ------------------------------------------------------------------------
+
+
+async def _posting(h: Harness, req_id: str) -> None:
+    """Start ``req_id`` with the fake's post held open (as a long NIXL post holds the agent)."""
+    h.port.post_gate = threading.Event()
+    h.pull(req_id)
+    deadline = time.monotonic() + 2
+    while not h.port.post_threads:
+        assert time.monotonic() < deadline, "the post never started"
+        await asyncio.sleep(0.002)
+
+
+def test_pulls_are_received_and_planned_while_another_request_posts():
+    async def main():
+        async with started() as h:
+            await _posting(h, "a")
+            t0 = time.monotonic()
+            h.pull("b")
+            await h.until_stage("b", "transfer")  # through queue, handshake and lease check meanwhile
+            planned = time.monotonic() - t0
+            assert h.answers("a") == [] and planned < 0.5
+            h.port.post_gate.set()
+            for req in ("a", "b"):
+                done = await h.reply(p.Done, req)
+                assert done.ok, done
+            assert done.timings["queue"] < 0.05 and done.timings["handshake"] < 0.05, done.timings
+            assert h.port.post_threads == ["kv-sidecar-post_0"] * 2  # one poster thread, in order
+            assert sorted(h.port.notified) == ["r-a", "r-b"]
+
+    run(main())
+
+
+def test_a_poll_pass_skips_while_the_poster_holds_the_port_and_runs_once_it_returns():
+    async def main():
+        async with started() as h:
+            h.port.auto_land = False
+            h.pull("a")
+            await h.until_stage("a", "transfer")
+            while not h.daemon.reads.poll(time.monotonic())[1]:  # "a" is posted and waiting
+                await asyncio.sleep(0.002)
+            await _posting(h, "b")
+            while h.port.post_threads.count("kv-sidecar-post_0") < 2:
+                await asyncio.sleep(0.002)
+            await asyncio.sleep(0.02)
+            assert h.daemon.reads.poll(time.monotonic()) == (False, False)  # skipped, not spun on
+            assert h.port.held_skips >= 1
+            h.port.auto_land = True
+            h.port.post_gate.set()  # the post returns and wakes the poller: "a" lands without a new event
+            assert (await h.reply(p.Done, "a")).ok and (await h.reply(p.Done, "b")).ok
+
+    run(main())
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["post-returns", "post-fails"])
+def test_an_abort_during_a_post_waits_for_it_then_stops_it_and_notifies_once(fails):
+    async def main():
+        async with started() as h:
+            h.port.auto_land = False
+            h.port.fail_post = fails
+            await _posting(h, "x")
+            h.send(p.Abort(req_id="x"))
+            await asyncio.sleep(0.05)
+            assert h.answers("x") == []  # not while the post may still write
+            h.port.post_gate.set()
+            aborted = await h.reply(p.Aborted, "x")
+            assert aborted.safe, aborted
+            await asyncio.sleep(0.02)
+            assert h.port.notified == ["r-x"]  # exactly once, by whichever path stopped it
+            if not fails:
+                assert h.port.reads[0].aborted and h.port.reads[0].handles == []
+            assert len(h.answers("x")) == 1
+
+    run(main())
+
+
+def test_a_pull_stopped_while_its_post_waits_behind_another_is_never_posted():
+    async def main():
+        async with started() as h:
+            h.port.auto_land = False
+            await _posting(h, "a")
+            h.pull("b")
+            await h.until_stage("b", "transfer")  # its post is queued behind "a"'s
+            h.send(p.Abort(req_id="b"))
+            await asyncio.sleep(0.05)
+            assert h.answers("b") == []  # its turn on the poster thread has not come yet
+            h.port.post_gate.set()
+            aborted = await h.reply(p.Aborted, "b")
+            assert aborted.safe, aborted
+            await asyncio.sleep(0.02)
+            assert len(h.port.post_threads) == 1 and len(h.port.reads) == 1  # only "a" was posted
+            assert h.port.notified == ["r-b"]  # told once, without a read
+            h.port.auto_land = True
+            assert (await h.reply(p.Done, "a")).ok
+
+    run(main())
+
+
+def test_a_deadline_during_a_post_answers_after_stopping_what_it_posted():
+    async def main():
+        async with started(default_timeout_s=0.1) as h:
+            h.port.auto_land = False
+            await _posting(h, "x")
+            await asyncio.sleep(0.2)
+            assert h.answers("x") == []  # past its deadline, but the post still runs
+            h.port.post_gate.set()
+            done = await h.reply(p.Done, "x")
+            assert not done.ok and done.reason.startswith("deadline: 0.1 s passed during transfer"), done
+            assert h.port.reads[0].aborted and h.port.notified == ["r-x"]
+
+    run(main())
+
+
+def test_shutdown_during_a_post_waits_for_it_stops_it_and_notifies_once():
+    async def main():
+        h = Harness()
+        await h.start()
+        try:
+            h.port.auto_land = False
+            await _posting(h, "x")
+            stopping = asyncio.ensure_future(h.daemon.shutdown(0))
+            await asyncio.sleep(0.05)
+            assert not stopping.done() and h.answers("x") == []
+            h.port.post_gate.set()
+            await asyncio.wait_for(stopping, 5)
+            (done,) = h.answers("x")
+            assert not done.ok and done.reason.startswith("shutting down"), done
+            assert h.port.reads[0].aborted and h.port.notified == ["r-x"]
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+def test_notifications_and_heartbeats_during_a_post_go_out_after_it_without_blocking_the_loop():
+    async def main():
+        async with started() as h:
+            h.port.auto_land = False
+            await _posting(h, "a")
+            peer = h.port.peers[0]
+            sent0 = h.daemon.metrics.heartbeats_sent._value.get()
+            t0 = time.monotonic()
+            h.daemon.peers.notify(peer, "r-other")
+            h.daemon.leases.send(peer, ["r-a"])
+            assert time.monotonic() - t0 < 0.05  # queued behind the post, not waited for
+            await asyncio.sleep(0.05)
+            assert "r-other" not in h.port.notified and h.port.heartbeats == []
+            h.port.post_gate.set()
+            deadline = time.monotonic() + 2
+            while h.daemon.metrics.heartbeats_sent._value.get() == sent0:
+                assert time.monotonic() < deadline, h.port.heartbeats
+                await asyncio.sleep(0.005)
+            assert h.port.notified == ["r-other"] and h.port.heartbeats == [["r-a"]]
+            h.port.auto_land = True
+            assert (await h.reply(p.Done, "a")).ok
 
     run(main())
 

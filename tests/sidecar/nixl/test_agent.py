@@ -848,3 +848,35 @@ def test_declared_format_fitting_the_prefill_names_the_real_difference(reply):
     with pytest.raises(RemoteRefused) as e:
         _admit(reply.metadata, local_format=local)
     assert "registered pages fit the declaration" in str(e.value) and "heterogeneous TP" in str(e.value)
+
+
+# -- two threads: the daemon's poster and its loop ------------------------------------------------------
+
+
+def test_agent_calls_from_two_threads_take_turns_and_hold_can_be_tried(tx):
+    """NIXL's default sync mode is not safe for two threads (``bench nixl_threads``: a segfault), so every
+    call goes through ``tx.lock``: another thread's call waits while it is held, and ``hold(blocking=False)``
+    answers False instead of waiting."""
+    import threading
+
+    got: list[bytes] = []
+    with tx.hold() as held:
+        assert held
+        caller = threading.Thread(target=lambda: got.append(tx.metadata()))
+        caller.start()
+        caller.join(0.2)
+        assert caller.is_alive() and got == []  # waits for the holder
+
+        def try_hold(out: list[bool]) -> None:
+            with tx.hold(blocking=False) as h:
+                out.append(h)
+
+        tried: list[bool] = []
+        t2 = threading.Thread(target=try_hold, args=(tried,))
+        t2.start()
+        t2.join(2)
+        assert tried == [False]
+    caller.join(5)
+    assert got and got[0] == tx.metadata()
+    with tx.hold(blocking=False) as h:
+        assert h
