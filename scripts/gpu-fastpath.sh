@@ -37,26 +37,26 @@ run() {
 
 for step in "$@"; do
   case $step in
-    tests) run tests 150 python3 -m pytest -m gpu -p no:cacheprovider -q tests/sidecar/convert \
+    tests) run tests 130 python3 -m pytest -m gpu -p no:cacheprovider -q tests/sidecar/convert \
       tests/sidecar/daemon tests/gpu/test_gpu_slice.py ;;
-    launch) run launch 120 python3 -m sidecar.cli bench launch --out "$OUT/launch-probe-h200.json" ;;
-    sweep) run sweep 150 python3 -m sidecar.cli bench convert --device cuda --dtype bfloat16 \
+    launch) run launch 90 python3 -m sidecar.cli bench launch --out "$OUT/launch-probe-h200.json" ;;
+    sweep) run sweep 100 python3 -m sidecar.cli bench convert --device cuda --dtype bfloat16 \
       --shapes qwen3-8b-4k,qwen3-8b-16k --no-verify --no-plot --reps 40 --tag h200-sweep-stages --out-dir "$OUT" \
       --variant default: --variant p1056:oop_max_programs=1056 --variant p2112:oop_max_programs=2112 \
       --variant p1056s2:oop_max_programs=1056,oop_stages=2 --variant p528s3:oop_max_programs=528,oop_stages=3 \
       --variant p1056o4ks2:oop_max_programs=1056,oop_elems=4096,oop_stages=2 \
       --variant pipe2:in_place=pipe,pipe_ctas_per_sm=2 --variant whole:in_place=whole ;;
-    contiguous) TAIL=30 run contiguous 200 "${E2E[@]}" --contexts 4096,16384 --concurrency 1,8 --reps 3 \
+    contiguous) TAIL=30 run contiguous 190 "${E2E[@]}" --contexts 4096,16384 --concurrency 1,8 --reps 3 \
       --pairs staged/contiguous,direct/contiguous --budget-s 150 --out "$OUT/e2e-h200-contiguous.json" ;;
-    orders) TAIL=30 run orders 200 "${E2E[@]}" --contexts 4096 --concurrency 1,8 --reps 3 --modes staged \
+    orders) TAIL=30 run orders 160 "${E2E[@]}" --contexts 4096 --concurrency 1,8 --reps 3 --modes staged \
       --orders churn,density-0.25,random --max-batch-tokens 65536 --prefill-pool-factor 4 --staging-factor 2 \
-      --budget-s 150 --out "$OUT/e2e-h200-orders.json" ;;
-    groups) TAIL=20 run groups 150 "${E2E[@]}" --contexts 4096,16384 --concurrency 1 --reps 3 \
-      --pairs staged/contiguous --layer-groups 4 --budget-s 110 --out "$OUT/e2e-h200-groups4.json" ;;
+      --budget-s 120 --out "$OUT/e2e-h200-orders.json" ;;
+    groups) TAIL=20 run groups 90 "${E2E[@]}" --contexts 4096,16384 --concurrency 1 --reps 3 \
+      --pairs staged/contiguous --layer-groups 4 --budget-s 60 --out "$OUT/e2e-h200-groups4.json" ;;
     poll) TAIL=20 run poll 150 "${E2E[@]}" --contexts 4096 --concurrency 1,8 --reps 3 --pairs staged/contiguous \
       --daemon-set poll_busy_s=0 --budget-s 110 --out "$OUT/e2e-h200-poll0.json" ;;
-    interference) TAIL=16 run interference 300 python3 -m sidecar.cli bench interference --source daemon \
-      --settings none,mps-cap --cells "4096:0,10,20,50 16384:0,10,20" --phase-s 4 --budget-s 260 \
+    interference) TAIL=16 run interference 250 python3 -m sidecar.cli bench interference --source daemon \
+      --settings none,mps-cap --cells "4096:0,10,20,50 16384:0,10" --phase-s 4 --budget-s 220 \
       --daemon-set nixl_num_threads=4 --out "$OUT/interference" ;;
     *) STATUS+=("$step: unknown step") ;;
   esac
