@@ -2,7 +2,8 @@
 # Issue 12/13 evidence on one H200 in one device call (carry: .whl): each step under its own timeout, every
 # step runs even when an earlier one failed, results as JSON under $OUT, a one-line status per step at the end.
 #
-#   bash scripts/gpu-fastpath.sh STEP...     steps: tests launch sweep contiguous orders groups poll interference
+#   bash scripts/gpu-fastpath.sh STEP...
+#   steps: tests launchtests daemontests launch sweep contiguous defaults orders groups poll interference
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -39,6 +40,13 @@ for step in "$@"; do
   case $step in
     tests) run tests 130 python3 -m pytest -m gpu -p no:cacheprovider -q tests/sidecar/convert \
       tests/sidecar/daemon tests/gpu/test_gpu_slice.py ;;
+    launchtests) TAIL=40 run launchtests 100 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
+      tests/sidecar/convert/test_convert_launch_gpu.py tests/sidecar/convert/test_convert_src_index.py ;;
+    daemontests) TAIL=20 run daemontests 150 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
+      tests/sidecar/daemon tests/gpu/test_gpu_slice.py tests/gpu/test_gpu_tp.py ;;
+    defaults) TAIL=30 run defaults 150 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
+      --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 3 --pairs staged/contiguous --budget-s 110 \
+      --out "$OUT/e2e-h200-contiguous-defaults.json" ;;
     launch) run launch 90 python3 -m sidecar.cli bench launch --out "$OUT/launch-probe-h200.json" ;;
     sweep) run sweep 100 python3 -m sidecar.cli bench convert --device cuda --dtype bfloat16 \
       --shapes qwen3-8b-4k,qwen3-8b-16k --no-verify --no-plot --reps 40 --tag h200-sweep-stages --out-dir "$OUT" \
@@ -53,8 +61,9 @@ for step in "$@"; do
       --budget-s 120 --out "$OUT/e2e-h200-orders.json" ;;
     groups) TAIL=20 run groups 90 "${E2E[@]}" --contexts 4096,16384 --concurrency 1 --reps 3 \
       --pairs staged/contiguous --layer-groups 4 --budget-s 60 --out "$OUT/e2e-h200-groups4.json" ;;
-    poll) TAIL=20 run poll 150 "${E2E[@]}" --contexts 4096 --concurrency 1,8 --reps 3 --pairs staged/contiguous \
-      --daemon-set poll_busy_s=0 --budget-s 110 --out "$OUT/e2e-h200-poll0.json" ;;
+    poll) TAIL=20 run poll 120 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
+      --warmup 1 --contexts 4096 --concurrency 1,8 --reps 3 --pairs staged/contiguous \
+      --daemon-set poll_busy_s=0 --budget-s 70 --out "$OUT/e2e-h200-poll0.json" ;;
     interference) TAIL=16 run interference 250 python3 -m sidecar.cli bench interference --source daemon \
       --settings none,mps-cap --cells "4096:0,10,20,50 16384:0,10" --phase-s 4 --budget-s 220 \
       --daemon-set nixl_num_threads=4 --out "$OUT/interference" ;;

@@ -142,7 +142,7 @@ class Conversions:
                     )
                 )
             else:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 conv.last_event = launch_gpu(
                     self._stream,
                     caches,
@@ -156,6 +156,8 @@ class Conversions:
                     conv.src_index,
                 )
                 job.timings["launch"] = job.timings.get("launch", 0.0) + time.perf_counter() - t0
+                # this thread's CPU time in the launch: far below "launch" means it waited (GIL, driver locks)
+                job.timings["launch_cpu"] = job.timings.get("launch_cpu", 0.0) + time.thread_time() - c0
         except Exception as exc:  # noqa: BLE001 - a launch that fails fails the request, not the loop
             failed = loop.create_future()
             failed.set_exception(exc)

@@ -248,7 +248,8 @@ class Done(_Msg):
 
     ``timings``, in seconds: the stages (queue, handshake, transfer, convert, end_to_end), and within transfer
     "post" (staging slots taken, descriptors built, READ posted), "read" (posted until seen DONE) and, on a
-    GPU, "launch" (CPU time spent starting the conversion kernels). "delivery" (when the Pull carried
+    GPU, "launch" (wall time spent starting the conversion kernels) and "launch_cpu" (the thread's CPU time
+    in it). "delivery" (when the Pull carried
     ``sent_at_ns``): from the shim's send to the daemon's receipt of the Pull.
     """
 
