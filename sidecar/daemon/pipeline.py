@@ -203,7 +203,7 @@ class Pipeline:
             src = self._staging.source(job.slots, caches.page_format, layers, staged.width)
         converting = bool(job.peer.plan.convert and blocks)
         if converting:
-            self._conversions.begin(job, src, job.peer.plan, None if staged is None else staged.pos)
+            self._conversions.begin(job, src, job.peer.plan, None if staged is None else staged.source_index)
         await self._reads.post(job, mode, layer_groups, pool, slots, None if staged is None else staged.gaps)
         if staged is not None:
             job.gap_bytes = staged.gap_bytes(fmt.page_bytes)

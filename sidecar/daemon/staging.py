@@ -42,6 +42,14 @@ class Staged:
     pos: np.ndarray  # int64 (n,): block i's row in the span (the converter's source index)
     gaps: GapRead | None  # blocks read only to merge runs
 
+    @property
+    def source_index(self) -> np.ndarray | None:
+        """The converter's source rows (``pos``), or None where block ``i`` is row ``i`` (no gaps, blocks
+        already in remote order): the plain out-of-place launch then does (fewer checks, no index table)."""
+        if self.width == self.pos.size and (self.pos == np.arange(self.width)).all():
+            return None
+        return self.pos
+
     def gap_bytes(self, page_bytes: int) -> int:
         return 0 if self.gaps is None else int(self.gaps.slots.size) * page_bytes
 
