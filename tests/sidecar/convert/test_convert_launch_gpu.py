@@ -211,8 +211,10 @@ def _queue_sleep(stream, cycles):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_launch_returns_while_queued_work_still_runs(cases, no_reference, mode):
-    """A long kernel is queued on the conversion stream first; every launch of the request (three layer
-    groups) returns in < 1 ms while that kernel is still running, and the bytes are right afterwards."""
+    """A ~300 ms kernel is queued on the conversion stream first; every launch of the request (three layer
+    groups) returns while that kernel is still running, each in a small fraction of it (a launch that
+    waited for the stream would take the whole 300 ms), and the bytes are right afterwards. How fast a
+    launch is, is `bench launch`'s to say (H200: 0.5-1 ms for a first launch on new planes)."""
     h, n, d, layers, groups = 8, 16, 128, 4, [(0, 1), (1, 3), (3, 4)]
     rng = np.random.default_rng(21)
     stream = _side_stream()
@@ -241,7 +243,7 @@ def test_launch_returns_while_queued_work_still_runs(cases, no_reference, mode):
     still_running = not ahead.query()
     event.synchronize()
     assert still_running, "the queued kernel ended before the launches returned: they waited for it"
-    assert max(took) < 1e-3, f"launch host times {[round(t * 1e6) for t in took]} µs"
+    assert max(took) < 0.03, f"launch host times {[round(t * 1e6) for t in took]} µs"
     _assert_writer_truth(cases, rig, case, f"{mode} behind a queued kernel")
 
 
