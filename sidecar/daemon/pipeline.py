@@ -299,12 +299,16 @@ class Pipeline:
         if job.slots is not None and self._staging is not None:
             self._staging.give(job.slots)
             job.slots = None
-        if job.caches is not None:
-            job.caches.users -= 1
-            job.caches = None
-        for entry in job.peer_entries:
-            self._peers.release(entry)
-        job.peer_entries = []
+        caches, entries = job.caches, job.peer_entries
+        job.caches, job.peer_entries = None, []
+
+        def let_go() -> None:
+            """After the read's handles are released: only then may its caches or peers go."""
+            if caches is not None:
+                caches.users -= 1
+            for entry in entries:
+                self._peers.release(entry)
+
         self._leases.forget(job.msg.remote_request_id)
         timings = {k: v for k, v in job.timings.items() if k != Stage.DONE.value}
         timings["end_to_end"] = now - job.received
@@ -344,8 +348,7 @@ class Pipeline:
                 p.Done(req_id=job.req_id, ok=ok, reason=None if ok else reason, timings=timings),
             )
             timings["signal"] = time.monotonic() - t0
-        if job.read is not None:
-            self._reads.release(job)
+        self._reads.release(job, let_go)
         self._metrics.observe(timings)
         log.debug("pull %s: %s %s %s", job.req_id, ending.outcome.value, ending.reason or "", timings)
 

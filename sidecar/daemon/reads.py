@@ -204,12 +204,24 @@ class Reads:
             log.error("pull %s: NIXL would not release its transfers; its blocks are unsafe", job.req_id)
         return safe
 
-    def release(self, job: Job) -> None:
+    def release(self, job: Job, then: Callable[[], None]) -> None:
         """Release a finished read's handles on the poster thread (its notification went out with the last
-        poll; releasing thousands of descriptors is work the answer need not wait for)."""
+        poll; releasing thousands of descriptors is work the answer need not wait for), then call ``then``
+        on the loop: what the read used (caches, peers) may be deregistered or removed only after that."""
+        read = job.read
+        if read is None or not read.handles:
+            then()
+            return
         self.sent()
-        if job.read.handles:
-            self.on_poster(self._release_now, job.req_id, job.read).add_done_callback(_log_failure)
+        try:
+            fut = self.on_poster(self._release_now, job.req_id, read)
+        except RuntimeError:  # the poster is closed (shutdown): release here, nothing else runs in NIXL now
+            with contextlib.suppress(Exception):
+                self._release_now(job.req_id, read)
+            then()
+            return
+        fut.add_done_callback(_log_failure)
+        fut.add_done_callback(lambda _: then())
 
     def _release_now(self, req_id: str, read: Any) -> None:
         if not self._port.release(read):
