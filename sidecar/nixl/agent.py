@@ -22,12 +22,13 @@ are split out.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,6 +183,18 @@ def init_cuda_context(device: int) -> None:
     torch.zeros(1, device=f"cuda:{device}")
 
 
+def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a ``NixlTransfer`` method under its lock as a whole: the Python state it reads and changes (peers,
+    their prepared handles and geometries, destinations) stays consistent with another thread's post."""
+
+    @functools.wraps(method)
+    def call(self: NixlTransfer, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return call
+
+
 class _Serialized:
     """The NIXL agent with every method call taken under ``lock`` (one thread inside NIXL at a time)."""
 
@@ -246,6 +259,7 @@ class NixlTransfer:
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
 
+    @_locked
     def register(self, ranges: Sequence[tuple[int, int, int]], mem_type: str) -> Registration:
         """Register local (addr, len, dev) ranges: planes (DRAM on CPU, VRAM on GPU) or a staging pool."""
         if not ranges:
@@ -264,12 +278,14 @@ class NixlTransfer:
         self._registrations.append(reg)
         return reg
 
+    @_locked
     def deregister(self, reg: Registration) -> None:
         for key in [k for k, d in self._dests.items() if d.registration is reg]:
             self._drop_destination(key)
         _nixl_call("deregister_memory", self.agent.deregister_memory, reg.handle)
         self._registrations.remove(reg)
 
+    @_locked
     def destination(self, reg: Registration, regions: LocalRegions) -> Destination:
         """Local regions to read into; they must lie inside ``reg`` (fail closed, never read outside it)."""
         if regions.mem_type != reg.mem_type:
@@ -286,6 +302,7 @@ class NixlTransfer:
         self._dests[id(dest)] = dest
         return dest
 
+    @_locked
     def staging(self, reg: Registration, pool: StagingPool) -> StagingPool:
         """A staging pool to read into; it must lie inside ``reg``."""
         if pool.mem_type != reg.mem_type:
@@ -319,6 +336,7 @@ class NixlTransfer:
     def peers(self) -> list[Peer]:
         return list(self._peers.values())
 
+    @_locked
     def add_peer(
         self,
         *,
@@ -368,6 +386,7 @@ class NixlTransfer:
         self._peers[key] = peer
         return peer
 
+    @_locked
     def remove_peer(self, peer: Peer) -> None:
         self._peers.pop(peer.key, None)
         for handle in peer.remote_handles.values():
@@ -503,6 +522,7 @@ class NixlTransfer:
             )
         return geo.indices(local_block_ids, remote_block_ids, remote_num_tokens)
 
+    @_locked
     def pull(
         self,
         peer: Peer,
@@ -527,8 +547,12 @@ class NixlTransfer:
 
         Staged mode reads into ``pool`` (see ``staging``) at ``slots[layer, i]``. With no block to read (a
         full local prefix hit) nothing is posted and the pull completes with just the notification."""
-        geo = self.geometry(peer, dest, mode, pool)
         pull = self.start(peer, remote_request_id, readers=readers, timeout_s=timeout_s)
+        try:
+            geo = self.geometry(peer, dest, mode, pool)
+        except RemoteRefused as exc:  # this pairing cannot be read: the prefill frees the blocks now
+            self._fail(pull, exc)
+            raise
         try:
             if table is None:
                 table = self.table(
@@ -625,11 +649,13 @@ class NixlTransfer:
             self.release(pull)
         return pull
 
+    @_locked
     def release(self, pull: ReadOp) -> bool:
         """Release a pull's transfer handles (DONE ones after :meth:`poll`, or cancel them). True when none is
         left, i.e. nothing can still write into the destination."""
         return self._release(pull)
 
+    @_locked
     def abort(self, pull: ReadOp) -> bool:
         """Stop a pull: release (cancel) its transfers, then send its notification so the prefill frees the
         blocks. Returns True when nothing can still write into local memory (every handle released)."""

@@ -213,34 +213,35 @@ class NixlPort:
     ) -> ReadOp | ReadGroup:
         """The request's reads from each prefill rank of ``peer`` (a ``PeerSet`` or one peer); each rank gets
         its own notification ``id:n`` once its reads are DONE (or stopped)."""
-        members = _members(peer)
-        tables: list[Any] = [None] * len(members)
-        if len(members) > 1:  # every rank's descriptors before anything is posted (or notified); built once
-            tables = [
-                self.agent.table(self.agent.geometry(m, dest, mode, pool), mode, local_ids, remote_ids,
-                                 remote_num_tokens, pool, slots, gaps)
-                for m in members
-            ]
-        ops: list[ReadOp] = []
-        for i, m in enumerate(members):
-            try:
-                ops.append(self.agent.pull(
-                    m, dest, mode, local_ids, remote_ids, remote_request_id, readers=m.notif_count,
-                    layer_groups=layer_groups, timeout_s=timeout_s, remote_num_tokens=remote_num_tokens,
-                    pool=pool, slots=slots, gaps=gaps, table=tables[i],
-                ))
-            except Exception:
-                # The failed rank was notified by its pull; stop and notify the others exactly once too.
-                for op in ops:
-                    self.agent.abort(op)
-                for rest in members[i + 1 :]:
-                    self._notify_one(rest, remote_request_id)
-                for m2 in members:
-                    self._spent[(m2.agent_name, remote_request_id)] = None
-                while len(self._spent) > 4096:
-                    self._spent.pop(next(iter(self._spent)))
-                raise
-        return ops[0] if len(ops) == 1 else ReadGroup(ops)
+        with self.agent.hold():  # every rank's read as one unit against the other thread's agent calls
+            members = _members(peer)
+            tables: list[Any] = [None] * len(members)
+            if len(members) > 1:  # every rank's descriptors before anything is posted or notified
+                tables = [
+                    self.agent.table(self.agent.geometry(m, dest, mode, pool), mode, local_ids, remote_ids,
+                                     remote_num_tokens, pool, slots, gaps)
+                    for m in members
+                ]
+            ops: list[ReadOp] = []
+            for i, m in enumerate(members):
+                try:
+                    ops.append(self.agent.pull(
+                        m, dest, mode, local_ids, remote_ids, remote_request_id, readers=m.notif_count,
+                        layer_groups=layer_groups, timeout_s=timeout_s, remote_num_tokens=remote_num_tokens,
+                        pool=pool, slots=slots, gaps=gaps, table=tables[i],
+                    ))
+                except Exception:
+                    # The failed rank was notified by its pull; stop and notify the others exactly once too.
+                    for op in ops:
+                        self.agent.abort(op)
+                    for rest in members[i + 1 :]:
+                        self._notify_one(rest, remote_request_id)
+                    for m2 in members:
+                        self._spent[(m2.agent_name, remote_request_id)] = None
+                    while len(self._spent) > 4096:
+                        self._spent.pop(next(iter(self._spent)))
+                    raise
+            return ops[0] if len(ops) == 1 else ReadGroup(ops)
 
     def poll(self, read: ReadOp | ReadGroup, now: float, *, notify: bool = True) -> bool:
         if isinstance(read, ReadOp):

@@ -880,3 +880,17 @@ def test_agent_calls_from_two_threads_take_turns_and_hold_can_be_tried(tx):
     assert got and got[0] == tx.metadata()
     with tx.hold(blocking=False) as h:
         assert h
+
+
+def test_a_pairing_refused_at_pull_time_still_tells_the_prefill(emu, tx, planes):
+    """A staged pull whose pool cannot pair with the prefill's pages (here: slots of half a page) is refused
+    before anything is posted, and the prefill is told once, so it frees the blocks now, not at its lease."""
+    peer = connect(tx, emu)
+    pool = tx.staging(planes.dest.registration, StagingPool(planes.base, PAGE // 2, 8))
+    _, params = new_request(emu, 3)
+    slots = np.arange(LAYERS * 3, dtype=np.int64).reshape(LAYERS, 3)
+    with pytest.raises(RemoteRefused) as e:
+        tx.pull(peer, planes.dest, "staged", [1, 2, 3], params.remote_block_ids[0], params.remote_request_id,
+                pool=pool, slots=slots)
+    assert e.value.field
+    assert emu.client.wait_state(params.remote_request_id, "freed_by_notif", 10).notif_counts == [1]

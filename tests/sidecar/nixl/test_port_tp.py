@@ -5,6 +5,7 @@ tests/e2e/test_tp.py."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import pytest
@@ -39,6 +40,10 @@ class StubAgent:
         op.handles = [object(), object()]
         op.sealed = True
         return op
+
+    @contextlib.contextmanager
+    def hold(self, blocking=True):
+        yield True
 
     def _notify_once(self, op):
         if not op.notified:
