@@ -111,6 +111,7 @@ class Daemon:
         self.heartbeats: Heartbeats | None = None
         self._stop = asyncio.Event()
         self._stopping = False
+        self._switch_interval: float | None = None
         self._background: set[asyncio.Task] = set()
 
     # -- lifecycle
@@ -157,6 +158,7 @@ class Daemon:
             loops.append(self.reads.progress_loop())
         for coro in loops:
             self._spawn(coro)
+        self._switch_interval = sys.getswitchinterval()  # given back at shutdown (in-process daemons, tests)
         sys.setswitchinterval(GIL_SWITCH_S)  # the loop waits at most this for the GIL held by the poster
         gc.collect()
         gc.freeze()  # startup objects (torch, NIXL) never need scanning again: shorter GC pauses per Done
@@ -288,6 +290,9 @@ class Daemon:
             self.health.agent_up = False
         self.router.close()
         self.conversions.close()
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
         if self.metrics_server is not None:
             self.metrics_server.close()
         log.info("kv-sidecar stopped")
