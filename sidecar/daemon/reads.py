@@ -113,7 +113,9 @@ class Reads:
                 if fut.exception() is None:
                     job.read = fut.result()
                 break
-            except Exception:
+            except Exception as exc:
+                # What a failed post had posted is the job's read: its stop makes sure nothing still writes.
+                job.read = getattr(exc, "read", None)
                 if cancelled:  # a failed post told the prefill already; the stop's ending answers
                     break
                 raise
@@ -166,12 +168,15 @@ class Reads:
             )
         except GeometryError as exc:
             raise Refused(exc.field, exc.reason) from None
-        except RemoteRefused as exc:
-            raise Refused(exc.field or "remote", exc.reason) from None
-        except RemoteDisconnected as exc:
-            raise PeerLost(f"transfer: {exc}") from None
         except TransferError as exc:
-            raise Failed(f"transfer: {exc}") from None
+            if isinstance(exc, RemoteRefused):
+                err: Exception = Refused(exc.field or "remote", exc.reason)
+            elif isinstance(exc, RemoteDisconnected):
+                err = PeerLost(f"transfer: {exc}")
+            else:
+                err = Failed(f"transfer: {exc}")
+            err.read = exc.read  # type: ignore[attr-defined]  # posted before it failed: post() keeps it
+            raise err from None
 
     async def wait(self, job: Job) -> None:
         """Until every READ of the job is DONE (and the prefill notified)."""
@@ -193,8 +198,8 @@ class Reads:
         fut, _ = self._waiting.pop(job.read, (None, None))
         if fut is not None and not fut.done():
             fut.cancel()
-        if job.read.finished:
-            return True
+        if job.read.finished and (job.read.error is None or not job.read.handles):
+            return True  # DONE (released after the answer), or failed with every handle released
         safe = await self.on_poster(self._port.abort, job.read)
         give_up = time.monotonic() + RELEASE_GIVE_UP_S
         while not safe and time.monotonic() < give_up:

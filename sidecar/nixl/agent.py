@@ -562,6 +562,16 @@ class NixlTransfer:
             # Nothing will be read: tell the prefill now rather than let the blocks wait for the lease.
             self._fail(pull, RequestRefused(exc.reason, exc.field))
             raise pull.error from exc  # type: ignore[misc]
+        try:
+            self._post_groups(pull, geo, table, dest, mode, pool, layer_groups)
+        except TransferError as exc:
+            exc.read = pull  # failed midway: what it posted may still hold handles
+            raise
+        self.seal(pull)
+        return pull
+
+    def _post_groups(self, pull: ReadOp, geo: PairGeometry, table: Any, dest: Destination, mode: Mode,
+                     pool: StagingPool | None, layer_groups: int) -> None:
         bounds = np.linspace(0, geo.layers, max(1, min(layer_groups, geo.layers)) + 1).astype(int)
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             posted = len(pull.handles)
@@ -576,8 +586,6 @@ class NixlTransfer:
                 pull.layer_ranges.append((int(a), int(b)))
                 if pull.done_flags[-1]:  # a transport that copies while posting (shm) is DONE at once
                     pull.landed.append((int(a), int(b)))
-        self.seal(pull)
-        return pull
 
     @staticmethod
     def _index_bytes(geo: PairGeometry, count: int) -> int:

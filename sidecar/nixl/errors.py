@@ -10,6 +10,9 @@ class TransferError(RuntimeError):
         super().__init__(f"{field}: {reason}" if field else reason)
         self.field = field
         self.reason = reason
+        # A post that failed midway: what it had posted (stopped, notified), whose handles NIXL may not
+        # have released yet. The caller must keep stopping it before the request's memory is reused.
+        self.read: object = None
 
 
 class RemoteRefused(TransferError):

@@ -60,6 +60,10 @@ class ReadGroup:
     def handles(self) -> bool:
         return any(op.handles for op in self.ops)
 
+    @property
+    def error(self) -> Exception | None:
+        return next((op.error for op in self.ops if op.error is not None), None)
+
     def take_landed(self) -> None:
         for op in self.ops:
             while op.landed:
@@ -230,10 +234,13 @@ class NixlPort:
                         layer_groups=layer_groups, timeout_s=timeout_s, remote_num_tokens=remote_num_tokens,
                         pool=pool, slots=slots, gaps=gaps, table=tables[i],
                     ))
-                except Exception:
+                except Exception as exc:
                     # The failed rank was notified by its pull; stop and notify the others exactly once too.
                     for op in ops:
                         self.agent.abort(op)
+                    if isinstance(exc, TransferError) and ops:
+                        failed = [exc.read] if isinstance(exc.read, ReadOp) else []
+                        exc.read = ReadGroup(ops + failed)  # every rank's handles, for the caller's stop
                     for rest in members[i + 1 :]:
                         self._notify_one(rest, remote_request_id)
                     for m2 in members:

@@ -83,6 +83,7 @@ class FakePort:
         # holds the agent) until the test sets the event, then fails the post if fail_post.
         self.post_gate: threading.Event | None = None
         self.fail_post = False
+        self.fail_post_keeps_handles = False  # with fail_post: the failed post leaves a handle to stop
         self.post_threads: list[str] = []  # the thread each read() ran on
         self.held_skips = 0  # hold(blocking=False) calls answered False (a post was in progress)
         self._lock = threading.RLock()
@@ -179,7 +180,13 @@ class FakePort:
             if self.fail_post:  # the real port notified the failed rank already; so does the fake
                 self._tell(peer, remote_request_id)
                 self.spent.add(remote_request_id)
-                raise TransferFailed("the fake post failed midway")
+                exc = TransferFailed("the fake post failed midway")
+                if self.fail_post_keeps_handles:  # as NixlTransfer.pull: what it posted rides on the error
+                    kept = FakeRead(peer, remote_request_id, time.monotonic() + timeout_s, [], mode, slots,
+                                    gaps, finished=True, handles=[object()], error=exc, notified=True)
+                    self.reads.append(kept)
+                    exc.read = kept
+                raise exc
         if slots is not None:
             layers = int(slots.shape[0])
         else:

@@ -306,6 +306,30 @@ def test_an_abort_of_a_read_nixl_will_not_release_at_once_waits_until_it_does():
 # -- posting on the poster thread ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("stuck", [0, 3, None])
+def test_a_post_failing_midway_is_stopped_before_its_answer(monkeypatch, stuck):
+    """A post that failed after posting part of its reads leaves handles NIXL may not release at once: the
+    job's answer waits until they are (answered unsafe if they never are), and the prefill is told once."""
+    from sidecar.daemon import reads
+
+    monkeypatch.setattr(reads, "RELEASE_GIVE_UP_S", 0.3)
+
+    async def main():
+        async with started() as h:
+            h.port.fail_post = h.port.fail_post_keeps_handles = True
+            h.port.stuck_abort = 10**9 if stuck is None else stuck
+            h.pull("x")
+            done = await h.reply(p.Done, "x")
+            assert not done.ok and "fake post failed midway" in done.reason, done
+            assert ("blocks unsafe" in done.reason) == (stuck is None), done
+            if stuck is not None:
+                assert h.port.stuck_abort == 0 and h.port.reads[0].handles == []
+            await asyncio.sleep(0.02)
+            assert h.port.notified == ["r-x"]
+
+    run(main())
+
+
 async def _posting(h: Harness, req_id: str) -> None:
     """Start ``req_id`` with the fake's post held open (as a long NIXL post holds the agent)."""
     h.port.post_gate = threading.Event()
