@@ -297,7 +297,11 @@ class Pipeline:
         now = time.monotonic()
         job.enter(Stage.DONE, now)
         if job.slots is not None and self._staging is not None:
-            self._staging.give(job.slots)
+            if ending.safe:
+                self._staging.give(job.slots)
+            else:  # a READ into them could not be stopped: never lend them again
+                log.error("pull %s: staging slots %s kept out of use (a transfer could not be stopped)",
+                          job.req_id, job.slots)
             job.slots = None
         caches, entries = job.caches, job.peer_entries
         job.caches, job.peer_entries = None, []

@@ -513,6 +513,29 @@ def test_a_staged_pull_waits_for_slots_and_goes_on_when_they_are_given_back():
     run(main())
 
 
+def test_staging_slots_a_read_could_not_be_stopped_in_are_never_lent_again(monkeypatch):
+    """A staged post that failed midway and whose handles NIXL never releases: the answer says the blocks are
+    unsafe, and its staging slots stay out of use (the pool has room for one pull: the next one waits)."""
+    from sidecar.daemon import reads
+
+    monkeypatch.setattr(reads, "RELEASE_GIVE_UP_S", 0.2)
+
+    async def main():
+        async with started(pull_mode="staged", staging_bytes=LAYERS * 3 * PAGE_BYTES) as h:
+            h.port.fail_post = h.port.fail_post_keeps_handles = True
+            h.port.stuck_abort = 10**9
+            h.pull("a")
+            done = await h.reply(p.Done, "a")
+            assert not done.ok and "blocks unsafe" in done.reason, done
+            h.port.fail_post = False
+            h.pull("b")
+            await h.until_stage("b", "transfer")
+            await asyncio.sleep(0.05)
+            assert h.answers("b") == [] and len(h.port.reads) == 1  # "b" waits: "a"'s slots are kept out
+
+    run(main())
+
+
 def test_a_pull_larger_than_the_whole_pool_is_refused_naming_staging_bytes():
     async def main():
         async with started(pull_mode="staged", staging_bytes=LAYERS * 2 * PAGE_BYTES) as h:
