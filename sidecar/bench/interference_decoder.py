@@ -206,15 +206,18 @@ class ShimDecoder:
 
     # ------------------------------------------------------------------------------------------ pulls
 
-    def _send(self, reply: Any) -> tuple[str, list[int]]:
+    def _send(self, reply: Any) -> tuple[str, list[int], float]:
+        """Send one Pull; (request id, its local blocks, when it was handed to the connector). The time is
+        taken before the send: the shim's receiver may stamp the Done before ``pull`` returns."""
         from vllm_glue.orders import PullOrder, parse_remote
 
         self._ids += 1
         rid = f"interf-{self._ids}"
         local = self.standin.allocate(len(reply.kernel_block_ids))
+        sent = time.monotonic()
         self.standin.pull([PullOrder(rid, parse_remote(reply.kv_transfer_params), local, True,
                                      time.monotonic_ns())])
-        return rid, local
+        return rid, local, sent
 
     def _collect(self) -> list[Any]:
         """The outcomes that arrived (the connector's get_finished, without blocking)."""
@@ -269,8 +272,8 @@ class ShimDecoder:
                     break
             while waiting and free_slots > 0:
                 arrival, reply = waiting.pop(0)
-                rid, local = self._send(reply)
-                inflight[rid] = (arrival, time.monotonic(), reply, local)
+                rid, local, sent = self._send(reply)
+                inflight[rid] = (arrival, sent, reply, local)
                 free_slots -= 1
 
         end = t0 + cmd.seconds
@@ -329,8 +332,7 @@ class ShimDecoder:
             for _ in range(cmd.reps):
                 reply = client.new_request(num_tokens=cmd.context)
                 arrival = time.monotonic()
-                rid, local = self._send(reply)
-                sent = time.monotonic()
+                rid, local, sent = self._send(reply)
                 got = self.standin.wait({rid}, self.cfg.timeout_s, poll_s=0.0005)
                 o = got.get(rid)
                 if o is None:
