@@ -114,10 +114,9 @@ def upload(segments: Sequence[Sequence[np.ndarray]], device: torch.device) -> li
 
     The pinned buffer goes back to PyTorch's caching host allocator when this returns; the allocator hands
     that block out again only after the copy's recorded event has completed."""
-    sizes = [sum(p.size for p in seg) for seg in segments]
-    starts, total = layout(sizes)
+    _, total = layout([sum(p.size for p in seg) for seg in segments])
     on_gpu = device.type != "cpu"
     host = torch.empty(max(total, ALIGN), dtype=torch.int64, pin_memory=on_gpu)
-    _fill(host.numpy(), starts, segments)
+    spans = pack(segments, host.numpy()[:total])
     buf = host.to(device, non_blocking=True) if on_gpu else host
-    return [buf[start : start + size] for start, size in zip(starts, sizes, strict=True)]
+    return [buf[start : start + size] for start, size in spans]
