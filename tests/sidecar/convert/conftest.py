@@ -117,3 +117,18 @@ def cases():
     return types.SimpleNamespace(make_case=make_case, planes=planes, bits=bits, distinct_ids=distinct_ids,
                                  tags=tags, write_standard=write_standard, write_shuffled=write_shuffled,
                                  DTYPES=DTYPES, X=X)
+
+
+@pytest.fixture
+def no_reference(monkeypatch):
+    """Fail if a GPU conversion falls back to the torch reference: the GPU tests are about the kernels."""
+    from sidecar.convert import api
+
+    reference = api.run_reference
+
+    def refuse_on_gpu(job):
+        if job.device.type != "cpu":
+            raise AssertionError("the torch reference ran on the GPU instead of the Triton kernel")
+        reference(job)
+
+    monkeypatch.setattr(api, "run_reference", refuse_on_gpu)

