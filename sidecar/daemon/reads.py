@@ -238,16 +238,30 @@ class Reads:
 
     def poll(self, now: float) -> tuple[bool, bool]:
         """One pass over the reads in flight: (did one land or end, is one still in flight). Skipped while
-        the poster thread is inside the transport: the post's return wakes the poller."""
+        the poster thread is inside the transport: the post's return wakes the poller. What landed is
+        launched after the transport is let go, so a post waiting for it is not held up by launches."""
         if not self._waiting:
             return False, False
         with self._port.hold(blocking=False) as held:
             if not held:
                 return False, False
-            return self._poll(now)
+            changed, seen = self._check(now)
+        for read, fut, job, finished in seen:
+            try:
+                while read.landed:
+                    self._on_landed(job, *read.landed.pop(0))
+            except Exception:  # noqa: BLE001 - an unlaunched group fails its job at the layer count
+                log.exception("pull %s: launching a landed group", job.req_id)
+            if finished:  # launched first, then the prefill is told it may free the blocks
+                self._notify(read)
+                fut.set_result(None)
+        return changed, bool(self._waiting)
 
-    def _poll(self, now: float) -> tuple[bool, bool]:
+    def _check(self, now: float) -> tuple[bool, list[tuple[Any, asyncio.Future, Job, bool]]]:
+        """Ask the port about every read in flight (holding it): (changed, [(read, wait, job, finished)] of
+        those with something landed or finished). Failed reads fail their wait here."""
         changed = False
+        seen = []
         for read, (fut, job) in list(self._waiting.items()):
             if fut.done():
                 self._waiting.pop(read, None)
@@ -259,18 +273,24 @@ class Reads:
                 fut.set_exception(exc)
                 changed = True
                 continue
-            changed |= bool(read.landed) or finished
-            try:
-                while read.landed:
-                    self._on_landed(job, *read.landed.pop(0))
-            finally:
-                if finished:  # launched first, then the prefill is told it may free the blocks
-                    self._port.notify_read(read)
-                    self.sent()
+            if read.landed or finished:
+                changed = True
+                seen.append((read, fut, job, finished))
             if finished:
                 self._waiting.pop(read, None)
-                fut.set_result(None)
-        return changed, bool(self._waiting)
+        return changed, seen
+
+    def _notify(self, read: Any) -> None:
+        """A finished read's notification: now, or after the post in progress (the loop does not wait)."""
+        self.sent()
+        with self._port.hold(blocking=False) as held:
+            if held:
+                self._port.notify_read(read)
+                return
+        try:
+            self.on_poster(self._port.notify_read, read).add_done_callback(_log_failure)
+        except RuntimeError:  # the poster is closed (shutdown): nothing else is in the transport now
+            self._port.notify_read(read)
 
     async def progress_loop(self) -> None:
         """Without NIXL's progress thread, UCX moves only when we call in: for a while after the last
@@ -293,4 +313,4 @@ class Reads:
 def _log_failure(fut: asyncio.Future) -> None:
     exc = None if fut.cancelled() else fut.exception()
     if exc is not None:
-        log.warning("releasing a read's transfers: %s: %s", type(exc).__name__, exc)
+        log.warning("poster thread (release, notify): %s: %s", type(exc).__name__, exc)

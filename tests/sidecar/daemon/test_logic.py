@@ -403,6 +403,27 @@ def test_an_abort_during_a_post_waits_for_it_then_stops_it_and_notifies_once(fai
     run(main())
 
 
+def test_a_poll_pass_launches_what_landed_after_letting_the_port_go():
+    """A post waiting for the port must not also wait for launches (each ~0.15-0.5 ms on a GPU)."""
+
+    async def main():
+        async with started(layer_groups=2) as h:
+            reads = h.daemon.reads
+            launch = reads._on_landed  # noqa: SLF001
+            held_at_launch = []
+
+            def watched(job, first, last):
+                held_at_launch.append(h.port._lock._is_owned())  # noqa: SLF001
+                launch(job, first, last)
+
+            reads._on_landed = watched  # noqa: SLF001
+            h.pull("a")
+            assert (await h.reply(p.Done, "a")).ok
+            assert held_at_launch == [False, False]
+
+    run(main())
+
+
 def test_a_pull_stopped_while_its_post_waits_behind_another_is_never_posted():
     async def main():
         async with started() as h:
