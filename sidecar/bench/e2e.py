@@ -35,10 +35,7 @@ import json
 import math
 import os
 import platform
-import re
-import shlex
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -49,20 +46,20 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import numpy as np
 
+from sidecar.bench.e2e_baselines import BareReader, peer_copy
+from sidecar.bench.e2e_common import BenchError, parse_device
+from sidecar.bench.e2e_report import (
+    cell_json,
+    command_line,
+    device_names,
+    failures,
+    print_cell,
+    read_cost_fit,
+)
+from sidecar.bench.ucx_logs import summarize_ucx_logs, ucx_env
 from sidecar.standins.decoder import DecoderStandin, StandinShape
 from sidecar.wire.formats import AITER_SHUFFLED, STANDARD, PageFormat
-
-PEER_FLOOR = 0.8  # must show: bare NIXL bandwidth >= 0.8 x the peer copy's
-SIDECAR_FACTOR = 1.05  # must show: kv-sidecar <= 1.05 x bare + 0.2 ms per request
-SIDECAR_PER_REQUEST_S = 0.2e-3
-_DEVICE = re.compile(r"cpu|cuda:(\d+)")
-
-
-class BenchError(RuntimeError):
-    """A part of the bench could not run as asked (a failed pull, a process that did not start, ...)."""
-
 
 # ------------------------------------------------------------------------------------------------ options
 
@@ -149,14 +146,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--check", action="store_true", help="exit 1 unless the must-show numbers hold in every cell")
 
 
-def parse_device(text: str) -> int | None:
-    """``"cpu"`` -> None, ``"cuda:N"`` -> N; anything else is refused."""
-    m = _DEVICE.fullmatch(text)
-    if m is None:
-        raise BenchError(f"device {text!r}: use cpu or cuda:N")
-    return None if m.group(1) is None else int(m.group(1))
-
-
 def resolve_devices(prefill: str, decoder: str) -> tuple[str, str]:
     """Fill in ``auto``: two GPUs -> cuda:0 / cuda:1, one -> cuda:0 / cuda:0, none -> cpu / cpu."""
     if "auto" in (prefill, decoder):
@@ -219,25 +208,6 @@ def gap_settings(settings: dict[str, str]) -> tuple[Any, float]:
 
 
 _GAP_KEYS = ("gap_coalescing", "read_descriptor_us", "read_gbps", "gap_pool_share")
-
-
-def read_cost_fit(cells: Sequence[Any]) -> dict[str, Any]:
-    """``read_descriptor_us`` / ``read_gbps`` fitted to the bare reads' medians (descriptors, bytes
-    including gap blocks, seconds): what to set for this host's daemon."""
-    from sidecar.nixl.spans import fit_read_cost
-
-    rows = [
-        (c.bare_descriptors * c.concurrency, c.nbytes + c.bare_gap_bytes, statistics.median(c.bare_s))
-        for c in cells
-        if c.bare_s and c.skipped is None
-    ]
-    if len({r[0] for r in rows}) < 2:
-        return {"error": "needs bare reads with at least two different descriptor counts"}
-    try:
-        cost = fit_read_cost(*(np.array(col, dtype=float) for col in zip(*rows, strict=True)))
-    except ValueError as exc:
-        return {"error": str(exc), "points": len(rows)}
-    return {"read_descriptor_us": cost.descriptor_us, "read_gbps": cost.gbps, "points": len(rows)}
 
 
 def mode_order_pairs(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -332,128 +302,6 @@ def plan_cells(
     return cells
 
 
-def must_show(cell: Cell, peer_gbps: float) -> dict[str, Any]:
-    """The two must-show comparisons for one measured cell (medians)."""
-    bare = statistics.median(cell.bare_s)
-    side = statistics.median(cell.sidecar_s)
-    bare_gbps = cell.nbytes / bare / 1e9
-    limit = SIDECAR_FACTOR * bare + SIDECAR_PER_REQUEST_S * cell.concurrency
-    return {
-        "nixl_over_peer": bare_gbps / peer_gbps if peer_gbps else None,
-        "nixl_at_least_0.8_peer": bool(peer_gbps) and bare_gbps >= PEER_FLOOR * peer_gbps,
-        "sidecar_over_bare": side / bare,
-        "sidecar_limit_s": limit,
-        "sidecar_within_limit": side <= limit,
-    }
-
-
-# ------------------------------------------------------------------------------------------------ UCX logs
-
-
-class ProtoRow(msgspec.Struct, frozen=True):
-    range: str
-    description: str
-    config: str
-
-
-class ProtoTable(msgspec.Struct, frozen=True):
-    """One ``UCX_PROTO_INFO=y`` table: which protocol and transport UCX chose for an operation."""
-
-    pid: int
-    agent: str
-    scope: str  # self, intra-node, inter-node
-    operation: str  # e.g. "remote memory read by ucp_get*(multi) into cuda memory from cuda"
-    rows: list[ProtoRow]
-
-
-_PREFIX = re.compile(
-    r"^\[(?P<ts>[\d.]+)\]\s+\[(?P<host>[^:\]]+):(?P<pid>\d+)\s*:(?P<tid>\d+)\]\s?(?P<rest>.*)$"
-)
-_TABLE_HEAD = re.compile(r"^(?P<agent>\S+)\s+(?P<scope>[\w-]+)\s+cfg#\d+$")
-_TRANSPORT = re.compile(r"\b([a-z][a-z0-9_]*)/[\w.:-]+")
-_NOTE = re.compile(r"nvlink|cuda[-_]ipc|zcopy|cuda_copy|gdr_copy", re.IGNORECASE)
-
-
-def parse_proto_tables(text: str) -> list[ProtoTable]:
-    """Every protocol-selection table in a UCX log. A table starts at its ``<agent> <scope> cfg#N`` line,
-    then names the operation, then lists ``Range | Description | Config`` rows; lines are followed per
-    (pid, thread), so tables printed by two threads at once do not mix."""
-    open_tables: dict[tuple[str, str], dict[str, Any]] = {}
-    done: list[dict[str, Any]] = []
-    for line in text.splitlines():
-        m = _PREFIX.match(line)
-        if m is None:
-            continue
-        rest = m["rest"].strip()
-        if not rest.startswith("|"):
-            continue
-        key = (m["pid"], m["tid"])
-        cells = [c.strip() for c in rest.strip("|").split("|")]
-        head = _TABLE_HEAD.match(cells[0]) if len(cells) == 1 else None
-        current = open_tables.get(key)
-        if head is not None:
-            current = {
-                "pid": int(m["pid"]),
-                "agent": head["agent"],
-                "scope": head["scope"],
-                "op": None,
-                "rows": [],
-            }
-            open_tables[key] = current
-            done.append(current)
-        elif current is None:
-            continue
-        elif len(cells) == 1 and current["op"] is None:
-            current["op"] = cells[0]
-        elif len(cells) == 3 and cells[0] != "Range":
-            current["rows"].append(ProtoRow(*cells))
-    return [
-        ProtoTable(t["pid"], t["agent"], t["scope"], t["op"], t["rows"]) for t in done if t["op"] is not None
-    ]
-
-
-def transports_of(config: str) -> list[str]:
-    """Transport names in a table's Config cell: ``"cuda_ipc/cuda"`` -> ["cuda_ipc"]."""
-    return sorted(set(_TRANSPORT.findall(config)))
-
-
-def summarize_ucx_logs(paths: Sequence[str], agent_prefix: str = "") -> dict[str, Any]:
-    """What UCX says it used: endpoint lanes, the protocols chosen for remote reads, and notes on cuda_ipc."""
-    from sidecar.ops.doctor import parse_ucx_lanes
-
-    lanes, reads, notes = [], [], []
-    for path in paths:
-        try:
-            text = Path(path).read_text(errors="replace")
-        except OSError:
-            continue
-        for ln in parse_ucx_lanes(text):
-            lanes.append({"scope": ln.scope, "lanes": ln.lanes})
-        for t in parse_proto_tables(text):
-            if t.scope == "self" or not t.operation.startswith("remote memory read"):
-                continue
-            if agent_prefix and not t.agent.startswith(agent_prefix):
-                continue
-            reads.append(
-                {
-                    "agent": t.agent,
-                    "scope": t.scope,
-                    "operation": t.operation,
-                    "rows": [msgspec.to_builtins(r) for r in t.rows],
-                    "transports": sorted({x for r in t.rows for x in transports_of(r.config)}),
-                }
-            )
-        for line in text.splitlines():
-            m = _PREFIX.match(line)
-            rest = m["rest"].strip() if m else line
-            table_or_lanes = rest.startswith(("|", "+")) or " cfg#" in rest
-            if _NOTE.search(rest) and not table_or_lanes and len(notes) < 20:
-                notes.append(rest[:300])
-    used = sorted({x for r in reads for x in r["transports"]})
-    unique_lanes = [dict(t) for t in {json.dumps(x, sort_keys=True): x for x in lanes}.values()]
-    return {"read_transports": used, "reads": reads, "endpoint_lanes": unique_lanes, "notes": notes}
-
-
 # ------------------------------------------------------------------------------------------------ decoder
 
 
@@ -542,20 +390,6 @@ def toml_format(f: PageFormat) -> str:
     )
 
 
-def ucx_env(logs: Path, role: str, level: str, cuda: bool) -> dict[str, str]:
-    """UCX/NIXL settings of one process: its own UCX log file, protocol tables on, cuda_ipc reads allowed."""
-    env = {
-        "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
-        "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
-        "UCX_LOG_LEVEL": level,
-        "UCX_PROTO_INFO": "y",
-        "UCX_LOG_FILE": str(logs / f"ucx-{role}-%p.log"),
-    }
-    if cuda:
-        env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
-    return env
-
-
 def start_daemon(
     work: Path,
     name: str,
@@ -601,242 +435,7 @@ def start_daemon(
         os.environ.update(hidden)
 
 
-class BareReader:
-    """This process's own NIXL agent reading the daemon's descriptors into the same planes: no daemon, no
-    conversion, no notification. The prefill's blocks are only read, so the daemon reads them next."""
-
-    def __init__(
-        self,
-        standin: DeviceStandin,
-        ready: Any,
-        remote_fmt: PageFormat,
-        local_fmt: PageFormat,
-        *,
-        staging_bytes: int,
-        layer_groups: int,
-        sleep_s: float,
-        gap_cost: Any = None,
-        gap_share: float = 0.0,
-    ) -> None:
-        from sidecar.nixl.admission import RemoteFormatRule, admit_remote
-        from sidecar.nixl.agent import NixlTransfer, TransferSettings
-        from sidecar.nixl.geometry import LocalRegions, StagingPool
-        from sidecar.wire import prefill as vllm_wire
-
-        gpu = parse_device(standin.device)
-        self.mem, dev = ("DRAM", 0) if gpu is None else ("VRAM", gpu)
-        self.layers = standin.shape.layers
-        self.layer_groups = layer_groups
-        self.sleep_s = sleep_s
-        self.descriptors = 0  # per request, of the last batch
-        self.descriptors_request_order = 0  # per request: what request-order slots without gaps would post
-        self.gap_bytes = 0  # of the last batch
-        self.gap_cost, self.gap_share = gap_cost, gap_share
-        self.page_bytes = remote_fmt.page_bytes
-        settings = TransferSettings(
-            name_prefix="bench-bare",
-            remote_formats=(RemoteFormatRule(address="*:*", format=remote_fmt),),
-            remote_mem_type=self.mem,
-            cuda_device=gpu,
-        )
-        t0 = time.perf_counter()
-        self.tx = NixlTransfer(settings)
-        self.agent_s = time.perf_counter() - t0
-        host, port = ready.side_channel_host, ready.side_channel_port
-        reply = vllm_wire.fetch_handshake(
-            host, port, [(0, 0)], timeout_s=30.0, expected_engine_id=ready.engine_id
-        )
-        meta = reply[(0, 0)].metadata
-        plan, regions = admit_remote(
-            meta,
-            address=f"{host}:{port}",
-            local_format=local_fmt,
-            layers=self.layers,
-            settings=settings,
-            check_identity=False,
-        )
-        self.peer = self.tx.add_peer(
-            engine_id=meta.engine_id,
-            tp_rank=0,
-            generation=1,
-            address=f"{host}:{port}",
-            agent_metadata=meta.agent_metadata,
-            plan=plan,
-            regions=regions,
-        )
-        planes = standin.buffer.tensor
-        ranges = [(planes.data_ptr(), planes.numel(), dev)]
-        self.pool_tensor = None
-        if staging_bytes:
-            import torch
-
-            self.pool_tensor = torch.empty(staging_bytes, dtype=torch.uint8, device=standin.device)
-            ranges.append((self.pool_tensor.data_ptr(), staging_bytes, dev))
-        reg = self.tx.register(ranges, self.mem)
-        k, v = standin.plane_bases()
-        shape = standin.shape
-        regions_local = LocalRegions.planes(
-            k, v, shape.fmt.plane_block_bytes, shape.num_blocks, device_id=dev, mem_type=self.mem
-        )
-        self.dest = self.tx.destination(reg, regions_local)
-        self.pool = None
-        if staging_bytes:
-            slots = staging_bytes // remote_fmt.page_bytes
-            self.pool = self.tx.staging(
-                reg,
-                StagingPool(
-                    self.pool_tensor.data_ptr(),
-                    remote_fmt.page_bytes,
-                    slots,
-                    device_id=dev,
-                    mem_type=self.mem,
-                ),
-            )
-        t0 = time.perf_counter()
-        self.tx.prepare(self.peer, self.dest, "direct")
-        self.prep_s = time.perf_counter() - t0
-
-    def _bounds(self, request_bytes: int = 0) -> list[tuple[int, int]]:
-        from sidecar.daemon.read_plan import layer_groups_for
-
-        groups = layer_groups_for(self.layer_groups, request_bytes)
-        b = np.linspace(0, self.layers, max(1, min(groups, self.layers)) + 1).astype(int)
-        return list(zip(b[:-1].tolist(), b[1:].tolist(), strict=True))
-
-    def _wait(self, handles: list[Any], deadline: float) -> None:
-        agent = self.tx.agent
-        pending = list(handles)
-        while pending:
-            states = [agent.check_xfer_state(h) for h in pending]
-            if "ERR" in states:
-                raise BenchError("bare NIXL read: a transfer ended in ERR")
-            pending = [h for h, s in zip(pending, states, strict=True) if s != "DONE"]
-            if pending:
-                if time.monotonic() > deadline:
-                    raise BenchError(f"bare NIXL read: {len(pending)} transfer(s) not done in time")
-                time.sleep(self.sleep_s)
-
-    def _post(self, make: Any, handles: list[Any]) -> None:
-        h = make()
-        handles.append(h)
-        if self.tx.agent.transfer(h) == "ERR":
-            raise BenchError("bare NIXL read: transfer() returned ERR")
-
-    def batch(self, mode: str, requests: list[tuple[list[int], list[int], int]], timeout_s: float) -> float:
-        """Read every request at once (staged: in waves that fit the pool); seconds from the first post to the
-        last completion. ``requests``: (local kernel ids, remote kernel ids, remote_num_tokens)."""
-        from sidecar.nixl.geometry import contiguous_slots
-        from sidecar.nixl.spans import GapRead, plan_span, span_slots
-
-        agent, peer, deadline = self.tx.agent, self.peer, time.monotonic() + timeout_s
-        handles: list[Any] = []
-        self.gap_bytes = 0
-        try:
-            if mode == "direct":
-                geo = self.tx.geometry(peer, self.dest, "direct")
-                lh, rh = self.tx.prepare(peer, self.dest, "direct")
-                parts = []
-                for loc, rem, tokens in requests:
-                    idx = geo.indices(loc, rem, tokens)
-                    bounds = self._bounds(self.layers * len(loc) * self.page_bytes)
-                    parts += [idx.layer_slice(a, b) for a, b in bounds]
-                self.descriptors = sum(p[0].size for p in parts) // len(requests)
-                self.descriptors_request_order = self.descriptors
-                t0 = time.perf_counter()
-                for li, ri in parts:
-                    self._post(lambda li=li, ri=ri: agent.make_prepped_xfer("READ", lh, li, rh, ri), handles)
-                self._wait(handles, deadline)
-                return time.perf_counter() - t0
-            if self.pool is None:
-                raise BenchError("staged bare reads need --staging-gb > 0")
-            geo = self.tx.geometry(peer, self.dest, "staged", self.pool)
-            waves: list[list[Any]] = [[]]
-            used = before = 0
-            slots_all = self.pool.num_slots
-            for loc, rem, tokens in requests:
-                need = self.layers * len(loc)
-                if need > slots_all:
-                    raise BenchError(f"one request needs {need} staging slots, the pool has {slots_all}")
-                if used + need > slots_all:
-                    waves.append([])
-                    used = 0
-                # the daemon's layout (Staging.take_span): remote order, gaps within the share of free slots
-                _, rk = geo.blocks(loc, rem, tokens)
-                budget = min(int(self.gap_share * slots_all), slots_all - used - need) // self.layers
-                span = plan_span(rk, self.page_bytes, self.gap_cost, budget)
-                gaps = None
-                if span.gap_blocks:
-                    gaps = GapRead(span.gap_ids, span_slots(used, self.layers, span.width, span.gap_pos))
-                d = geo.staged_descs(
-                    rem,
-                    span_slots(used, self.layers, span.width, span.pos),
-                    local_block_ids=loc,
-                    remote_num_tokens=tokens,
-                    gaps=gaps,
-                )
-                in_order = contiguous_slots(0, self.layers, len(loc))
-                before += geo.staged_descs(rem, in_order, local_block_ids=loc, remote_num_tokens=tokens).count
-                used += self.layers * span.width
-                self.gap_bytes += self.layers * span.gap_blocks * self.page_bytes
-                bounds = self._bounds(need * self.page_bytes)
-                waves[-1] += [d.layer_slice(a, b) for a, b in bounds]
-            self.descriptors = sum(p[0].shape[0] for w in waves for p in w) // len(requests)
-            self.descriptors_request_order = before // len(requests)
-            t0 = time.perf_counter()
-            for wave in waves:
-                wave_handles: list[Any] = []
-                for loc_d, rem_d in wave:
-
-                    def make(loc_d=loc_d, rem_d=rem_d) -> Any:
-                        ld = agent.get_xfer_descs(loc_d, self.mem)
-                        rd = agent.get_xfer_descs(rem_d, peer.regions.mem_type)
-                        return agent.initialize_xfer("READ", ld, rd, peer.agent_name)
-
-                    self._post(make, wave_handles)
-                handles += wave_handles
-                self._wait(wave_handles, deadline)
-            return time.perf_counter() - t0
-        finally:
-            for h in handles:
-                with contextlib.suppress(Exception):
-                    agent.release_xfer_handle(h)
-
-    def close(self) -> None:
-        self.tx.close()
-        self.pool_tensor = None
-
-
 # ------------------------------------------------------------------------------------------------ measures
-
-
-def peer_copy(nbytes: int, src: str, dst: str, reps: int) -> dict[str, Any]:
-    """Median time of torch copying ``nbytes`` from ``src`` to ``dst`` in one piece (bytes counted once)."""
-    import torch
-
-    a = torch.empty(nbytes, dtype=torch.uint8, device=src).fill_(1)
-    b = torch.empty(nbytes, dtype=torch.uint8, device=dst).fill_(0)
-
-    def sync() -> None:
-        for d in {src, dst}:
-            if d != "cpu":
-                torch.cuda.synchronize(d)
-
-    sync()
-    b.copy_(a)  # warm-up: peer mappings, pages touched
-    sync()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        sync()
-        times.append(time.perf_counter() - t0)
-    if not bool((b[:: max(1, nbytes // 4096)] == 1).all()):
-        raise BenchError("peer copy: the destination does not hold the source's bytes")
-    del a, b
-    if "cuda" in src or "cuda" in dst:
-        torch.cuda.empty_cache()
-    med = statistics.median(times)
-    return {"bytes": nbytes, "median_s": med, "min_s": min(times), "GBps": nbytes / med / 1e9, "reps": reps}
 
 
 def sidecar_batch(
@@ -854,43 +453,7 @@ def sidecar_batch(
     return max(o.received_at for o in got.values()) - t0, got
 
 
-def quantiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
-    if not values:
-        return {}
-    s = sorted(values)
-    return {
-        "p50": statistics.median(s) * scale,
-        "p99": s[min(len(s) - 1, max(0, math.ceil(0.99 * len(s)) - 1))] * scale,
-        "max": s[-1] * scale,
-        "n": len(s),
-    }
-
-
 # ------------------------------------------------------------------------------------------------ the run
-
-
-def _device_names(devices: set[str]) -> dict[str, str]:
-    out = {}
-    for d in sorted(devices):
-        if d == "cpu":
-            model = ""
-            with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as f:
-                model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-            out[d] = f"CPU {model or platform.processor()} x{os.cpu_count()}"
-        else:
-            import torch
-
-            out[d] = torch.cuda.get_device_name(parse_device(d))
-    return out
-
-
-def _command_line() -> str:
-    prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
-    if prog == "kv-sidecar":
-        return shlex.join(["kv-sidecar", *sys.argv[1:]])
-    if prog in ("e2e.py", "__main__.py"):
-        return shlex.join(["python", "-m", "sidecar.bench.e2e", *sys.argv[1:]])
-    return shlex.join(sys.argv)
 
 
 def sizing(
@@ -980,10 +543,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "bench": "e2e",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": _command_line(),
+        "command": command_line(),
         "host": platform.node(),
         "python": platform.python_version(),
-        "devices": {"prefill": prefill, "decoder": decoder, "names": _device_names({prefill, decoder})},
+        "devices": {"prefill": prefill, "decoder": decoder, "names": device_names({prefill, decoder})},
         "shape": {
             "layers": args.layers,
             "heads": args.heads,
@@ -1130,7 +693,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 cell.skipped = failed = f"error: {type(exc).__name__}: {exc}"
                 print(f"{cell.mode}/{cell.order} {cell.context} x{cell.concurrency}: {failed}", flush=True)
                 continue
-            _print_cell(cell, peer.get(min(cell.nbytes, cap), {}).get("GBps", 0.0))
+            print_cell(cell, peer.get(min(cell.nbytes, cap), {}).get("GBps", 0.0))
         if failed:
             result["error"] = failed
     except Exception as exc:  # noqa: BLE001 - a setup failure still writes what was measured
@@ -1147,7 +710,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             except Exception:  # noqa: BLE001 - tear down the rest regardless
                 traceback.print_exc()
 
-    result["cells"] = [_cell_json(c, peer.get(min(c.nbytes, cap))) for c in cells]
+    result["cells"] = [cell_json(c, peer.get(min(c.nbytes, cap))) for c in cells]
     result["read_cost_fit"] = read_cost_fit(cells)
     print(f"read_cost_fit (bare reads): {result['read_cost_fit']}", flush=True)
     result["transports"] = _transports(logs, modes)
@@ -1155,7 +718,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         f"{c['mode']}/{c['order']} {c['context']} tokens x {c['concurrency']}: {why}"
         for c in result["cells"]
         if c.get("must_show")
-        for why in _failures(c)
+        for why in failures(c)
     ]
     result["elapsed_s"] = time.monotonic() - started
     if args.logs is None:
@@ -1271,72 +834,6 @@ def _verify(
     cell.verified = {"requests": checked, "layers": layers, "mismatches": len(bad), "first": bad[:5]}
 
 
-def _failures(c: dict[str, Any]) -> list[str]:
-    ms, out = c["must_show"], []
-    if ms["nixl_over_peer"] is None:
-        out.append("no peer copy measured to compare the bare NIXL read with")
-    elif not ms["nixl_at_least_0.8_peer"]:
-        out.append(f"bare NIXL at {ms['nixl_over_peer']:.3f} of the peer copy (< {PEER_FLOOR})")
-    if not ms["sidecar_within_limit"]:
-        out.append(
-            f"kv-sidecar {c['sidecar']['median_s'] * 1e3:.3f} ms > 1.05 x bare + 0.2 ms x "
-            f"{c['concurrency']} = {ms['sidecar_limit_s'] * 1e3:.3f} ms"
-        )
-    if c["verified"].get("mismatches"):
-        out.append(f"{c['verified']['mismatches']} converted plane-blocks differ from the reference")
-    if not c["verified"].get("requests"):
-        out.append(f"the converted bytes were not checked ({c['verified'].get('error', 'no check ran')})")
-    if not c["notified"]:
-        out.append("the prefill did not free every request by notification")
-    return out
-
-
-def _cell_json(c: Cell, peer: dict[str, Any] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "context": c.context,
-        "concurrency": c.concurrency,
-        "mode": c.mode,
-        "order": c.order,
-        "blocks_per_request": c.blocks,
-        "bytes": c.nbytes,
-    }
-    if c.skipped is not None or not c.sidecar_s:
-        out["skipped"] = c.skipped or "not run"
-        return out
-    peer_gbps = peer["GBps"] if peer else 0.0
-    bare, side = statistics.median(c.bare_s), statistics.median(c.sidecar_s)
-    out.update(
-        {
-            "peer_copy": {
-                "GBps": peer_gbps,
-                "s_for_these_bytes": c.nbytes / peer_gbps / 1e9 if peer_gbps else None,
-            },
-            "bare": {
-                "median_s": bare,
-                "all_s": c.bare_s,
-                "GBps": c.nbytes / bare / 1e9,
-                "descriptors_per_request": c.bare_descriptors,
-                "descriptors_per_request_in_request_order": c.bare_descriptors_request_order,
-                "gap_bytes": c.bare_gap_bytes,
-            },
-            "sidecar": {
-                "median_s": side,
-                "all_s": c.sidecar_s,
-                "GBps": c.nbytes / side / 1e9,
-                "per_request_end_to_end_ms": quantiles(c.end_to_end_s),
-                "shim_round_trip_ms": quantiles(c.round_trip_s),
-                "stages_ms": {k: quantiles(v) for k, v in sorted(c.stages_s.items())},
-                # the daemon's CPU while its batches ran (user + system seconds / wall seconds)
-                "daemon_cpu_cores": sum(c.daemon_cpu_s) / sum(c.sidecar_s) if c.daemon_cpu_s else None,
-            },
-            "verified": c.verified,
-            "notified": c.notified,
-            "must_show": must_show(c, peer_gbps),
-        }
-    )
-    return out
-
-
 def _transports(logs: Path, modes: list[str]) -> dict[str, Any]:
     with contextlib.suppress(Exception):
         import ctypes
@@ -1348,23 +845,6 @@ def _transports(logs: Path, modes: list[str]) -> dict[str, Any]:
     out["bare"] = summarize_ucx_logs(sorted(glob.glob(str(logs / "ucx-bench-*.log"))), "bench-bare")
     out["prefill"] = summarize_ucx_logs(sorted(glob.glob(str(logs / "ucx-prefill-*.log"))))
     return out
-
-
-def _print_cell(c: Cell, peer_gbps: float) -> None:
-    bare, side = statistics.median(c.bare_s), statistics.median(c.sidecar_s)
-    ms = must_show(c, peer_gbps)
-    ok = "ok" if ms["nixl_at_least_0.8_peer"] and ms["sidecar_within_limit"] else "MISS"
-    v = c.verified.get("mismatches")
-    check = " bit-exact" if v == 0 else f" MISMATCH {v}" if v else " UNVERIFIED"
-    print(
-        f"{c.mode:>6} {c.order:>10} {c.context:>6} tok x{c.concurrency:<3} {c.nbytes / 2**20:9.1f} MiB | "
-        f"peer {peer_gbps:8.1f} GB/s | bare {c.nbytes / bare / 1e9:7.2f} GB/s {bare * 1e3:9.2f} ms "
-        f"({c.bare_descriptors} descs/req, {c.bare_descriptors_request_order} in request order, "
-        f"gaps {c.bare_gap_bytes / 2**20:.1f} MiB) | kv-sidecar {c.nbytes / side / 1e9:7.2f} GB/s "
-        f"{side * 1e3:9.2f} ms "
-        f"(x{side / bare:.3f}) | {ok}{check}",
-        flush=True,
-    )
 
 
 def run(args: argparse.Namespace) -> int:
