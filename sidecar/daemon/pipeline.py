@@ -130,6 +130,7 @@ class Pipeline:
 
     async def _path(self, job: Job) -> Ending:
         msg, cfg = job.msg, self._config()
+        job.timings["accept"] = time.monotonic() - job.received  # the loop's latency before the job ran
         await self._jobs.wait_turn(job)
         caches = self._hold_caches(job)
         if max(len(msg.local_block_ids), len(msg.remote_block_ids)) > caches.max_blocks:

@@ -246,11 +246,11 @@ class Unregistered(_Msg):
 class Done(_Msg):
     """The end of one Pull: ``ok`` only once every byte is converted.
 
-    ``timings``, in seconds: the stages (queue, handshake, transfer, convert, end_to_end), and within transfer
-    "post" (staging slots taken, descriptors built, READ posted), "read" (posted until seen DONE) and, on a
-    GPU, "launch" (wall time spent starting the conversion kernels) and "launch_cpu" (the thread's CPU time
-    in it). "delivery" (when the Pull carried
-    ``sent_at_ns``): from the shim's send to the daemon's receipt of the Pull.
+    ``timings``, in seconds: the stages (queue, handshake, transfer, convert, end_to_end); within queue
+    "accept" (the Pull's receipt until its job first ran); within transfer "post" (staging slots taken,
+    descriptors built, READ posted), "read" (posted until seen DONE) and, on a GPU, "launch" (wall time
+    spent starting the conversion kernels) and "launch_cpu" (the thread's CPU time in it). "delivery" (when
+    the Pull carried ``sent_at_ns``): from the shim's send to the daemon's receipt of the Pull.
     """
 
     req_id: str

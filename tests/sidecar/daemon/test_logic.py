@@ -150,6 +150,7 @@ def test_a_pull_is_read_converted_and_answered_once(mode):
             done = await h.reply(p.Done, "a")
             assert done.ok, done
             assert {"queue", "handshake", "transfer", "convert", "end_to_end"} <= set(done.timings)
+            assert 0 <= done.timings["accept"] <= done.timings["queue"]
             assert h.port.notified == ["r-a"]  # exactly one notification, after the reads
             assert h.port.reads[0].mode == mode
             await asyncio.sleep(0.01)
