@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu-fastpath.sh STEP...
 #   steps: tests launchtests daemontests launch sweep contiguous defaults orders groups poll interference
-# Knobs: FASTPATH_BUDGET_S (default 560: the whole call).
+# Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/gpu-fastpath-out}
@@ -45,7 +45,7 @@ for step in "$@"; do
     daemontests) TAIL=20 run daemontests 150 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
       tests/sidecar/daemon tests/gpu/test_gpu_slice.py tests/gpu/test_gpu_tp.py ;;
     defaults) TAIL=30 run defaults 150 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
-      --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 3 --pairs staged/contiguous --budget-s 110 \
+      --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous --budget-s 110 \
       --out "$OUT/e2e-h200-contiguous-defaults.json" ;;
     launch) run launch 90 python3 -m sidecar.cli bench launch --out "$OUT/launch-probe-h200.json" ;;
     sweep) run sweep 100 python3 -m sidecar.cli bench convert --device cuda --dtype bfloat16 \
@@ -59,8 +59,11 @@ for step in "$@"; do
     orders) TAIL=30 run orders 160 "${E2E[@]}" --contexts 4096 --concurrency 1,8 --reps 3 --modes staged \
       --orders churn,density-0.25,random --max-batch-tokens 65536 --prefill-pool-factor 4 --staging-factor 2 \
       --budget-s 120 --out "$OUT/e2e-h200-orders.json" ;;
-    groups) TAIL=20 run groups 90 "${E2E[@]}" --contexts 4096,16384 --concurrency 1 --reps 3 \
-      --pairs staged/contiguous --layer-groups 4 --budget-s 60 --out "$OUT/e2e-h200-groups4.json" ;;
+    groups) for g in ${GROUPS_SWEEP:-1 2 4 9}; do  # the daemon's defaults, layer groups set for both sides
+        TAIL=14 run "groups$g" 75 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
+          --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 8 --pairs staged/contiguous,direct/contiguous \
+          --layer-groups "$g" --budget-s 50 --out "$OUT/e2e-h200-groups$g.json"
+      done ;;
     poll) TAIL=20 run poll 120 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
       --warmup 1 --contexts 4096 --concurrency 1,8 --reps 3 --pairs staged/contiguous \
       --daemon-set poll_busy_s=0 --budget-s 70 --out "$OUT/e2e-h200-poll0.json" ;;

@@ -150,18 +150,22 @@ def pull_round(standin: DeviceStandin, emulator, name: str, seed: int) -> dict:
     }
 
 
+@pytest.mark.parametrize("groups", [0, LAYERS], ids=["groups-auto", "group-per-layer"])
 @pytest.mark.parametrize("mode", ["direct", "staged"])
-def test_slice_on_one_gpu_is_bit_exact(mode: str, work, emulator) -> None:
-    env = ucx_env(work, f"daemon-{mode}", "info", cuda=True)
+def test_slice_on_one_gpu_is_bit_exact(mode: str, groups: int, work, emulator) -> None:
+    """Per layer group, conversions start while later groups still post or read (``on_landed``)."""
+    name = f"daemon-{mode}-groups-{groups or 'auto'}"
+    env = ucx_env(work, name, "info", cuda=True)
     daemon = start_daemon(
         work,
-        f"daemon-{mode}",
+        name,
         remote_fmt=REMOTE,
         gpu=GPU,
         mode=mode,
         staging_bytes=STAGING,
         env=env,
-        log_path=work / f"daemon-{mode}.log",
+        log_path=work / f"{name}.log",
+        settings={"layer_groups": str(groups)},
     )
     rounds = {}
     try:
@@ -176,11 +180,11 @@ def test_slice_on_one_gpu_is_bit_exact(mode: str, work, emulator) -> None:
             assert standin.register(), standin.worker.client.status_reason
             assert [b.kind for b in standin.worker.exported.buffers] in (["cuda"], ["hip"])  # by CUDA IPC
             # cold: the first requests pay the handshake, NIXL's list preparation and the kernel's JIT
-            rounds["cold"] = pull_round(standin, emulator, f"{mode}-cold", seed=7)
-            rounds["warm"] = pull_round(standin, emulator, f"{mode}-warm", seed=8)
+            rounds["cold"] = pull_round(standin, emulator, f"{name}-cold", seed=7)
+            rounds["warm"] = pull_round(standin, emulator, f"{name}-warm", seed=8)
         finally:
             standin.close()
     finally:
         daemon.stop()  # UCX flushes its log when the daemon exits
-    logs = sorted(glob.glob(str(work / f"ucx-daemon-{mode}-*.log")))
-    RESULTS[mode] = {**rounds, "transports": summarize_ucx_logs(logs)}
+    logs = sorted(glob.glob(str(work / f"ucx-{name}-*.log")))
+    RESULTS[name.removeprefix("daemon-")] = {**rounds, "transports": summarize_ucx_logs(logs)}
