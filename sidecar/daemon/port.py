@@ -19,7 +19,7 @@ What the daemon reads off the objects the port returns:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -123,12 +123,9 @@ class TransferPort(Protocol):
         pool: StagingPool | None = None,
         slots: np.ndarray | None = None,
         gaps: Any = None,
-        on_landed: Callable[[list[tuple[int, int]]], None] | None = None,
     ) -> Any:
         """Post the request's READs (one per layer group); the prefill is notified once all are DONE.
-        ``gaps``: staged only, a ``spans.GapRead`` of blocks read into staging just to merge runs.
-        ``on_landed``: called on the posting thread, between groups, with layer ranges already DONE; those
-        are not left in the read's ``landed`` (a port may also leave every range to ``poll``)."""
+        ``gaps``: staged only, a ``spans.GapRead`` of blocks read into staging just to merge runs."""
         ...
 
     def poll(self, read: Any, now: float, *, notify: bool = True) -> bool:

@@ -59,7 +59,6 @@ class Reads:
         self._waiting: dict[Any, tuple[asyncio.Future, Job]] = {}  # read handle -> (its wait, its job)
         self._last_sent = 0.0
         self._sent_event: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # the loop posts come from
         self._poster = ThreadPoolExecutor(
             1, thread_name_prefix="kv-sidecar-post", initializer=port.thread_init
         )
@@ -99,7 +98,6 @@ class Reads:
         """Post the job's READs on the poster thread (it must have its peer, caches and, when staged, its
         slots and gaps). Cancelled meanwhile (Abort, deadline, shutdown), it still waits for the post to
         return and keeps its read in ``job.read``, so ``stop`` can stop it before the job is answered."""
-        self._loop = asyncio.get_running_loop()
         fut = self.on_poster(self._post_now, job, mode, layer_groups, pool, slots, gaps)
         cancelled = False
         while True:
@@ -153,12 +151,6 @@ class Reads:
             return None
         msg = job.msg
         remaining = max(0.001, job.deadline - time.monotonic())
-        loop = self._loop
-
-        def landed(ranges: list[tuple[int, int]]) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(self._landed_while_posting, job, ranges)
-
         try:
             return self._port.read(
                 job.peer,
@@ -173,7 +165,6 @@ class Reads:
                 pool=pool,
                 slots=slots,
                 gaps=gaps,
-                on_landed=landed,
             )
         except GeometryError as exc:
             raise Refused(exc.field, exc.reason) from None
@@ -186,14 +177,6 @@ class Reads:
                 err = Failed(f"transfer: {exc}")
             err.read = exc.read  # type: ignore[attr-defined]  # posted before it failed: post() keeps it
             raise err from None
-
-    def _landed_while_posting(self, job: Job, ranges: list[tuple[int, int]]) -> None:
-        """Layer groups DONE before the post returned: convert them now (on the loop, in order: this runs
-        before the post's own return is seen). A job stopped meanwhile converts nothing more."""
-        if job.stop is not None or job.settled:
-            return
-        for first, last in ranges:
-            self._on_landed(job, first, last)
 
     async def wait(self, job: Job) -> None:
         """Until every READ of the job is DONE (and the prefill notified)."""

@@ -540,13 +540,10 @@ class NixlTransfer:
         slots: np.ndarray | None = None,
         gaps: Any = None,
         table: DescIndices | Descs | None = None,
-        on_landed: Callable[[list[tuple[int, int]]], None] | None = None,
     ) -> ReadOp:
         """Build the request's descriptors (unless ``table`` gives them, from :meth:`table`) and post them in
         ``layer_groups`` READs; returns the sealed pull.
         ``gaps`` (staged): a ``spans.GapRead`` of blocks read into staging only, to merge runs.
-        ``on_landed``: called between groups with the layer ranges already DONE (taken out of ``landed``), so
-        a group's conversion can start while the next group is being posted.
 
         Staged mode reads into ``pool`` (see ``staging``) at ``slots[layer, i]``. With no block to read (a
         full local prefix hit) nothing is posted and the pull completes with just the notification."""
@@ -566,7 +563,7 @@ class NixlTransfer:
             self._fail(pull, RequestRefused(exc.reason, exc.field))
             raise pull.error from exc  # type: ignore[misc]
         try:
-            self._post_groups(pull, geo, table, dest, mode, pool, layer_groups, on_landed)
+            self._post_groups(pull, geo, table, dest, mode, pool, layer_groups)
         except TransferError as exc:
             exc.read = pull  # failed midway: what it posted may still hold handles
             raise
@@ -574,8 +571,7 @@ class NixlTransfer:
         return pull
 
     def _post_groups(self, pull: ReadOp, geo: PairGeometry, table: Any, dest: Destination, mode: Mode,
-                     pool: StagingPool | None, layer_groups: int,
-                     on_landed: Callable[[list[tuple[int, int]]], None] | None = None) -> None:
+                     pool: StagingPool | None, layer_groups: int) -> None:
         bounds = np.linspace(0, geo.layers, max(1, min(layer_groups, geo.layers)) + 1).astype(int)
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             posted = len(pull.handles)
@@ -590,13 +586,6 @@ class NixlTransfer:
                 pull.layer_ranges.append((int(a), int(b)))
                 if pull.done_flags[-1]:  # a transport that copies while posting (shm) is DONE at once
                     pull.landed.append((int(a), int(b)))
-            if on_landed is not None and len(bounds) > 2:
-                # cuda_ipc copies faster than transfer() posts: earlier groups are DONE by now, and their
-                # conversion can run on the GPU while this thread posts the next group.
-                self._check(pull)
-                if pull.landed:
-                    ranges, pull.landed = pull.landed, []
-                    on_landed(ranges)
 
     @staticmethod
     def _index_bytes(geo: PairGeometry, count: int) -> int:
@@ -634,7 +623,12 @@ class NixlTransfer:
                 raise pull.error
             return True
         now = time.monotonic() if now is None else now
-        self._check(pull)
+        for i, handle in enumerate(pull.handles):
+            if pull.done_flags[i]:
+                continue
+            pull.done_flags[i] = self._state(pull, "check_xfer_state", self.agent.check_xfer_state, handle)
+            if pull.done_flags[i] and i < len(pull.layer_ranges):
+                pull.landed.append(pull.layer_ranges[i])  # its layers may be converted while others read
         if pull.sealed and all(pull.done_flags):
             pull.done_at = now
             if notify:
@@ -649,15 +643,6 @@ class NixlTransfer:
             self._fail(pull, exc)
             raise exc
         return False
-
-    def _check(self, pull: ReadOp) -> None:
-        """Ask NIXL about every transfer not yet DONE; the layer ranges of those now DONE go to ``landed``."""
-        for i, handle in enumerate(pull.handles):
-            if pull.done_flags[i]:
-                continue
-            pull.done_flags[i] = self._state(pull, "check_xfer_state", self.agent.check_xfer_state, handle)
-            if pull.done_flags[i] and i < len(pull.layer_ranges):
-                pull.landed.append(pull.layer_ranges[i])  # its layers may be converted while others read
 
     def notify_read(self, pull: ReadOp) -> None:
         """The finished pull's one notification, if :meth:`poll` was told not to send it."""

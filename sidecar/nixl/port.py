@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,11 +214,9 @@ class NixlPort:
         pool: StagingPool | None = None,
         slots: np.ndarray | None = None,
         gaps: Any = None,
-        on_landed: Callable[[list[tuple[int, int]]], None] | None = None,
     ) -> ReadOp | ReadGroup:
         """The request's reads from each prefill rank of ``peer`` (a ``PeerSet`` or one peer); each rank gets
-        its own notification ``id:n`` once its reads are DONE (or stopped). ``on_landed`` sees layer ranges
-        land while later groups are posted (one rank only: with several, a range lands with the last)."""
+        its own notification ``id:n`` once its reads are DONE (or stopped)."""
         with self.agent.hold():  # every rank's read as one unit against the other thread's agent calls
             members = _members(peer)
             tables: list[Any] = [None] * len(members)
@@ -235,7 +233,6 @@ class NixlPort:
                         m, dest, mode, local_ids, remote_ids, remote_request_id, readers=m.notif_count,
                         layer_groups=layer_groups, timeout_s=timeout_s, remote_num_tokens=remote_num_tokens,
                         pool=pool, slots=slots, gaps=gaps, table=tables[i],
-                        on_landed=on_landed if len(members) == 1 else None,
                     ))
                 except Exception as exc:
                     # The failed rank was notified by its pull; stop and notify the others exactly once too.

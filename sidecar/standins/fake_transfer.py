@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,8 +85,6 @@ class FakePort:
         self.fail_post = False
         self.fail_post_keeps_handles = False  # with fail_post: the failed post leaves a handle to stop
         self.post_threads: list[str] = []  # the thread each read() ran on
-        self.land_while_posting = 0  # read() hands this many groups to its on_landed before it returns
-        self.posting_gate: threading.Event | None = None  # set: read() waits for it after handing them
         self.held_skips = 0  # hold(blocking=False) calls answered False (a post was in progress)
         self._lock = threading.RLock()
         self.spent: set[str] = set()
@@ -174,7 +172,6 @@ class FakePort:
         pool: StagingPool | None = None,
         slots: np.ndarray | None = None,
         gaps: Any = None,
-        on_landed: Callable[[list[tuple[int, int]]], None] | None = None,
     ) -> FakeRead:
         self.post_threads.append(threading.current_thread().name)
         with self._lock:
@@ -203,12 +200,6 @@ class FakePort:
         if pool is not None and slots is not None:  # what a real staged read's descriptors would cover
             read.nbytes = (slots.size + (0 if gaps is None else gaps.slots.size)) * pool.slot_bytes
         self.reads.append(read)
-        if on_landed is not None and self.land_while_posting:
-            early = read.groups[: self.land_while_posting]
-            del read.groups[: self.land_while_posting]
-            on_landed(early)  # as NixlTransfer: DONE between groups, handed over, not left in landed
-            if self.posting_gate is not None:
-                self.posting_gate.wait(10.0)
         return read
 
     def land(self, read: FakeRead, index: int = 0) -> None:

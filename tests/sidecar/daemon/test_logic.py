@@ -404,56 +404,6 @@ def test_an_abort_during_a_post_waits_for_it_then_stops_it_and_notifies_once(fai
     run(main())
 
 
-@pytest.fixture
-def converted_layers(monkeypatch):
-    """The layer range of every conversion, recorded, then run for real."""
-    ranges = []
-    real = conversion_mod.convert_blocks
-
-    def record(caches, block_ids, fmt, src, layers=None, *args, **kw):
-        ranges.append(layers)
-        return real(caches, block_ids, fmt, src, layers, *args, **kw)
-
-    monkeypatch.setattr(conversion_mod, "convert_blocks", record)
-    return ranges
-
-
-def test_groups_done_while_later_ones_post_convert_before_the_post_returns(converted_layers):
-    async def main():
-        async with started(layer_groups=4) as h:
-            h.port.land_while_posting = 2
-            h.port.posting_gate = threading.Event()  # the post stays in read() after handing two groups
-            h.pull("a")
-            deadline = time.monotonic() + 2
-            while len(converted_layers) < 2:
-                assert time.monotonic() < deadline, f"converted while posting: {converted_layers}"
-                await asyncio.sleep(0.002)
-            assert converted_layers == [(0, 1), (1, 2)] and h.answers("a") == []
-            h.port.posting_gate.set()
-            done = await h.reply(p.Done, "a")
-            assert done.ok, done
-            assert sorted(converted_layers) == [(0, 1), (1, 2), (2, 3), (3, 4)]  # each group once
-            assert h.port.notified == ["r-a"]
-
-    run(main())
-
-
-def test_groups_done_while_posting_are_not_converted_once_the_pull_is_aborted(converted_layers):
-    async def main():
-        async with started(layer_groups=4) as h:
-            h.port.land_while_posting = 2
-            await _posting(h, "x")  # held before it posts anything
-            h.send(p.Abort(req_id="x"))
-            h.port.post_gate.set()  # now it posts and hands over two DONE groups
-            aborted = await h.reply(p.Aborted, "x")
-            assert aborted.safe, aborted
-            await asyncio.sleep(0.02)
-            assert converted_layers == []  # nothing written into the blocks of a stopped pull
-            assert h.port.notified == ["r-x"] and len(h.answers("x")) == 1
-
-    run(main())
-
-
 def test_a_poll_pass_launches_what_landed_after_letting_the_port_go():
     """A post waiting for the port must not also wait for launches (each ~0.15-0.5 ms on a GPU)."""
 
