@@ -153,7 +153,7 @@ def pull_round(standin: DeviceStandin, emulator, name: str, seed: int) -> dict:
 @pytest.mark.parametrize("groups", [0, LAYERS], ids=["groups-auto", "group-per-layer"])
 @pytest.mark.parametrize("mode", ["direct", "staged"])
 def test_slice_on_one_gpu_is_bit_exact(mode: str, groups: int, work, emulator) -> None:
-    """Per layer group, conversions start while later groups still post or read (``on_landed``)."""
+    """With one layer group per layer too: each group converts once it landed, while later ones read."""
     name = f"daemon-{mode}-groups-{groups or 'auto'}"
     env = ucx_env(work, name, "info", cuda=True)
     daemon = start_daemon(
