@@ -25,6 +25,7 @@ import argparse
 import datetime as dt
 import itertools
 import json
+import os
 import platform
 import shlex
 import sys
@@ -183,11 +184,13 @@ QUEUED_REQUESTS = 8  # "queued": requests launched back to back between synchron
 
 
 def time_cell(rig: Rig, stream: Any, launch: Launch, mode: str, per_launch: int, state: str, iters: int,
-              warmup: int, busy_cycles: int) -> dict[str, Any]:
+              warmup: int, busy_cycles: int, rest_s: float = 0.0) -> dict[str, Any]:
     """Host time of ``iters`` launches of ``mode``, ``per_launch`` layers each, fresh ids per request.
     ``state``: the stream synchronised before each call ("idle"), a ~1 ms kernel queued just before each
     call ("busy"), or every launch of ``QUEUED_REQUESTS`` requests queued back to back ("queued": each
-    call finds the earlier ones' conversions still queued, as the daemon's layer groups and requests do)."""
+    call finds the earlier ones' conversions still queued, as the daemon's layer groups and requests do).
+    ``rest_s``: the thread sleeps this long before each call, as the daemon's loop comes to a launch from
+    waiting on a read (its caches no longer hold the launch's code and data)."""
     cuda = rig.device.type == "cuda"
     groups = layer_groups(rig.shape.layers, per_launch)
     xs, pending = [], 0
@@ -208,6 +211,8 @@ def time_cell(rig: Rig, stream: Any, launch: Launch, mode: str, per_launch: int,
                         torch.cuda._sleep(busy_cycles)
                         ahead = torch.cuda.Event()
                         ahead.record(stream)
+            if rest_s:
+                time.sleep(rest_s)
             t0 = time.perf_counter()
             launch(rig, stream, ids, _sub(src, layers), layers, index)
             took = time.perf_counter() - t0
@@ -313,6 +318,20 @@ def sleep_cycles(device: torch.device, us: float) -> int:
     return max(1, int(per_us * us))
 
 
+def _load_nixl(device: torch.device) -> Any:
+    """A NIXL agent on ``device`` with one registered region (VRAM, or DRAM on the CPU), kept alive for the
+    whole probe."""
+    from sidecar.nixl.agent import NixlTransfer, TransferSettings
+
+    cuda = device.type == "cuda"
+    agent = NixlTransfer(TransferSettings(cuda_device=(device.index or 0) if cuda else None))
+    region = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    agent.register([(region.data_ptr(), region.numel(), (device.index or 0) if cuda else 0)],
+                   "VRAM" if cuda else "DRAM")
+    agent.keep = region  # type: ignore[attr-defined]  # the registered memory lives as long as the agent
+    return agent
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kv-sidecar bench launch", description=__doc__.split("\n")[0])
     p.add_argument("--device", default=None, help="cuda:N or cpu (default: cuda:0 when a GPU is present)")
@@ -325,6 +344,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None, help="timed launches per cell (GPU 300, CPU 10)")
     p.add_argument("--busy-us", type=float, default=1000.0, help="the kernel queued before each busy call")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rest-us", type=float, default=0.0,
+                   help="host sleep before each timed call (the daemon's loop comes to a launch from waiting)")
+    p.add_argument("--nixl", action="store_true",
+                   help="load a NIXL agent (UCX, this GPU) with one registered VRAM region first, as the "
+                   "daemon has: shows what UCX's CUDA hooks cost a launch")
     p.add_argument("--out", default=None, help="JSON results file (default: print only)")
     return p.parse_args(argv)
 
@@ -348,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     iters = args.iters or (300 if cuda else 10)
     if cuda:
         torch.cuda.set_device(device)
+    agent = _load_nixl(device) if args.nixl else None
     rig = Rig(shape, device, args.seed)
     stream = None
     paths: dict[str, Launch] = {"old": cpu_old, "new": cpu_new}
@@ -366,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'pending':>7s}", flush=True)
     warmup = 20 if cuda else 2
     for mode, per, where, (name, launch) in itertools.product(modes, per_launch, states, paths.items()):
-        got = time_cell(rig, stream, launch, mode, per, where, iters, warmup, busy_cycles)
+        got = time_cell(rig, stream, launch, mode, per, where, iters, warmup, busy_cycles, args.rest_us * 1e-6)
         cells.append({"path": name, "mode": mode, "layers_per_launch": per, "stream": where, **got})
         print(f"{mode:12s} {per:13d} {where:6s} {name:4s} {got['p50_us']:9.1f} {got['p99_us']:9.1f} "
               f"{got.get('pending_after', ''):>7}", flush=True)
@@ -383,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "shape": asdict(shape),
         "settings": {"iters": iters, "per_launch": per_launch, "modes": modes, "busy_us": args.busy_us,
+                     "rest_us": args.rest_us, "nixl_agent": agent is not None,
+                     "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
                      "queued_requests": QUEUED_REQUESTS,
                      "gap_density": 1 / GAP_DENSITY, "seed": args.seed},
         "note": None if cuda else "CPU: both paths convert through the torch reference inside the call, so "

@@ -36,6 +36,15 @@ def test_cpu_run_writes_every_cell_verified(tmp_path):
     assert all(c["n"] == 2 and c["p50_us"] > 0 for c in report["cells"])
 
 
+def test_a_run_with_a_nixl_agent_loaded_and_rests_says_so_and_stays_verified(tmp_path):
+    out = tmp_path / "launch.json"
+    argv = ["--device", "cpu", "--iters", "2", "--modes", "staged", "--nixl", "--rest-us", "200", "--out", str(out)]
+    assert pl.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["all_verified"] is True
+    assert report["settings"]["nixl_agent"] is True and report["settings"]["rest_us"] == 200
+
+
 def _rig():
     return pl.Rig(pl.CPU_SHAPE, torch.device("cpu"), seed=3)
 
