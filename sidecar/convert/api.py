@@ -152,7 +152,7 @@ class PlaneSet:
         ready once the conversion's stream gets there; else None. ``src_index`` (CPU ints, out of place):
         ``block_ids[i]`` reads source row ``src_index[i]``, so ``src`` may hold rows that are not converted
         (a staged span read through gaps)."""
-        counts = None if self.lut is None else torch.zeros(2, dtype=torch.int64, device=self.planes.device)
+        counts = self._counts()
         job = check_request(
             self.planes, block_ids, src, layers, lut=self.lut, counts=counts, src_index=src_index,
             memo=self.sources,
@@ -172,8 +172,12 @@ class PlaneSet:
         """As ``convert`` for the daemon's launches: ``block_ids`` and ``src_index`` as numpy int arrays,
         ``src`` one ``[layers, rows, page]`` tensor (the staging view) or None. The same checks of ids,
         source and source rows, with less per call (``checks.check_launch``)."""
-        counts = None if self.lut is None else torch.zeros(2, dtype=torch.int64, device=self.planes.device)
+        counts = self._counts()
         job = check_launch(self.planes, block_ids, src, layers, self.sources, lut=self.lut, counts=counts,
                            src_index=src_index)
         _run(job, tuning, self.tables)
         return counts
+
+    def _counts(self) -> torch.Tensor | None:
+        """A fresh (saturated, NaN) counter for a call that re-encodes fp8; None without a table."""
+        return None if self.lut is None else torch.zeros(2, dtype=torch.int64, device=self.planes.device)

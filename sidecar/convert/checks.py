@@ -389,8 +389,7 @@ def check_request(
     srcs = src_rows = src_aligned = None
     if isinstance(src, torch.Tensor):
         if memo is not None:
-            srcs, src_rows, one_ok, many_ok = memo.batched(planes, src, last - first, m)
-            src_aligned = one_ok if ids.numel() <= 1 and src_index is None else many_ok
+            srcs, src_rows, src_aligned = _remembered(memo, planes, src, last - first, ids.numel(), src_index)
         else:
             srcs, src_rows = _batched_src(planes, src, last - first, m)
     elif src is not None:
@@ -422,21 +421,34 @@ def check_launch(
     if src is not None:
         if not isinstance(src, torch.Tensor):
             raise ValueError(f"src must be a torch.Tensor, got {type(src).__name__}")
-        srcs, src_rows, one_ok, many_ok = memo.batched(
-            planes, src, last - first, None if src_index is not None else len(ids)
-        )
-        src_aligned = one_ok if len(ids) <= 1 and src_index is None else many_ok
+        srcs, src_rows, src_aligned = _remembered(memo, planes, src, last - first, len(ids), src_index)
     if src_index is not None:
         if src is None:
             raise ValueError("src_index needs a src (it picks source rows; in place has none)")
         rows = _id_array("src_index", src_index)
         if rows.shape != ids.shape:
             raise ValueError(f"src_index shape {rows.shape} must be [len(block_ids)] = [{len(ids)}]")
-        if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= srcs.shape[1]):
-            bad = int(rows.min()) if int(rows.min()) < 0 else int(rows.max())
-            raise ValueError(f"src_index holds {bad}, out of range [0, {srcs.shape[1]}) source rows")
+        _check_source_rows(rows, srcs.shape[1])
         index = torch.from_numpy(rows)
     return _job(planes, first, last, torch.from_numpy(ids), srcs, src_rows, lut, counts, index, src_aligned)
+
+
+def _remembered(memo: SourceMemo, planes: Planes, src: torch.Tensor, layers: int, m: int,
+                src_index: object) -> tuple[torch.Tensor, np.ndarray, bool]:
+    """A [layers, rows, page] source through ``memo``: its int16 view, rows and whether 16-byte vectors fit
+    it for ``m`` blocks (read through a source index when one is given: then any number of rows)."""
+    view, rows, one_ok, many_ok = memo.batched(planes, src, layers, None if src_index is not None else m)
+    return view, rows, one_ok if m <= 1 and src_index is None else many_ok
+
+
+def _check_source_rows(rows: np.ndarray, available: int) -> None:
+    """Every source row in [0, available) (repeats allowed: reads never conflict)."""
+    if rows.size:
+        lo, hi = int(rows.min()), int(rows.max())
+        if lo < 0 or hi >= available:
+            raise ValueError(
+                f"src_index holds {lo if lo < 0 else hi}, out of range [0, {available}) source rows"
+            )
 
 
 def _layer_range(planes: Planes, layers: tuple[int, int] | None) -> tuple[int, int]:
@@ -481,10 +493,7 @@ def _check_src_index(src_index: object, m: int, rows: int) -> torch.Tensor:
     if src_index.device.type != "cpu":
         raise ValueError(f"src_index is on {src_index.device}; it must be on the CPU")
     index = src_index.to(torch.int64)
-    if m:
-        lo, hi = int(index.min()), int(index.max())
-        if lo < 0 or hi >= rows:
-            raise ValueError(f"src_index holds {lo if lo < 0 else hi}, out of range [0, {rows}) source rows")
+    _check_source_rows(index.numpy(), rows)
     return index
 
 
