@@ -425,6 +425,42 @@ def test_a_poll_pass_launches_what_landed_after_letting_the_port_go():
     run(main())
 
 
+def test_a_read_finishing_while_the_port_is_busy_is_answered_and_notified_from_the_poster():
+    """The loop never waits for the port: a notification that finds it held goes out on the poster thread."""
+
+    async def main():
+        async with started() as h:
+            reads = h.daemon.reads
+            launch = reads._on_landed  # noqa: SLF001
+            notify = h.port.notify_read
+            told = []
+            h.port.notify_read = lambda read: (told.append(threading.current_thread().name), notify(read))
+            release, holding = threading.Event(), threading.Event()
+
+            def busy():  # as a post of another request would, right after this pass let the port go
+                with h.port.hold():
+                    holding.set()
+                    release.wait(5)
+
+            def launch_then_port_taken(job, first, last):
+                launch(job, first, last)
+                threading.Thread(target=busy, daemon=True).start()
+                assert holding.wait(2)
+
+            reads._on_landed = launch_then_port_taken  # noqa: SLF001
+            h.pull("a")
+            done = await h.reply(p.Done, "a")
+            assert done.ok, done
+            deadline = time.monotonic() + 2
+            while not told:
+                assert time.monotonic() < deadline, "never notified"
+                await asyncio.sleep(0.002)
+            assert told == ["kv-sidecar-post_0"] and h.port.notified == ["r-a"]
+            release.set()
+
+    run(main())
+
+
 def test_a_pull_stopped_while_its_post_waits_behind_another_is_never_posted():
     async def main():
         async with started() as h:
