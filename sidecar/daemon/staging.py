@@ -119,6 +119,7 @@ class Staging:
         pool; otherwise no gaps, waiting for the request's own slots as ``take`` does."""
         n = int(np.asarray(remote_ids).size)
         page = fmt.page_bytes
+        span = None
         if cost is not None and share > 0 and layers > 0 and n > 1:
             cut = self._cut_for(page)
             free = cut.allocator.free - layers * n
@@ -131,7 +132,8 @@ class Staging:
                     gaps = GapRead(span.gap_ids, span_slots(first, layers, span.width, span.gap_pos))
                     slots = span_slots(first, layers, span.width, span.pos)
                     return Staged(cut.pool, slots, (first, need), span.width, span.pos, gaps)
-        span = plan_span(remote_ids, page, None, 0)
+        if span is None or span.gap_blocks:  # a span without gaps is the plain plan already
+            span = plan_span(remote_ids, page, None, 0)
         pool, _, run = await self.take(fmt, layers, n)
         return Staged(pool, span_slots(run[0], layers, n, span.pos), run, n, span.pos, None)
 

@@ -112,6 +112,20 @@ def test_plan_span_lays_blocks_out_in_remote_order():
         assert span.gap_blocks <= budget
 
 
+def test_a_span_planned_with_a_cost_but_no_gaps_is_the_plain_plan():
+    """``Staging.take_span`` keeps such a span instead of planning again without the cost."""
+    rng = np.random.default_rng(2)
+    for _ in range(300):
+        n = int(rng.integers(0, 12))
+        rk = rng.choice(60, size=n, replace=int(rng.integers(0, 2)) == 1).astype(np.int64)
+        span = plan_span(rk, 1000, ReadCost(8.0, float(rng.choice([0.001, 1.0]))), int(rng.integers(0, 20)))
+        if span.gap_blocks:
+            continue
+        plain = plan_span(rk, 1000, None, 0)
+        assert span.width == plain.width and span.pos.tolist() == plain.pos.tolist()
+        assert span.gap_ids.size == plain.gap_ids.size == 0
+
+
 def test_plan_span_with_repeats_keeps_request_order():
     span = plan_span(np.array([5, 3, 5]), 1000, ReadCost(8.0, 1.0), 10)
     assert span.width == 3 and span.pos.tolist() == [0, 1, 2] and span.gap_blocks == 0
