@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from sidecar.wire import protocol as p
 
@@ -113,6 +116,15 @@ class Job:
         if self.stage_started and self.stage.value not in self.timings:
             self.timings[self.stage.value] = now - self.stage_started
         self.stage, self.stage_started = stage, now
+
+    @functools.cached_property
+    def id_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The Pull's (local, remote) block ids as arrays, made once: pairing, staging and the post each took
+        the lists and made their own (``geometry`` checks their dtype and shape as it did the lists')."""
+        arrays = np.asarray(self.msg.local_block_ids), np.asarray(self.msg.remote_block_ids)
+        for a in arrays:
+            a.flags.writeable = False  # shared by the loop and the poster thread: nobody writes into them
+        return arrays
 
     @property
     def cancellable(self) -> bool:

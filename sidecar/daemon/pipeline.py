@@ -218,7 +218,7 @@ class Pipeline:
         same_tp = len(peers) == 1 and msg.remote_tp_size == job.session.tp_size
         try:
             rk = remote_kernel_ids(
-                msg.remote_block_ids,
+                job.id_arrays[1],
                 1 if regions is None else regions.blocks_per_logical,
                 None if regions is None else regions.block_size,
                 msg.remote_num_tokens,

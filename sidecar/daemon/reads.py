@@ -71,15 +71,15 @@ class Reads:
 
     def blocks(self, job: Job, mode: ReadMode) -> np.ndarray:
         """The local kernel blocks the job's read writes (tail pairing, padding trimmed)."""
-        msg = job.msg
+        local_ids, remote_ids = job.id_arrays
         try:
             return self._port.blocks(
                 job.peer,
                 job.caches.destination,
                 mode,
-                msg.local_block_ids,
-                msg.remote_block_ids,
-                msg.remote_num_tokens,
+                local_ids,
+                remote_ids,
+                job.msg.remote_num_tokens,
             )
         except GeometryError as exc:
             raise Refused(exc.field, exc.reason) from None
@@ -150,14 +150,15 @@ class Reads:
         if job.stop is not None:
             return None
         msg = job.msg
+        local_ids, remote_ids = job.id_arrays
         remaining = max(0.001, job.deadline - time.monotonic())
         try:
             return self._port.read(
                 job.peer,
                 job.caches.destination,
                 mode,
-                msg.local_block_ids,
-                msg.remote_block_ids,
+                local_ids,
+                remote_ids,
                 msg.remote_request_id,
                 layer_groups=layer_groups,
                 timeout_s=remaining + 1.0,
