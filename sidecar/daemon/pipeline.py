@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from sidecar.daemon.caches import CacheRegistry, Caches
 from sidecar.daemon.conversion import Conversions
 from sidecar.daemon.errors import Failed, PeerLost, Refused, reason_of
@@ -24,8 +26,6 @@ from sidecar.daemon.port import PeerSet, PeerTarget, ReadMode
 from sidecar.daemon.read_plan import gap_cost, layer_groups_for
 from sidecar.daemon.reads import Reads
 from sidecar.daemon.staging import Staged, Staging
-from sidecar.nixl.geometry import GeometryError
-from sidecar.nixl.spans import remote_kernel_ids
 from sidecar.nixl.tp import read_ranks
 from sidecar.ops.config import Config
 from sidecar.ops.metrics import Metrics
@@ -191,7 +191,7 @@ class Pipeline:
 
     async def _post(self, job: Job, caches: Caches, mode: ReadMode, layer_groups: int) -> bool:
         """Take staging slots if staged, prepare the conversion, post the reads; True if it converts."""
-        job.blocks = self._reads.blocks(job, mode)
+        job.blocks, remote = self._reads.blocks(job, mode)
         pool = slots = src = staged = None
         layers, blocks = len(caches.layers), int(job.blocks.size)
         fmt = job.peer.plan.remote
@@ -199,7 +199,7 @@ class Pipeline:
         if mode == "staged":
             if self._staging is None:
                 raise Refused("pull_mode", "staged reads need a staging pool (staging_bytes = 0)")
-            staged = await self._take_span(job, fmt, layers, blocks)
+            staged = await self._take_span(job, fmt, layers, remote)
             pool, slots, job.slots = staged.pool, staged.slots, staged.run
             src = self._staging.source(job.slots, caches.page_format, layers, staged.width)
         converting = bool(job.peer.plan.convert and blocks)
@@ -210,24 +210,14 @@ class Pipeline:
             job.gap_bytes = staged.gap_bytes(fmt.page_bytes)
         return converting
 
-    async def _take_span(self, job: Job, fmt: PageFormat, layers: int, blocks: int) -> Staged:
-        """The job's staging slots in remote-address order, with the gaps worth reading (config)."""
+    async def _take_span(self, job: Job, fmt: PageFormat, layers: int, remote: np.ndarray) -> Staged:
+        """The job's staging slots in remote-address order, with the gaps worth reading (config). ``remote``:
+        the remote kernel blocks its read pairs with the local ones (checked by the port's pairing)."""
         cfg, msg, peers = self._config(), job.msg, job.peer.peers
-        regions = getattr(peers[0], "regions", None)
         # A head-sliced read (unequal TP) reads only the request's own pages: no gaps through its slices.
         same_tp = len(peers) == 1 and msg.remote_tp_size == job.session.tp_size
-        try:
-            rk = remote_kernel_ids(
-                job.id_arrays[1],
-                1 if regions is None else regions.blocks_per_logical,
-                None if regions is None else regions.block_size,
-                msg.remote_num_tokens,
-                blocks,
-            )
-        except GeometryError as exc:
-            raise Refused(exc.field, exc.reason) from None
         cost = gap_cost(cfg, peers[0]) if same_tp else None
-        return await self._staging.take_span(fmt, layers, rk, cost, cfg.gap_pool_share)
+        return await self._staging.take_span(fmt, layers, remote, cost, cfg.gap_pool_share)
 
     # -- the way out
 

@@ -104,8 +104,9 @@ class TransferPort(Protocol):
         local_ids: Sequence[int],
         remote_ids: Sequence[int],
         remote_num_tokens: int | None,
-    ) -> np.ndarray:
-        """The local kernel block ids a read of these ids writes (padding trimmed): what gets converted."""
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The checked kernel block pairs a read of these ids moves (padding trimmed): the local ids it writes
+        (what gets converted) and the remote ids each reads, in request order."""
         ...
 
     def read(

@@ -69,8 +69,9 @@ class Reads:
         if self._sent_event is not None:
             self._sent_event.set()
 
-    def blocks(self, job: Job, mode: ReadMode) -> np.ndarray:
-        """The local kernel blocks the job's read writes (tail pairing, padding trimmed)."""
+    def blocks(self, job: Job, mode: ReadMode) -> tuple[np.ndarray, np.ndarray]:
+        """The checked kernel block pairs of the job's read (tail pairing, padding trimmed): the local blocks
+        it writes and the remote blocks each reads."""
         local_ids, remote_ids = job.id_arrays
         try:
             return self._port.blocks(

@@ -195,9 +195,9 @@ class NixlPort:
         local_ids: Sequence[int],
         remote_ids: Sequence[int],
         remote_num_tokens: int | None,
-    ) -> np.ndarray:
+    ) -> tuple[np.ndarray, np.ndarray]:
         geo = self.agent.geometry(_members(peer)[0], dest, "plain" if mode == "plain" else "direct")
-        return geo.blocks(local_ids, remote_ids, remote_num_tokens)[0]
+        return geo.blocks(local_ids, remote_ids, remote_num_tokens)
 
     def read(
         self,

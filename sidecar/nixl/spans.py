@@ -13,11 +13,8 @@ layer count, so the choice is the same for every layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
-
-from sidecar.nixl.geometry import GeometryError, kernel_block_ids
 
 _I64 = np.int64
 
@@ -146,16 +143,3 @@ def fit_read_cost(descriptors: np.ndarray, nbytes: np.ndarray, seconds: np.ndarr
     if inv <= 0:
         raise ValueError("the reads do not show a positive byte rate (need reads of different sizes)")
     return ReadCost(descriptor_us=max(0.0, a * 1e6), gbps=1.0 / inv / 1e9)
-
-
-def remote_kernel_ids(
-    remote_block_ids: Any, ratio: int, block_size: int | None, num_tokens: int | None, n: int
-) -> np.ndarray:
-    """The remote kernel blocks a staged read of ``n`` local blocks reads, in request order: what
-    ``PairGeometry.staged_descs`` pairs with the slots (padding past ``num_tokens`` trimmed, the tail)."""
-    rk = kernel_block_ids(remote_block_ids, ratio, "remote_block_ids")
-    if num_tokens is not None and block_size:
-        rk = rk[: -(-num_tokens // block_size)]
-    if n > rk.size:
-        raise GeometryError("local_block_ids", f"{n} local kernel blocks, the prefill supplied {rk.size}")
-    return rk[rk.size - n :]

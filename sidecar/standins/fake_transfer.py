@@ -153,9 +153,10 @@ class FakePort:
         local_ids: Sequence[int],
         remote_ids: Sequence[int],
         remote_num_tokens: int | None,
-    ) -> np.ndarray:
+    ) -> tuple[np.ndarray, np.ndarray]:
         n = min(len(local_ids), len(remote_ids))
-        return np.asarray(list(local_ids)[len(local_ids) - n :], dtype=np.int64)
+        return (np.asarray(list(local_ids)[len(local_ids) - n :], dtype=np.int64),
+                np.asarray(list(remote_ids)[len(remote_ids) - n :], dtype=np.int64))
 
     def read(
         self,
