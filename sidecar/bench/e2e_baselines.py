@@ -15,7 +15,7 @@ from sidecar.bench.e2e_common import BenchError, parse_device
 from sidecar.wire.formats import PageFormat
 
 if TYPE_CHECKING:
-    from sidecar.bench.e2e import DeviceStandin
+    from sidecar.bench.e2e_roles import DeviceStandin
 
 
 class BareReader:

@@ -148,7 +148,7 @@ def _ucx_env(cuda: bool) -> dict[str, str]:
 def run_group(args: argparse.Namespace, device: str, plan: DaemonPlan, cells: list[tuple[int, float]],
               mps_ctl: Any, t_start: float) -> dict[str, Any]:
     """One setting: its own emulator, daemon and decoder; alone pulls, baselines and every cell."""
-    from sidecar.bench.e2e import start_daemon
+    from sidecar.bench.e2e_roles import start_daemon
     from sidecar.bench.interference import Child
     from sidecar.standins.decoder import StandinShape
     from sidecar.standins.emulator_control import spawn_emulator

@@ -8,7 +8,7 @@ connector's ``start_load_kv`` / ``get_finished`` do. Requests are finished at th
 thread at Poisson arrival times (``--keep-bytes``: the same pages served again and again). Every decode step
 (``decode_step.DecodeStep``) is timed by GPU events mapped to the host clock; each request records its
 arrival, Pull sent and Done received (the shim's receiver thread stamps it). After each phase the first
-answered request is checked bit for bit against the emulator's pages (``e2e.mismatched_planes``).
+answered request is checked bit for bit against the emulator's pages (``e2e_roles.mismatched_planes``).
 
 ``python -m sidecar.bench.interference_decoder``: a ``DecoderConfig`` JSON line on stdin, then commands.
 """
@@ -309,7 +309,7 @@ class ShimDecoder:
     def _verify(self, first: tuple[Any, list[int]]) -> Verified:
         """The first answered request of a phase, bit for bit against the emulator's pages converted by the
         torch reference (a check that cannot run is reported, never passed)."""
-        from sidecar.bench.e2e import mismatched_planes, spread
+        from sidecar.bench.e2e_roles import mismatched_planes, spread
 
         reply, local = first
         layers = spread(self.s.layers, self.cfg.verify_layers)

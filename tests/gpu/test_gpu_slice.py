@@ -20,8 +20,8 @@ import time
 import pytest
 import torch
 
-from sidecar.bench.e2e import DeviceStandin, start_daemon
 from sidecar.bench.e2e_report import quantiles
+from sidecar.bench.e2e_roles import DeviceStandin, start_daemon
 from sidecar.bench.ucx_logs import summarize_ucx_logs, ucx_env
 from sidecar.standins.decoder import StandinShape, expected_planes
 from sidecar.standins.emulator_control import spawn_emulator

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sidecar.bench.e2e import DeviceStandin, start_daemon
+from sidecar.bench.e2e_roles import DeviceStandin, start_daemon
 from sidecar.bench.ucx_logs import ucx_env
 from sidecar.standins.decoder import StandinShape, run_tp_session, summarize
 from sidecar.standins.emulator_control import spawn_emulator

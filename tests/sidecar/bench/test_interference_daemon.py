@@ -89,7 +89,7 @@ def test_problems_fail_the_run() -> None:
 def test_bit_exact_check_finds_one_flipped_byte() -> None:
     """The check the bench runs per phase: the decoder's blocks hold the reference conversion of the
     emulator's pages -> no mismatch; one byte changed -> exactly that (layer, block, plane)."""
-    from sidecar.bench.e2e import mismatched_planes
+    from sidecar.bench.e2e_roles import mismatched_planes
     from sidecar.standins.decoder import DecoderStandin, StandinShape, expected_planes
     from sidecar.standins.emulator_control import NewRequestReply
 
