@@ -120,7 +120,10 @@ def _pageable_launcher() -> type:
     from sidecar.convert import triton_kernel as tk
 
     class PageableLauncher(tk.Launcher):
-        """The launcher as it was: one pageable copy per table, a fresh zeroed counts tensor per launch."""
+        """The launcher as it was: one pageable copy per table, a fresh zeroed counts tensor per launch,
+        kernels launched through Triton's binder."""
+
+        direct = False
 
         def __init__(self, job: Any, tuning: Any = tk.TUNING, tables: Any = None) -> None:
             super().__init__(job, tuning, None)  # no meta cache: rebuilt every launch
@@ -265,6 +268,7 @@ def components(rig: Rig, stream: Any, iters: int) -> dict[str, dict[str, Any]]:
     tid = torch.from_numpy(ids)
     job = check_launch(ps.planes, ids, src, layers, ps.sources)
     launcher = tk.Launcher(job, tk.TUNING, ps.tables)
+    bound = rig.old_launcher(job)  # the old launcher: kernels through Triton's binder
 
     def event() -> None:
         e = torch.cuda.Event()
@@ -284,7 +288,8 @@ def components(rig: Rig, stream: Any, iters: int) -> dict[str, dict[str, Any]]:
         "aligned16": lambda: aligned16(job),
         "Launcher() (tables built + one pinned copy)": lambda: tk.Launcher(job, tk.TUNING, ps.tables),
         "Launcher() old (tables rebuilt + pageable copies)": lambda: rig.old_launcher(job),
-        "Triton launch only": launcher,
+        "Triton launch only (DirectKernel)": launcher,
+        "Triton launch only (Triton's binder)": bound,
         "stream switch (torch.cuda.stream)": switch,
         "Event() + record": event,
     }

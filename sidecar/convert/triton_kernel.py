@@ -25,6 +25,7 @@ bench/results/convert-h200-*.json):
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 import torch
@@ -328,16 +329,100 @@ def _warps(elems: int, per_thread: int) -> int:
     return max(1, min(16, elems // (32 * per_thread)))
 
 
+def _triton_version() -> tuple[int, ...]:
+    return tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
+
+
+# Triton from 3.4 on hands a compiled kernel's launcher every argument in signature order (constexprs
+# included) and takes (launch metadata, enter hook, exit hook) before them; older ones differ.
+DIRECT_LAUNCH = _triton_version() >= (3, 4)
+
+
+def _hooks_set() -> bool:
+    """Whether a launch hook (a profiler's) is installed: launches then go through Triton to call it."""
+    hook = triton.knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class DirectKernel:
+    """One Triton kernel launched through its compiled form, without Triton's per-call binder.
+
+    ``kernel[grid](...)`` binds every argument, recomputes the specialisation key, looks the kernel up and
+    builds launch metadata on each call (about 5 of a launch's 40 µs on the H200 host, ``bench launch``).
+    The conversion launches the same few variants again and again, so each compiled kernel is kept under a
+    key made of what Triton specialises these kernels on: the device, the constexpr values, the launch
+    options (num_warps, ...), each tensor's dtype and 16-byte alignment and, for ``do_not_specialize``
+    integers, whether they fit 32 bits. A new key goes through Triton once (it compiles or loads the
+    kernel), on the current stream; later calls go straight to the launcher with the stream given."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.names = tuple(fn.arg_names)
+        self.kinds = tuple("c" if p.is_constexpr else "i" if p.do_not_specialize else "t" for p in fn.params)
+        self._compiled: dict[tuple, Any] = {}
+
+    def __call__(self, grid: tuple[int, ...], device: int, args: tuple, kwargs: dict[str, Any]) -> None:
+        """``fn[grid](*args, **kwargs)`` on ``device``'s current stream; ``kwargs``: the remaining arguments
+        by name, then launch options."""
+        values = list(args)
+        for name in self.names[len(args):]:
+            values.append(kwargs[name])
+        options = {k: v for k, v in kwargs.items() if k not in self.names[len(args):]}
+        spec = [device, *sorted(options.items())]
+        for value, kind in zip(values, self.kinds, strict=True):
+            if kind == "c":
+                spec.append(value)
+            elif kind == "i":
+                spec.append(-(2**31) <= value < 2**31)
+            elif isinstance(value, torch.Tensor):
+                spec.append((value.dtype, value.data_ptr() % 16 == 0))
+            else:
+                spec.append(value)
+        key = tuple(spec)
+        compiled = self._compiled.get(key)
+        if compiled is None or _hooks_set():
+            compiled = self.fn[grid](*values, **options)
+            if hasattr(compiled, "result"):  # an asynchronous compile's future
+                compiled = compiled.result()
+            self._compiled[key] = compiled
+            return
+        g = (*grid, 1, 1)
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
+                     *values)
+
+
+_DIRECT: dict[Any, DirectKernel] = {}
+
+
+def _launch(fn: Any, grid: tuple[int, ...], device: torch.device, direct: bool, *args: Any,
+            **kwargs: Any) -> None:
+    """``fn[grid](*args, **kwargs)``, through ``DirectKernel`` when ``direct`` and this Triton allows it."""
+    jitted = isinstance(fn, triton.runtime.jit.JITFunction)  # not the CPU interpreter's
+    if not (direct and DIRECT_LAUNCH and jitted and device.type == "cuda"):
+        fn[grid](*args, **kwargs)
+        return
+    kernel = _DIRECT.get(fn)
+    if kernel is None:
+        kernel = _DIRECT[fn] = DirectKernel(fn)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    kernel(grid, index, args, kwargs)
+
+
 class Launcher:
     """A checked job turned into device-side tables once; ``__call__`` only launches (for the benchmark).
 
     Every table (ids, source rows, meta, scratch chunks) reaches the device in one copy from pinned memory
     (``tables.upload``), so building a launcher never waits for work already queued on the stream.
-    ``tables``: meta tables kept across launches (a ``PlaneSet``'s); None builds them here."""
+    ``tables``: meta tables kept across launches (a ``PlaneSet``'s); None builds them here.
+    ``direct``: launch through ``DirectKernel`` (False: through Triton's own binder every call)."""
+
+    direct = True
 
     def __init__(self, job: Job, tuning: Tuning = TUNING, tables: MetaCache | None = None) -> None:
         self.job, self.t = job, tuning
         self.anchor = job.k_planes[0]
+        self.device = job.device
         self.layers = len(job.k_planes)
         self.m = job.ids.numel()
         # With a source index the ids tensor carries the M source rows after the M block ids.
@@ -363,6 +448,9 @@ class Launcher:
         """The host tables as device tensors, in one asynchronous copy (a seam for the launch probe)."""
         return upload(segments, device)
 
+    def _go(self, fn: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+        _launch(fn, grid, self.device, self.direct, *args, **kwargs)
+
     def __call__(self) -> None:
         if self.m == 0:
             return
@@ -371,31 +459,31 @@ class Launcher:
             self._out_of_place(self.meta, 0, total, self.src_idx)
         elif self.strategy == "whole":
             hp = _next_pow2(self.job.num_heads)
-            convert_kernel[(total,)](self.anchor, self.meta, self.ids, self.m, self.job.num_heads, 0, HC=hp,
-                                     HCHUNKS=1, NC=self.job.block_size, DC=self.job.head_size, FROM_SRC=False,
-                                     KD=self.t.k_direct, EVICT=self.t.evict, SRC_IDX=False,
-                                     num_warps=_warps(2 * hp * self.job.block_size * self.job.head_size,
-                                                      self.t.in_place_elems_per_thread),
-                                     **self.reenc, **self.geom, **self.extra)
+            self._go(convert_kernel, (total,), self.anchor, self.meta, self.ids, self.m, self.job.num_heads,
+                     0, HC=hp, HCHUNKS=1, NC=self.job.block_size, DC=self.job.head_size, FROM_SRC=False,
+                     KD=self.t.k_direct, EVICT=self.t.evict, SRC_IDX=False,
+                     num_warps=_warps(2 * hp * self.job.block_size * self.job.head_size,
+                                      self.t.in_place_elems_per_thread),
+                     **self.reenc, **self.geom, **self.extra)
         elif self.strategy == "pipe":
             hp = _next_pow2(self.job.num_heads)
             grid = min(total, _sm_count(self.job.device) * self.t.pipe_ctas_per_sm)
             if self.t.pipe_max_programs:
                 grid = min(grid, self.t.pipe_max_programs)
-            in_place_pipe_kernel[(grid,)](self.anchor, self.meta, self.ids, self.m, self.job.num_heads, total,
-                                          HP=hp, KD=self.t.k_direct, EVICT=self.t.evict, num_stages=1,
-                                          num_warps=_warps(2 * hp * self.job.block_size * self.job.head_size,
-                                                           self.t.in_place_elems_per_thread),
-                                          **self.geom, **self.extra)
+            self._go(in_place_pipe_kernel, (grid,), self.anchor, self.meta, self.ids, self.m,
+                     self.job.num_heads, total, HP=hp, KD=self.t.k_direct, EVICT=self.t.evict, num_stages=1,
+                     num_warps=_warps(2 * hp * self.job.block_size * self.job.head_size,
+                                      self.t.in_place_elems_per_thread),
+                     **self.geom, **self.extra)
         elif self.strategy == "split":
             h = self.job.num_heads
             hr = _next_pow2(h - h // 2)
             resident = 2 * hr * self.job.block_size * self.job.head_size
-            in_place_split_kernel[(total,)](self.anchor, self.meta, self.ids, self.m, h, HR=hr,
-                                            G=min(self.t.split_group, _next_pow2(max(1, h // 2))),
-                                            PREFETCH=self.t.prefetch, KD=self.t.k_direct, EVICT=self.t.evict,
-                                            num_warps=_warps(resident, self.t.in_place_elems_per_thread),
-                                            **self.geom, **self.extra)
+            self._go(in_place_split_kernel, (total,), self.anchor, self.meta, self.ids, self.m, h, HR=hr,
+                     G=min(self.t.split_group, _next_pow2(max(1, h // 2))), PREFETCH=self.t.prefetch,
+                     KD=self.t.k_direct, EVICT=self.t.evict,
+                     num_warps=_warps(resident, self.t.in_place_elems_per_thread),
+                     **self.geom, **self.extra)
         else:
             self._in_place_scratch()
 
@@ -412,15 +500,14 @@ class Launcher:
         hchunks = -(-h // hc)
         grid = pairs * hchunks * (n // nc) * (d // dc)
         if self.t.oop_max_programs and grid > self.t.oop_max_programs:
-            convert_persistent_kernel[(self.t.oop_max_programs,)](
-                self.anchor, meta, self.ids, self.m, h, pair0, grid, HC=hc, HCHUNKS=hchunks, NC=nc, DC=dc,
-                KD=self.t.k_direct_oop, EVICT=self.t.evict, num_warps=self.t.oop_warps, SRC_IDX=src_idx,
-                STAGES=self.t.oop_stages, **self.reenc, **self.geom)
+            self._go(convert_persistent_kernel, (self.t.oop_max_programs,), self.anchor, meta, self.ids,
+                     self.m, h, pair0, grid, HC=hc, HCHUNKS=hchunks, NC=nc, DC=dc, KD=self.t.k_direct_oop,
+                     EVICT=self.t.evict, num_warps=self.t.oop_warps, SRC_IDX=src_idx,
+                     STAGES=self.t.oop_stages, **self.reenc, **self.geom)
             return
-        convert_kernel[(grid,)](self.anchor, meta, self.ids, self.m, h, pair0, HC=hc, HCHUNKS=hchunks, NC=nc,
-                                DC=dc, FROM_SRC=True, KD=self.t.k_direct_oop, EVICT=self.t.evict,
-                                num_warps=self.t.oop_warps, SRC_IDX=src_idx,
-                                **self.reenc, **self.geom)
+        self._go(convert_kernel, (grid,), self.anchor, meta, self.ids, self.m, h, pair0, HC=hc,
+                 HCHUNKS=hchunks, NC=nc, DC=dc, FROM_SRC=True, KD=self.t.k_direct_oop, EVICT=self.t.evict,
+                 num_warps=self.t.oop_warps, SRC_IDX=src_idx, **self.reenc, **self.geom)
 
     def _prepare_scratch(self) -> list[np.ndarray]:
         """Allocate the scratch; ``self.chunks`` gets (pair0, pairs) per chunk, the result each chunk's meta
@@ -447,11 +534,9 @@ class Launcher:
     def _in_place_scratch(self) -> None:
         half = self.job.plane_block_elems
         for pair0, pairs, table in self.chunks:
-            gather_pairs_kernel[(pairs, half // self.piece)](self.anchor, self.meta, self.ids, self.m, pair0,
-                                                             self.scratch, self.job.num_heads,
-                                                             ND=self.job.block_size * self.job.head_size,
-                                                             PIECE=self.piece, EVICT=self.t.evict,
-                                                             num_warps=4)
+            self._go(gather_pairs_kernel, (pairs, half // self.piece), self.anchor, self.meta, self.ids,
+                     self.m, pair0, self.scratch, self.job.num_heads,
+                     ND=self.job.block_size * self.job.head_size, PIECE=self.piece, EVICT=self.t.evict, num_warps=4)
             self._out_of_place(table, pair0, pairs)
 
 

@@ -274,3 +274,37 @@ def test_meta_tables_are_built_once_per_layer_range_and_source(cases, no_referen
     stream.synchronize()
     assert rig.ps.tables.misses == 2 and rig.ps.tables.hits == 8
     assert len(rig.ps.sources) == 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_warm_launches_go_past_tritons_binder(cases, no_reference, mode, monkeypatch):
+    """Once a variant has run, later launches of it (new ids, other layer groups of the same size) reach the
+    compiled kernel directly: with Triton's ``JITFunction.run`` made to fail they still convert bit-exactly."""
+    import triton
+
+    from sidecar.convert import triton_kernel as tk
+
+    if not tk.DIRECT_LAUNCH:
+        pytest.skip(f"Triton {triton.__version__} launches through its binder")
+    h, n, d = 8, 16, 128
+    rng = np.random.default_rng(31)
+    warm_case = _case(cases, 4, 20, 6, h, n, d, 0, rng)
+    warm = _rig(cases, warm_case, mode, torch.bfloat16, rng)
+    stream = _side_stream()
+    for layers in [(0, 2), (2, 4)]:
+        _launch(stream, warm, warm_case.ids, layers)
+    stream.synchronize()
+    _assert_writer_truth(cases, warm, warm_case, f"{mode} warm-up")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a warm launch went through Triton's binder")
+
+    monkeypatch.setattr(triton.runtime.jit.JITFunction, "run", refuse)
+    case = _case(cases, 4, 20, 6, h, n, d, 1, rng)
+    rig = _rig(cases, case, mode, torch.bfloat16, rng)
+    stream = _side_stream()
+    for layers in [(0, 2), (2, 4)]:
+        event = _launch(stream, rig, case.ids, layers)
+    event.synchronize()
+    _assert_writer_truth(cases, rig, case, f"{mode} through the compiled kernels")
+
