@@ -3,7 +3,7 @@
 # step runs even when an earlier one failed, results as JSON under $OUT, a one-line status per step at the end.
 #
 #   bash scripts/gpu-fastpath.sh STEP...
-#   steps: tests launchtests daemontests launch sweep contiguous defaults orders groups poll interference
+#   steps: tests launchtests daemontests launch sweep contiguous defaults orders groups poll interference profile
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -44,8 +44,9 @@ for step in "$@"; do
       tests/sidecar/convert/test_convert_launch_gpu.py tests/sidecar/convert/test_convert_src_index.py ;;
     daemontests) TAIL=20 run daemontests 150 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
       tests/sidecar/daemon tests/gpu/test_gpu_slice.py tests/gpu/test_gpu_tp.py ;;
-    defaults) TAIL=30 run defaults 150 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
-      --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous --budget-s 110 \
+    defaults) TAIL=30 run defaults 160 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
+      --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous,direct/contiguous \
+      --budget-s 140 \
       --out "$OUT/e2e-h200-contiguous-defaults.json" ;;
     launch) run launch 90 python3 -m sidecar.cli bench launch --out "$OUT/launch-probe-h200.json" ;;
     sweep) run sweep 100 python3 -m sidecar.cli bench convert --device cuda --dtype bfloat16 \
@@ -69,6 +70,15 @@ for step in "$@"; do
     poll) TAIL=20 run poll 120 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
       --warmup 1 --contexts 4096 --concurrency 1,8 --reps 3 --pairs staged/contiguous \
       --daemon-set poll_busy_s=0 --budget-s 70 --out "$OUT/e2e-h200-poll0.json" ;;
+    # py-spy (its wheel in .whl) samples every process of a 4k staged cell, without pausing them: where the
+    # daemon's threads spend their time. Raw stacks go to $OUT/profile-*.txt.gz.
+    profile) for c in 1 8; do
+        TAIL=6 run "profile$c" 110 /tmp/site/bin/py-spy record --nonblocking --subprocesses --threads --rate 1000 \
+          --format raw -o "$OUT/profile-4k-x$c.txt" -- python3 -m sidecar.bench.e2e --prefill-device cuda:0 \
+          --decoder-device cuda:0 --warmup 1 --contexts 4096 --concurrency "$c" --reps 30 \
+          --pairs staged/contiguous --budget-s 90 --out "$OUT/e2e-h200-profile-x$c.json"
+        gzip -f "$OUT/profile-4k-x$c.txt"
+      done ;;
     interference) TAIL=16 run interference 250 python3 -m sidecar.cli bench interference --source daemon \
       --settings none,mps-cap --cells "4096:0,10,20,50 16384:0,10" --phase-s 4 --budget-s 220 \
       --daemon-set nixl_num_threads=4 --out "$OUT/interference" ;;
