@@ -32,7 +32,7 @@ from sidecar.convert.reference import run_reference
 
 
 @dataclass(frozen=True)
-class Shape:
+class ConvertShape:
     """A request's pages: ``layers`` × ceil(tokens / block_size) blocks of H heads, N tokens, D dims."""
 
     name: str
@@ -57,21 +57,21 @@ class Shape:
 
 
 GPU_SHAPES = [
-    Shape("qwen3-8b-4k", 36, 8, 16, 128, 4096),
-    Shape("qwen3-8b-16k", 36, 8, 16, 128, 16384),
-    Shape("qwen3-8b-tp8-4k", 36, 1, 16, 128, 4096),
-    Shape("l64-h8-n32-d128-4k", 64, 8, 32, 128, 4096),
-    Shape("llama3.2-1b-d64-16k", 16, 8, 16, 64, 16384),
-    Shape("l42-h8-n16-d256-4k", 42, 8, 16, 256, 4096),
-    Shape("l42-h8-n32-d256-4k", 42, 8, 32, 256, 4096),
+    ConvertShape("qwen3-8b-4k", 36, 8, 16, 128, 4096),
+    ConvertShape("qwen3-8b-16k", 36, 8, 16, 128, 16384),
+    ConvertShape("qwen3-8b-tp8-4k", 36, 1, 16, 128, 4096),
+    ConvertShape("l64-h8-n32-d128-4k", 64, 8, 32, 128, 4096),
+    ConvertShape("llama3.2-1b-d64-16k", 16, 8, 16, 64, 16384),
+    ConvertShape("l42-h8-n16-d256-4k", 42, 8, 16, 256, 4096),
+    ConvertShape("l42-h8-n32-d256-4k", 42, 8, 32, 256, 4096),
 ]
 # A 2-core laptop runs these in well under a minute: the same page geometries, requests of 64 MiB, larger
 # than the caches, so the copy runs at memory speed as it would on a real request.
 CPU_SHAPES = [
-    Shape("qwen3-8b-4L-4k", 4, 8, 16, 128, 4096),
-    Shape("l4-h8-n32-d128-4k", 4, 8, 32, 128, 4096),
-    Shape("l4-h8-n16-d64-8k", 4, 8, 16, 64, 8192),
-    Shape("l2-h8-n32-d256-4k", 2, 8, 32, 256, 4096),
+    ConvertShape("qwen3-8b-4L-4k", 4, 8, 16, 128, 4096),
+    ConvertShape("l4-h8-n32-d128-4k", 4, 8, 32, 128, 4096),
+    ConvertShape("l4-h8-n16-d64-8k", 4, 8, 16, 64, 8192),
+    ConvertShape("l2-h8-n32-d256-4k", 2, 8, 32, 256, 4096),
 ]
 PRESETS = {s.name: s for s in GPU_SHAPES + CPU_SHAPES}
 PER_CALL_REPS = 20  # timed calls per per-call measurement (each ends in a device sync)
@@ -82,7 +82,7 @@ IN_PLACE_SHAPE, IN_PLACE_MIN, OUT_OF_PLACE_MIN, FASTER_MIN, OVER_REF_MIN, CPU_RE
     "qwen3-8b-4k", 0.90, 0.90, 0.85, 6.0, 0.10)
 
 
-def parse_shape(spec: str) -> Shape:
+def parse_shape(spec: str) -> ConvertShape:
     if spec in PRESETS:
         return PRESETS[spec]
     m = _CUSTOM.match(spec)
@@ -90,7 +90,7 @@ def parse_shape(spec: str) -> Shape:
         raise argparse.ArgumentTypeError(f"unknown shape {spec!r}: a preset ({', '.join(PRESETS)}) or "
                                          "L<layers>-H<heads>-N<block>-D<head size>-T<tokens>")
     layers, h, n, d, t = map(int, m.groups())
-    return Shape(spec, layers, h, n, d, t)
+    return ConvertShape(spec, layers, h, n, d, t)
 
 
 def parse_variant(spec: str):
@@ -184,7 +184,7 @@ def _random_bits(shape: tuple[int, ...], device: torch.device, gen: torch.Genera
     return torch.randint(-32768, 32768, shape, dtype=torch.int16, generator=gen, device=device)
 
 
-def _job(shape: Shape, cache: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype,
+def _job(shape: ConvertShape, cache: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype,
          src: torch.Tensor | None) -> Job:
     return check_job([cache[i, 0].view(dtype) for i in range(shape.layers)],
                      [cache[i, 1].view(dtype) for i in range(shape.layers)], ids,
@@ -217,7 +217,7 @@ def _wall_timer(reps: int) -> Callable[[Callable[[], None]], float]:
     return wall_time
 
 
-def measure(shape: Shape, device: torch.device, dtype: torch.dtype, timer, variants, verify: bool,
+def measure(shape: ConvertShape, device: torch.device, dtype: torch.dtype, timer, variants, verify: bool,
             step: Callable[[str], None], kernel: bool, cache_blocks: int = 0) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(0)
     shape = dataclasses.replace(shape, elem_bytes=torch.empty(0, dtype=dtype).element_size())

@@ -81,7 +81,7 @@ def layer_groups(layers: int, per_launch: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + per_launch, layers)) for lo in range(0, layers, per_launch)]
 
 
-class Rig:
+class LaunchRig:
     """Planes, staging and ids of one probe: what both paths convert."""
 
     def __init__(self, shape: ProbeShape, device: torch.device, seed: int) -> None:
@@ -139,7 +139,7 @@ def _pageable_launcher() -> type:
     return PageableLauncher
 
 
-def old_launch(rig: Rig, stream: Any, ids: np.ndarray, src: Any, layers: tuple[int, int],
+def old_launch(rig: LaunchRig, stream: Any, ids: np.ndarray, src: Any, layers: tuple[int, int],
                index: np.ndarray | None) -> Any:
     """The launch path before pinned tables, replayed (see the module's docstring); returns its event."""
     ps = rig.ps
@@ -156,26 +156,26 @@ def old_launch(rig: Rig, stream: Any, ids: np.ndarray, src: Any, layers: tuple[i
     return event
 
 
-def new_launch(rig: Rig, stream: Any, ids: np.ndarray, src: Any, layers: tuple[int, int],
+def new_launch(rig: LaunchRig, stream: Any, ids: np.ndarray, src: Any, layers: tuple[int, int],
                index: np.ndarray | None) -> Any:
     """The daemon's call (``Conversions.convert_group``): ``launch_gpu`` on its stream."""
     return launch_gpu(stream, rig.caches, ids, AITER_SHUFFLED, src, layers, None, None, None, index)
 
 
-def cpu_old(rig: Rig, _stream: Any, ids: np.ndarray, src: Any, layers: tuple[int, int],
+def cpu_old(rig: LaunchRig, _stream: Any, ids: np.ndarray, src: Any, layers: tuple[int, int],
             index: np.ndarray | None) -> None:
     """The public path on the CPU: ``PlaneSet.convert`` on torch ids."""
     rig.ps.convert(torch.from_numpy(ids), src=src, layers=layers,
                    src_index=None if index is None else torch.from_numpy(index))
 
 
-def cpu_new(rig: Rig, _stream: Any, ids: np.ndarray, src: Any, layers: tuple[int, int],
+def cpu_new(rig: LaunchRig, _stream: Any, ids: np.ndarray, src: Any, layers: tuple[int, int],
             index: np.ndarray | None) -> None:
     """The daemon's CPU twin call: ``convert_blocks`` in its worker."""
     convert_blocks(rig.caches, ids, AITER_SHUFFLED, src, layers, None, None, index)
 
 
-Launch = Callable[[Rig, Any, np.ndarray, Any, tuple[int, int], "np.ndarray | None"], Any]
+Launch = Callable[[LaunchRig, Any, np.ndarray, Any, tuple[int, int], "np.ndarray | None"], Any]
 
 
 def _sub(src: Any, layers: tuple[int, int]) -> Any:
@@ -186,7 +186,7 @@ STREAM_STATES = ("idle", "busy", "queued")
 QUEUED_REQUESTS = 8  # "queued": requests launched back to back between synchronisations
 
 
-def time_cell(rig: Rig, stream: Any, launch: Launch, mode: str, per_launch: int, state: str, iters: int,
+def time_cell(rig: LaunchRig, stream: Any, launch: Launch, mode: str, per_launch: int, state: str, iters: int,
               warmup: int, busy_cycles: int, rest_s: float = 0.0) -> dict[str, Any]:
     """Host time of ``iters`` launches of ``mode``, ``per_launch`` layers each, fresh ids per request.
     ``state``: the stream synchronised before each call ("idle"), a ~1 ms kernel queued just before each
@@ -236,7 +236,7 @@ def _gather(planes: list[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
     return torch.stack([p.view(torch.int16).index_select(0, ids) for p in planes])
 
 
-def verify(rig: Rig, stream: Any, launch: Launch, mode: str, per_launch: int) -> bool:
+def verify(rig: LaunchRig, stream: Any, launch: Launch, mode: str, per_launch: int) -> bool:
     """The path's bytes for one fresh request equal the torch reference's on the same input (the blocks'
     content before is put back between the two, so in place compares like with like)."""
     ids, src, index = rig.request(mode)
@@ -259,7 +259,7 @@ def verify(rig: Rig, stream: Any, launch: Launch, mode: str, per_launch: int) ->
     return changed and torch.equal(got_k, _gather(rig.k, tid)) and torch.equal(got_v, _gather(rig.v, tid))
 
 
-def components(rig: Rig, stream: Any, iters: int) -> dict[str, dict[str, Any]]:
+def components(rig: LaunchRig, stream: Any, iters: int) -> dict[str, dict[str, Any]]:
     """The new path's parts, each timed alone (staged, one launch for every layer, stream idle)."""
     from sidecar.convert import triton_kernel as tk
 
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         torch.cuda.set_device(device)
     agent = _load_nixl(device) if args.nixl else None
-    rig = Rig(shape, device, args.seed)
+    rig = LaunchRig(shape, device, args.seed)
     stream = None
     paths: dict[str, Launch] = {"old": cpu_old, "new": cpu_new}
     busy_cycles = 0

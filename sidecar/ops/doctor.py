@@ -9,7 +9,8 @@ The exit code is 1 when any check fails.
 
 Doctor never writes into the decoder's cache: the test pull reads into its own buffer.
 
-Size: one check per function, in the order they run; splitting them would scatter one table's rows.
+Size: one check per function, in the order they run; splitting them would scatter one table's rows. The
+test pull's NIXL probe and its subprocess live in ``sidecar.ops.doctor_pull``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import fnmatch
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 import urllib.error
@@ -29,10 +29,10 @@ from typing import Any, Literal
 
 import msgspec
 
+from sidecar.ops.doctor_pull import EMULATOR_SPEC, run_probe
 from sidecar.wire.formats import PageFormat
 
 Status = Literal["pass", "warn", "fail", "skip"]
-PROBE_MARK = "KV_SIDECAR_PROBE "
 SYSTEMD_ENV_FILES = ("/etc/kv-sidecar/kv-sidecar.env", "/etc/kv-sidecar/{gpu}.env")
 SYSTEMD_CONFIG = "/etc/kv-sidecar/kv-sidecar.toml"
 # UCX transports that move bulk data without the tcp stack.
@@ -53,7 +53,7 @@ ZERO_COPY = (
 )
 
 
-class Check(msgspec.Struct, frozen=True):
+class DoctorCheck(msgspec.Struct, frozen=True):
     """One row of the report."""
 
     name: str
@@ -62,8 +62,8 @@ class Check(msgspec.Struct, frozen=True):
     data: dict[str, Any] = {}
 
 
-class Report(msgspec.Struct, frozen=True):
-    checks: list[Check]
+class DoctorReport(msgspec.Struct, frozen=True):
+    checks: list[DoctorCheck]
 
     @property
     def ok(self) -> bool:
@@ -81,7 +81,7 @@ class Target(msgspec.Struct, frozen=True):
 # ----------------------------------------------------------------------------------------- pure helpers
 
 
-def exit_code(report: Report) -> int:
+def exit_code(report: DoctorReport) -> int:
     return 0 if report.ok else 1
 
 
@@ -184,7 +184,7 @@ def split_address(address: str) -> tuple[str, int]:
 # ----------------------------------------------------------------------------------------------- checks
 
 
-def load_target(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[Target | None, Check]:
+def load_target(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[Target | None, DoctorCheck]:
     from sidecar.ops import config as config_mod
 
     overrides: dict[str, Any] = {} if args.gpu is None else {"gpu": args.gpu}
@@ -193,7 +193,7 @@ def load_target(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[T
     try:
         cfg = config_mod.load(args.config, environ=environ, overrides=overrides)
     except config_mod.ConfigError as exc:
-        return None, Check("config", "fail", str(exc))
+        return None, DoctorCheck("config", "fail", str(exc))
     if args.metrics_url:
         url: str | None = args.metrics_url.rstrip("/")
     elif cfg.metrics_port < 0:
@@ -208,7 +208,7 @@ def load_target(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[T
         url = f"http://{host}:{port}"
     target = Target(socket=cfg.socket_endpoint, metrics_url=url, config=cfg)
     where = args.config or environ.get("KV_SIDECAR_CONFIG") or "defaults and KV_SIDECAR_* variables"
-    return target, Check(
+    return target, DoctorCheck(
         "config",
         "pass",
         f"{where}: socket {target.socket}, metrics {url or 'disabled'}, {len(cfg.remotes)} remote rule(s)",
@@ -226,7 +226,7 @@ def _file_sets(path: str | None, key: str) -> bool:
         return False
 
 
-def check_daemon(socket_endpoint: str, timeout_s: float) -> tuple[list[Check], Any]:
+def check_daemon(socket_endpoint: str, timeout_s: float) -> tuple[list[DoctorCheck], Any]:
     """Ping → Pong over the daemon socket, then Status → StatusReply when the protocol has it."""
     import zmq
 
@@ -237,7 +237,7 @@ def check_daemon(socket_endpoint: str, timeout_s: float) -> tuple[list[Check], A
     local = socket_endpoint.startswith("ipc://")
     if local and os.path.isdir(directory) and not os.access(directory, os.X_OK):
         return [
-            Check(
+            DoctorCheck(
                 "daemon",
                 "fail",
                 f"cannot enter {directory} (permission denied): run doctor as the daemon's user or root",
@@ -245,7 +245,7 @@ def check_daemon(socket_endpoint: str, timeout_s: float) -> tuple[list[Check], A
         ], None
     if local and not os.path.exists(path):
         return [
-            Check(
+            DoctorCheck(
                 "daemon",
                 "fail",
                 f"{path} does not exist: is kv-sidecar running for this GPU "
@@ -262,9 +262,9 @@ def check_daemon(socket_endpoint: str, timeout_s: float) -> tuple[list[Check], A
         sock.send(protocol.encode(protocol.Ping(nonce=nonce, sent_at_ns=time.monotonic_ns())))
         reply = _recv(sock, protocol, timeout_s)
         if not isinstance(reply, protocol.Pong) or reply.nonce != nonce:
-            return [Check("daemon", "fail", f"{socket_endpoint} answered Ping with {reply!r}")], None
+            return [DoctorCheck("daemon", "fail", f"{socket_endpoint} answered Ping with {reply!r}")], None
         checks = [
-            Check(
+            DoctorCheck(
                 "daemon", "pass", f"Pong from {socket_endpoint} in {(time.perf_counter() - t0) * 1e3:.1f} ms"
             )
         ]
@@ -273,12 +273,12 @@ def check_daemon(socket_endpoint: str, timeout_s: float) -> tuple[list[Check], A
             sock.send(protocol.encode(protocol.Status(nonce=nonce)))
             status = _recv(sock, protocol, timeout_s)
             if not isinstance(status, getattr(protocol, "StatusReply", ())):
-                checks.append(Check("daemon status", "fail", f"Status answered with {status!r}"))
+                checks.append(DoctorCheck("daemon status", "fail", f"Status answered with {status!r}"))
                 status = None
         return checks, status
     except TimeoutError:
         return [
-            Check(
+            DoctorCheck(
                 "daemon",
                 "fail",
                 f"no reply from {socket_endpoint} within {timeout_s:g} s: the socket "
@@ -286,13 +286,13 @@ def check_daemon(socket_endpoint: str, timeout_s: float) -> tuple[list[Check], A
             )
         ], None
     except Exception as exc:  # noqa: BLE001 - any failure is a finding, never a crash
-        return [Check("daemon", "fail", f"{socket_endpoint}: {type(exc).__name__}: {exc}")], None
+        return [DoctorCheck("daemon", "fail", f"{socket_endpoint}: {type(exc).__name__}: {exc}")], None
     finally:
         sock.close(0)
         ctx.term()
 
 
-def check_completion_socket(socket_endpoint: str, timeout_s: float) -> Check:
+def check_completion_socket(socket_endpoint: str, timeout_s: float) -> DoctorCheck:
     """Hello as a shim would, bind the completion socket the daemon offers, and get a Pong over it."""
     import socket as socket_mod
 
@@ -314,27 +314,29 @@ def check_completion_socket(socket_endpoint: str, timeout_s: float) -> Check:
                                                  package_version="doctor")))
         welcome = _recv(sock, protocol, timeout_s)
         if not isinstance(welcome, protocol.Welcome):
-            return Check(name, "fail", f"Hello answered with {welcome!r}")
+            return DoctorCheck(name, "fail", f"Hello answered with {welcome!r}")
         path = welcome.completion_socket
         if not path:
-            return Check(name, "skip", "not offered (fast_completions = false): replies go over ZMQ")
+            return DoctorCheck(name, "skip", "not offered (fast_completions = false): replies go over ZMQ")
         fast.connect(path)
         fast.send(protocol.encode(protocol.BindCompletions(routing_id=routing_id)))
         bound = protocol.decode_to_shim(fast.recv(65536))
         if not isinstance(bound, protocol.CompletionsBound) or not bound.ok:
-            return Check(name, "warn", f"{path} refused the binding ({bound!r}): shims fall back to ZMQ")
+            return DoctorCheck(
+                name, "warn", f"{path} refused the binding ({bound!r}): shims fall back to ZMQ"
+            )
         nonce = int.from_bytes(os.urandom(4), "little")
         t0 = time.perf_counter()
         sock.send(protocol.encode(protocol.Ping(nonce=nonce)))
         pong = protocol.decode_to_shim(fast.recv(65536))
         if not isinstance(pong, protocol.Pong) or pong.nonce != nonce:
-            return Check(name, "warn", f"Ping answered over {path} with {pong!r}")
-        return Check(name, "pass", f"Pong over {path} in {(time.perf_counter() - t0) * 1e3:.2f} ms")
+            return DoctorCheck(name, "warn", f"Ping answered over {path} with {pong!r}")
+        return DoctorCheck(name, "pass", f"Pong over {path} in {(time.perf_counter() - t0) * 1e3:.2f} ms")
     except (OSError, TimeoutError) as exc:
         # the shim falls back to ZMQ on the same trouble: slower completions, nothing lost
-        return Check(name, "warn", f"{type(exc).__name__}: {exc}; shims fall back to ZMQ")
+        return DoctorCheck(name, "warn", f"{type(exc).__name__}: {exc}; shims fall back to ZMQ")
     except Exception as exc:  # noqa: BLE001 - any failure is a finding, never a crash
-        return Check(name, "fail", f"{type(exc).__name__}: {exc}")
+        return DoctorCheck(name, "fail", f"{type(exc).__name__}: {exc}")
     finally:
         fast.close()
         sock.close(0)
@@ -355,17 +357,17 @@ def _get(url: str, timeout_s: float) -> tuple[int, str]:
         return exc.code, exc.read().decode(errors="replace")
 
 
-def check_health(url: str | None, timeout_s: float) -> tuple[list[Check], dict[str, float]]:
+def check_health(url: str | None, timeout_s: float) -> tuple[list[DoctorCheck], dict[str, float]]:
     if url is None:
-        return [Check("health", "skip", "metrics endpoint disabled (metrics_port = -1)")], {}
+        return [DoctorCheck("health", "skip", "metrics endpoint disabled (metrics_port = -1)")], {}
     checks, gauges = [], {}
     for path in ("/healthz", "/readyz"):
         try:
             code, body = _get(url + path, timeout_s)
         except OSError as exc:
-            checks.append(Check(path, "fail", f"{url}{path}: {exc}"))
+            checks.append(DoctorCheck(path, "fail", f"{url}{path}: {exc}"))
             continue
-        checks.append(Check(path, "pass" if code == 200 else "fail", f"{code} {body.strip()}"))
+        checks.append(DoctorCheck(path, "pass" if code == 200 else "fail", f"{code} {body.strip()}"))
     try:
         _, text = _get(url + "/metrics", timeout_s)
         gauges = parse_metrics(text)
@@ -374,16 +376,16 @@ def check_health(url: str | None, timeout_s: float) -> tuple[list[Check], dict[s
     return checks, gauges
 
 
-def check_caches(status: Any, gauges: dict[str, float]) -> Check:
+def check_caches(status: Any, gauges: dict[str, float]) -> DoctorCheck:
     if status is not None:
         if not status.registered:
-            return Check(
+            return DoctorCheck(
                 "caches",
                 "fail",
                 "no caches registered: vLLM with the SidecarConnector has not "
                 "registered its KV cache with this daemon",
             )
-        return Check(
+        return DoctorCheck(
             "caches",
             "pass",
             f"{_size(status.registered_bytes)} in {status.num_layers} layers, {_fmt(status.page_format)}",
@@ -392,11 +394,13 @@ def check_caches(status: Any, gauges: dict[str, float]) -> Check:
     if "kv_sidecar_registered_bytes" in gauges:
         nbytes = gauges["kv_sidecar_registered_bytes"]
         if nbytes <= 0:
-            return Check(
+            return DoctorCheck(
                 "caches", "fail", "kv_sidecar_registered_bytes is 0: vLLM has not registered its cache"
             )
-        return Check("caches", "pass", f"{_size(nbytes)} registered (from /metrics)")
-    return Check("caches", "fail", "cannot tell: the daemon reports no status and /metrics is unreachable")
+        return DoctorCheck("caches", "pass", f"{_size(nbytes)} registered (from /metrics)")
+    return DoctorCheck(
+        "caches", "fail", "cannot tell: the daemon reports no status and /metrics is unreachable"
+    )
 
 
 def _size(n: float) -> str:
@@ -423,7 +427,7 @@ def check_prefill(
     layers: int,
     factors: Mapping[str, Any],
     timeout_s: float,
-) -> list[Check]:
+) -> list[DoctorCheck]:
     """vLLM's handshake with one prefill, then the admission the daemon would make (sidecar.nixl.agent)."""
     from sidecar.nixl import admission, errors
     from sidecar.nixl import agent as tr
@@ -434,12 +438,12 @@ def check_prefill(
         host, port = split_address(address)
         reply = vllm_wire.fetch_handshake(host, port, [(0, 0)], timeout_s=timeout_s)[(0, 0)]
     except (vllm_wire.HandshakeTimeout, vllm_wire.WireError, ValueError) as exc:
-        return [Check(name, "fail", f"side channel: {exc}")]
+        return [DoctorCheck(name, "fail", f"side channel: {exc}")]
     except Exception as exc:  # noqa: BLE001
-        return [Check(name, "fail", f"side channel: {type(exc).__name__}: {exc}")]
+        return [DoctorCheck(name, "fail", f"side channel: {type(exc).__name__}: {exc}")]
     meta = reply.metadata
     checks = [
-        Check(
+        DoctorCheck(
             name,
             "pass",
             f"engine {meta.engine_id}, {meta.attn_backend_name}, {meta.kv_cache_layout}, "
@@ -450,7 +454,7 @@ def check_prefill(
     if local is None:
         return [
             *checks,
-            Check(
+            DoctorCheck(
                 neg,
                 "skip",
                 "the decoder's page format is unknown (no caches registered, or the "
@@ -483,7 +487,7 @@ def check_prefill(
     except errors.RemoteRefused as exc:
         return [
             *checks,
-            Check(
+            DoctorCheck(
                 neg,
                 "fail",
                 f"refused on {exc.field}: {exc.reason}",
@@ -498,7 +502,7 @@ def check_prefill(
     note = "" if check_identity else " (model identity not checked: no local hash factors)"
     return [
         *checks,
-        Check(
+        DoctorCheck(
             neg,
             "pass" if check_identity or not cfg.verify_model_identity else "warn",
             what + note,
@@ -510,179 +514,9 @@ def check_prefill(
 # --------------------------------------------------------------------------------------------- test pull
 
 
-class ProbeResult(msgspec.Struct, frozen=True):
-    ok: bool
-    reason: str = ""
-    nbytes: int = 0
-    seconds: float = 0.0
-    verified: bool = False
-    freed: bool = False
-
-
-class EmulatorSpec(msgspec.Struct, frozen=True):
-    """What doctor knows of an emulator it started: enough to recompute its pages."""
-
-    seed: int
-    format: PageFormat
-
-
-def probe_pull(control: str, spec: EmulatorSpec | None, timeout_s: float, blocks: int = 4) -> ProbeResult:
-    """One request of the emulator read into our own DRAM buffer; bytes checked when its spec is known."""
-    import numpy as np
-
-    from sidecar.nixl import agent as tr
-    from sidecar.nixl import errors
-    from sidecar.nixl.geometry import RemoteRegions
-    from sidecar.standins.emulator_control import ControlError, EmulatorClient
-    from sidecar.standins.emulator_pages import expected_pages
-    from sidecar.wire import prefill as vllm_wire
-    from sidecar.wire.formats import Plan
-
-    ctl = EmulatorClient(control, timeout_s=timeout_s)
-    try:
-        req = ctl.new_request(num_blocks=blocks)
-    except ControlError as exc:
-        return ProbeResult(False, f"emulator control {control}: {exc}")
-    params = req.kv_transfer_params
-    try:
-        reply = vllm_wire.fetch_handshake(
-            params["remote_host"], params["remote_port"], [(0, 0)], timeout_s=timeout_s
-        )[(0, 0)]
-    except (vllm_wire.HandshakeTimeout, vllm_wire.WireError) as exc:
-        return ProbeResult(False, f"emulator side channel: {exc}")
-    meta = reply.metadata
-    regions = RemoteRegions.from_metadata(meta, default_mem_type="DRAM")
-    page, kb, layers = int(regions.block_len[0]), list(req.kernel_block_ids), regions.num_regions
-    # A whole-page read needs no real format; the spec's, when known, lets us check the bytes.
-    fmt = (
-        spec.format
-        if spec is not None
-        else PageFormat(
-            kind="standard",
-            layout="LBHNC",
-            dtype="uint8",
-            num_heads=1,
-            block_size=meta.block_size,
-            head_size=max(1, page // (2 * meta.block_size)),
-        )
-    )
-    if fmt.page_bytes != page:
-        return ProbeResult(False, f"the emulator's pages are {page} bytes, its spec says {fmt.page_bytes}")
-    t = tr.NixlTransfer(tr.TransferSettings(name_prefix="kv-sidecar-doctor", remote_mem_type="DRAM"))
-    try:
-        peer = t.add_peer(
-            engine_id=meta.engine_id,
-            tp_rank=0,
-            generation=0,
-            address=f"{params['remote_host']}:{params['remote_port']}",
-            agent_metadata=meta.agent_metadata,
-            plan=Plan(fmt, fmt, False),
-            regions=regions,
-        )
-        buf = np.zeros((layers, len(kb), page), np.uint8)
-        t.register([(buf.ctypes.data, buf.nbytes, 0)], "DRAM")
-        base = buf.ctypes.data
-        local = np.array(
-            [[base + (li * len(kb) + i) * page, page, 0] for li in range(layers) for i in range(len(kb))],
-            np.uint64,
-        )
-        remote = np.array(
-            [
-                [int(regions.base[li]) + b * int(regions.block_stride[li]), page, regions.device_id]
-                for li in range(layers)
-                for b in kb
-            ],
-            np.uint64,
-        )
-        t0 = time.perf_counter()
-        pull = t.start(peer, params["remote_request_id"], timeout_s=timeout_s)
-        t.read_descs(pull, local, remote, "DRAM")
-        t.seal(pull)
-        t.wait(pull)
-        seconds = time.perf_counter() - t0
-        verified = False
-        if spec is not None:
-            for li in range(layers):
-                want = expected_pages(spec.seed, li, kb, req.block_generations, fmt)
-                if not np.array_equal(want, buf[li]):
-                    return ProbeResult(
-                        False,
-                        f"layer {li}: the bytes read differ from the emulator's pages",
-                        buf.nbytes,
-                        seconds,
-                    )
-            verified = True
-        try:
-            freed = (
-                ctl.wait_state(params["remote_request_id"], "freed_by_notif", timeout_s).state
-                == "freed_by_notif"
-            )
-        except ControlError as exc:
-            return ProbeResult(
-                False,
-                f"completion notification not seen by the emulator: {exc}",
-                buf.nbytes,
-                seconds,
-                verified,
-            )
-        return ProbeResult(True, "", buf.nbytes, seconds, verified, freed)
-    except errors.TransferError as exc:
-        return ProbeResult(False, f"NIXL: {exc}")
-    finally:
-        t.close()
-        ctl.close()
-
-
-def _probe_main() -> None:
-    """Entry of the probe subprocess: argv = control, EmulatorSpec JSON ('' unknown), timeout_s."""
-    control, spec, timeout_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
-    result = probe_pull(control, msgspec.json.decode(spec, type=EmulatorSpec) if spec else None, timeout_s)
-    sys.stdout.flush()
-    print(PROBE_MARK + msgspec.json.encode(result).decode(), flush=True)
-
-
-def run_probe(
-    control: str, spec: EmulatorSpec | None, timeout_s: float, env: Mapping[str, str]
-) -> tuple[ProbeResult, str]:
-    """The probe in a subprocess with UCX_LOG_LEVEL=info (UCX reads it once, at start): result and UCX log."""
-    code = "from sidecar.ops.doctor import _probe_main; _probe_main()"
-    penv = {**env, "UCX_LOG_LEVEL": "info"}
-    try:
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                code,
-                control,
-                "" if spec is None else msgspec.json.encode(spec).decode(),
-                str(timeout_s),
-            ],
-            env=penv,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s * 6 + 60,
-        )
-    except subprocess.TimeoutExpired:
-        return ProbeResult(False, "the test pull did not finish in time"), ""
-    log = out.stdout + out.stderr
-    line = next((ln for ln in reversed(out.stdout.splitlines()) if ln.startswith(PROBE_MARK)), None)
-    if line is None:
-        return ProbeResult(False, f"probe exited rc={out.returncode}: {log.strip()[-600:]}"), log
-    return msgspec.json.decode(line[len(PROBE_MARK) :], type=ProbeResult), log
-
-
-# The emulator doctor starts: small, and with known contents so the test pull can check every byte.
-EMULATOR_SPEC = EmulatorSpec(
-    seed=20251129,
-    format=PageFormat(
-        kind="standard", layout="LBHNC", dtype="bfloat16", num_heads=2, block_size=16, head_size=128
-    ),
-)
-
-
-def check_test_pull(args: argparse.Namespace, env: Mapping[str, str]) -> list[Check]:
+def check_test_pull(args: argparse.Namespace, env: Mapping[str, str]) -> list[DoctorCheck]:
     if args.no_pull:
-        return [Check("test pull", "skip", "--no-pull")]
+        return [DoctorCheck("test pull", "skip", "--no-pull")]
     emulator = None
     control, spec = args.emulator_control, None
     if not control:
@@ -715,7 +549,7 @@ def check_test_pull(args: argparse.Namespace, env: Mapping[str, str]) -> list[Ch
                 env=dict(env),
             )
         except ControlError as exc:
-            return [Check("test pull", "fail", f"could not start the prefill emulator: {exc}")]
+            return [DoctorCheck("test pull", "fail", f"could not start the prefill emulator: {exc}")]
         control, spec = emulator.ready.control, EMULATOR_SPEC
     try:
         result, log = run_probe(control, spec, args.timeout, env)
@@ -724,11 +558,11 @@ def check_test_pull(args: argparse.Namespace, env: Mapping[str, str]) -> list[Ch
             emulator.stop()
     source = "emulator started by doctor" if emulator is not None else f"emulator at {control}"
     if not result.ok:
-        return [Check("test pull", "fail", f"{source}: {result.reason}")]
+        return [DoctorCheck("test pull", "fail", f"{source}: {result.reason}")]
     rate = result.nbytes / result.seconds if result.seconds else 0.0
     verified = "bytes verified" if result.verified else "bytes not verified (emulator's seed unknown)"
     checks = [
-        Check(
+        DoctorCheck(
             "test pull",
             "pass",
             f"{source}: {_size(result.nbytes)} in {result.seconds * 1e3:.1f} ms "
@@ -737,26 +571,26 @@ def check_test_pull(args: argparse.Namespace, env: Mapping[str, str]) -> list[Ch
         )
     ]
     status, detail = judge_transports(parse_ucx_lanes(log))
-    checks.append(Check("UCX transports", status, detail))
+    checks.append(DoctorCheck("UCX transports", status, detail))
     return checks
 
 
 # ------------------------------------------------------------------------------------------------ driver
 
 
-def diagnose(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Report:
+def diagnose(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> DoctorReport:
     env = dict(os.environ if environ is None else environ)
-    checks: list[Check] = []
+    checks: list[DoctorCheck] = []
     for path in args.env_file or []:
         try:
             env.update(read_env_file(path))
-            checks.append(Check(f"env {path}", "pass", "loaded"))
+            checks.append(DoctorCheck(f"env {path}", "pass", "loaded"))
         except OSError as exc:
-            checks.append(Check(f"env {path}", "fail", str(exc)))
+            checks.append(DoctorCheck(f"env {path}", "fail", str(exc)))
     target, check = load_target(args, env)
     checks.append(check)
     if target is None:
-        return Report(checks)
+        return DoctorReport(checks)
     daemon_checks, status = check_daemon(target.socket, args.timeout)
     checks += daemon_checks
     if all(c.status == "pass" for c in daemon_checks):
@@ -773,12 +607,14 @@ def diagnose(args: argparse.Namespace, environ: Mapping[str, str] | None = None)
     addresses = prefill_addresses(args.prefill or [], target.config.remotes, peers)
     if not addresses:
         checks.append(
-            Check("prefills", "skip", "none to check: give --prefill HOST:PORT (config rules are patterns)")
+            DoctorCheck(
+                "prefills", "skip", "none to check: give --prefill HOST:PORT (config rules are patterns)"
+            )
         )
     for address in addresses:
         checks += check_prefill(address, target.config, local, layers, factors, args.timeout)
     checks += check_test_pull(args, env)
-    return Report(checks)
+    return DoctorReport(checks)
 
 
 DESCRIPTION = (
@@ -789,7 +625,7 @@ DESCRIPTION = (
 STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 
 
-def render(report: Report, console: Any = None) -> None:
+def render(report: DoctorReport, console: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 

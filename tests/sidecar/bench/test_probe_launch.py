@@ -46,7 +46,7 @@ def test_a_run_with_a_nixl_agent_loaded_and_rests_says_so_and_stays_verified(tmp
 
 
 def _rig():
-    return pl.Rig(pl.CPU_SHAPE, torch.device("cpu"), seed=3)
+    return pl.LaunchRig(pl.CPU_SHAPE, torch.device("cpu"), seed=3)
 
 
 def test_verify_fails_a_path_that_writes_nothing():

@@ -115,11 +115,15 @@ def test_ipv6_address():
 
 
 def test_exit_code_fails_only_on_fail():
-    ok = doctor.Report(
-        [doctor.Check("a", "pass", ""), doctor.Check("b", "warn", ""), doctor.Check("c", "skip", "")]
+    ok = doctor.DoctorReport(
+        [
+            doctor.DoctorCheck("a", "pass", ""),
+            doctor.DoctorCheck("b", "warn", ""),
+            doctor.DoctorCheck("c", "skip", ""),
+        ]
     )
     assert doctor.exit_code(ok) == 0
-    assert doctor.exit_code(doctor.Report([*ok.checks, doctor.Check("d", "fail", "x")])) == 1
+    assert doctor.exit_code(doctor.DoctorReport([*ok.checks, doctor.DoctorCheck("d", "fail", "x")])) == 1
 
 
 def test_missing_socket_is_a_clear_failure(tmp_path):
@@ -396,7 +400,10 @@ def test_table_output_names_the_failed_checks():
 
     console = Console(record=True, width=200)
     doctor.render(
-        doctor.Report([doctor.Check("daemon", "fail", "gone"), doctor.Check("config", "pass", "ok")]), console
+        doctor.DoctorReport(
+            [doctor.DoctorCheck("daemon", "fail", "gone"), doctor.DoctorCheck("config", "pass", "ok")]
+        ),
+        console,
     )
     text = console.export_text()
     assert "FAIL" in text and "PASS" in text and "FAIL: daemon" in text
