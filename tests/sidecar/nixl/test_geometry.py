@@ -511,9 +511,9 @@ def test_without_token_count_a_padded_remote_tail_would_misalign():
     """Why remote_num_tokens matters: 17 tokens in remote logical blocks of 2 kernels leave an empty last
     kernel block; plain tail pairing then shifts every local block by one."""
     geo, _, _ = direct_setup(nb_remote=16, ratio=2)
-    _, rk = geo.blocks([0, 1], [3, 5])  # remote kernels 6, 7, 10, 11
+    rk = geo.blocks([0, 1], [3, 5]).remote  # remote kernels 6, 7, 10, 11
     assert rk.tolist() == [10, 11]  # tokens 32..63: wrong for a 17-token request
-    _, rk = geo.blocks([0, 1], [3, 5], remote_num_tokens=17)
+    rk = geo.blocks([0, 1], [3, 5], remote_num_tokens=17).remote
     assert rk.tolist() == [6, 7]
     with pytest.raises(GeometryError) as e:
         geo.blocks([0, 1], [3], remote_num_tokens=40)
