@@ -305,28 +305,37 @@ class PairRule:
     remote_limit: int
 
 
+def _frozen(values: np.ndarray, field: str) -> np.ndarray:
+    """``values`` as a flat int64 array nobody can write into: itself when it and every array it views are
+    read-only already (the daemon's id arrays), else a read-only copy."""
+    a = values
+    while isinstance(a, np.ndarray) and not a.flags.writeable:
+        a = a.base
+    if a is None and values.dtype == _I64 and values.ndim == 1:
+        return values
+    out = np.array(values, dtype=_I64)
+    if out.ndim != 1:
+        raise GeometryError(field, f"must be flat, got shape {out.shape}")
+    out.flags.writeable = False
+    return out
+
+
 @dataclass(frozen=True, eq=False)
 class BlockPairs:
     """One request's checked kernel block pairs (``PairGeometry.blocks``): local block ``local[i]`` receives
-    remote block ``remote[i]``. Read-only copies, so the loop and the poster thread can share them; ``rule``
-    is what they were checked under, so a geometry refuses pairs made for another one."""
+    remote block ``remote[i]``. Read-only (copied unless already), so the loop and the poster thread share
+    them; ``rule`` is what they were checked under, so a geometry refuses pairs made for another one."""
 
     local: np.ndarray  # int64, read-only
     remote: np.ndarray  # int64, read-only
     rule: PairRule
 
     def __post_init__(self) -> None:
-        arrays = []
-        for name, a in (("local", self.local), ("remote", self.remote)):
-            a = np.array(a, dtype=_I64, copy=True)  # our own: nobody else can write into it later
-            if a.ndim != 1:
-                raise GeometryError(f"pairs.{name}", f"must be flat, got shape {a.shape}")
-            a.flags.writeable = False
-            arrays.append(a)
-        if arrays[0].size != arrays[1].size:
-            raise GeometryError("pairs", f"{arrays[0].size} local blocks for {arrays[1].size} remote blocks")
-        object.__setattr__(self, "local", arrays[0])
-        object.__setattr__(self, "remote", arrays[1])
+        local, remote = _frozen(self.local, "pairs.local"), _frozen(self.remote, "pairs.remote")
+        if local.size != remote.size:
+            raise GeometryError("pairs", f"{local.size} local blocks for {remote.size} remote blocks")
+        object.__setattr__(self, "local", local)
+        object.__setattr__(self, "remote", remote)
 
     @property
     def count(self) -> int:

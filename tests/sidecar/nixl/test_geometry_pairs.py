@@ -94,7 +94,7 @@ def test_pairs_give_the_same_descriptors_as_the_ids_in_every_mode(seed):
     assert min(modes.values()) > CASES // 4, modes  # the sweep really compared that many per mode
 
 
-def test_pairs_are_read_only_copies():
+def test_pairs_are_read_only_and_nobody_else_can_write_them():
     rmem, lmem = RemoteMem(2, 12), LocalMem(4, 10, HALF)
     geo = PairGeometry(plan_of(std(), shuf()), rmem.regions(), lmem.planes(), "direct")
     local, remote = np.array([3, 1, 4]), np.array([7, 8, 9])
@@ -105,6 +105,15 @@ def test_pairs_are_read_only_copies():
     for a in (pairs.local, pairs.remote):
         with pytest.raises(ValueError):
             a[0] = 0
+    shared = np.array([3, 1, 4])
+    view = shared[:]
+    view.flags.writeable = False  # read-only, but over memory its owner can still write: copied
+    kept = BlockPairs(view, view, pairs.rule)
+    shared[0] = 9
+    assert kept.local.tolist() == [3, 1, 4]
+    frozen = np.array([3, 1, 4])
+    frozen.flags.writeable = False  # read-only all the way down (the daemon's id arrays): used as is
+    assert BlockPairs(frozen, frozen[1:2].repeat(3), pairs.rule).local is frozen
     with pytest.raises(GeometryError) as e:
         BlockPairs(np.array([1, 2]), np.array([3]), pairs.rule)
     assert e.value.field == "pairs"
