@@ -394,14 +394,22 @@ def trim_padding(
     return local_ids, remote_ids[:used]
 
 
-def _check_range(ids: np.ndarray, limit: int, field: str) -> None:
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+def _increasing(ids: np.ndarray) -> bool:
+    """Strictly increasing (contiguous ids and slots are): then unique, and bounded by the first and last."""
+    return ids.size < 2 or bool((ids[1:] > ids[:-1]).all())  # slices: a third of np.diff's cost
+
+
+def _check_range(ids: np.ndarray, limit: int, field: str, increasing: bool = False) -> None:
+    if not ids.size:
+        return
+    lo, hi = (ids[0], ids[-1]) if increasing else (ids.min(), ids.max())
+    if int(lo) < 0 or int(hi) >= limit:
         bad = ids[(ids < 0) | (ids >= limit)]
         raise GeometryError(field, f"block id {int(bad[0])} outside [0, {limit})")
 
 
-def _check_unique(ids: np.ndarray, field: str) -> None:
-    if ids.size < 2 or (np.diff(ids) > 0).all():  # strictly increasing (e.g. contiguous slots): unique
+def _check_unique(ids: np.ndarray, field: str, increasing: bool = False) -> None:
+    if increasing or _increasing(ids):
         return
     s = np.sort(ids)
     dup = s[1:][s[1:] == s[:-1]]
@@ -602,8 +610,10 @@ class PairGeometry:
             if s.shape != (layers, n) or not np.issubdtype(s.dtype, np.integer):
                 raise GeometryError("slots", f"need integer slots of shape ({layers}, {n}), got {s.shape}")
             s = s.astype(_I64, copy=False)
-            _check_range(s.ravel(), self.pool.num_slots, "slots")
-            _check_unique(s.ravel(), "slots")
+            flat = s.ravel()
+            inc = _increasing(flat)
+            _check_range(flat, self.pool.num_slots, "slots", inc)
+            _check_unique(flat, "slots", inc)
             pages = (np.uint64(self.pool.base) + s.astype(_U64) * np.uint64(self.pool.slot_bytes))[:, None, :]
             local_dev = self.pool.device_id
         else:
@@ -665,9 +675,10 @@ class PairGeometry:
                 lk, rk, remote_num_tokens, self.remote.block_size, self.local.blocks_per_logical
             )
         lk, rk = pair_blocks(lk, rk)
-        _check_range(lk, self.local_limit, "local_block_ids")
+        inc = _increasing(lk)
+        _check_range(lk, self.local_limit, "local_block_ids", inc)
         _check_range(rk, self.remote_limit, "remote_block_ids")
-        _check_unique(lk, "local_block_ids")
+        _check_unique(lk, "local_block_ids", inc)
         return BlockPairs(lk, rk, self.rule)
 
     def accept(self, pairs: BlockPairs) -> BlockPairs:
@@ -811,8 +822,10 @@ class PairGeometry:
             raise GeometryError("slots", f"{slots.shape[1]} slots per layer for {rk.size} blocks")
         s = slots.astype(_I64, copy=False)
         rk, s = _with_gaps(rk, s, gaps, self.remote_limit)
-        _check_range(s.ravel(), self.pool.num_slots, "slots")
-        _check_unique(s.ravel(), "slots")
+        flat = s.ravel()
+        inc = _increasing(flat)
+        _check_range(flat, self.pool.num_slots, "slots", inc)
+        _check_unique(flat, "slots", inc)
         ra = self._remote_addr(rk)
         la = np.uint64(self.pool.base) + s.astype(_U64) * np.uint64(self.pool.slot_bytes)
         return merge_runs(ra, la, self.remote.block_len, self.remote.device_id, self.pool.device_id)

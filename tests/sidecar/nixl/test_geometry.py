@@ -386,6 +386,11 @@ def test_direct_refuses_more_local_than_remote_blocks():
         ([1], [12], "remote_block_ids"),
         ([1], [-3], "remote_block_ids"),
         ([1, 1], [2, 3], "local_block_ids"),  # duplicate destination
+        ([7, 8, 9, 10], [1, 2, 3, 4], "local_block_ids"),  # increasing: bounded by its ends
+        ([-1, 0, 1], [1, 2, 3], "local_block_ids"),
+        ([9, 3, 10, 4], [1, 2, 3, 4], "local_block_ids"),  # neither increasing nor in range
+        ([3, 1, 3], [1, 2, 4], "local_block_ids"),
+        ([1, 2], [10, 12], "remote_block_ids"),
     ],
 )
 def test_ids_out_of_range_or_duplicate(local, remote, field):
@@ -633,6 +638,7 @@ def test_staged_pairs_with_local_blocks_and_tail():
     [
         (np.zeros((2, 2), np.int64), "slots"),  # 2 layers, geometry has 3
         (np.array([[0, 1], [2, 3], [4, 48]]), "slots"),  # 48 >= 48 slots
+        (np.array([[-1, 0], [1, 2], [3, 4]]), "slots"),  # increasing, first out of range
         (np.array([[0, 1], [2, 3], [3, 4]]), "slots"),  # slot 3 twice
         (np.array([[0.0, 1.0]] * 3), "slots"),
         (np.arange(9).reshape(3, 3), "slots"),  # 3 slots per layer for 2 blocks
