@@ -408,8 +408,8 @@ def _check_range(ids: np.ndarray, limit: int, field: str, increasing: bool = Fal
         raise GeometryError(field, f"block id {int(bad[0])} outside [0, {limit})")
 
 
-def _check_unique(ids: np.ndarray, field: str, increasing: bool = False) -> None:
-    if increasing or _increasing(ids):
+def _check_unique(ids: np.ndarray, field: str, increasing: bool | None = None) -> None:
+    if _increasing(ids) if increasing is None else increasing:
         return
     s = np.sort(ids)
     dup = s[1:][s[1:] == s[:-1]]
