@@ -42,6 +42,7 @@ BENCHES = {
     "launch": ("sidecar.bench.probe_launch", "host CPU time of one conversion launch, old path against new"),
     "signal": ("sidecar.bench.completion_signal", "Done's delivery delay, completion socket against ZMQ"),
     "e2e": ("sidecar.bench.e2e", "Pull sent to Done received through the real daemon, against a bare read"),
+    "planning": ("sidecar.bench.planning", "CPU time of a read's pairing and descriptors: ids vs pairs"),
     "interference": (
         "sidecar.bench.interference",
         "what conversions cost a decoder's running steps on the same GPU, and the settings that bound it",

@@ -178,7 +178,7 @@ class BareReader:
                     waves.append([])
                     used = 0
                 # the daemon's layout (Staging.take_span): remote order, gaps within the share of free slots
-                _, rk = geo.blocks(loc, rem, tokens)
+                rk = geo.blocks(loc, rem, tokens).remote
                 budget = min(int(self.gap_share * slots_all), slots_all - used - need) // self.layers
                 span = plan_span(rk, self.page_bytes, self.gap_cost, budget)
                 gaps = None

@@ -132,7 +132,7 @@ class Conversions:
                         self._executor,
                         convert_blocks,
                         caches,
-                        job.blocks,
+                        job.pairs.local,
                         fmt,
                         src,
                         (first, last),
@@ -146,7 +146,7 @@ class Conversions:
                 conv.last_event = launch_gpu(
                     self._stream,
                     caches,
-                    job.blocks,
+                    job.pairs.local,
                     fmt,
                     src,
                     (first, last),

@@ -191,15 +191,15 @@ class Pipeline:
 
     async def _post(self, job: Job, caches: Caches, mode: ReadMode, layer_groups: int) -> bool:
         """Take staging slots if staged, prepare the conversion, post the reads; True if it converts."""
-        job.blocks, remote = self._reads.blocks(job, mode)
+        job.pairs = self._reads.blocks(job, mode)
         pool = slots = src = staged = None
-        layers, blocks = len(caches.layers), int(job.blocks.size)
+        layers, blocks = len(caches.layers), job.pairs.count
         fmt = job.peer.plan.remote
         layer_groups = layer_groups_for(layer_groups, layers * blocks * fmt.page_bytes)
         if mode == "staged":
             if self._staging is None:
                 raise Refused("pull_mode", "staged reads need a staging pool (staging_bytes = 0)")
-            staged = await self._take_span(job, fmt, layers, remote)
+            staged = await self._take_span(job, fmt, layers, job.pairs.remote)
             pool, slots, job.slots = staged.pool, staged.slots, staged.run
             src = self._staging.source(job.slots, caches.page_format, layers, staged.width)
         converting = bool(job.peer.plan.convert and blocks)

@@ -28,7 +28,7 @@ import msgspec
 import numpy as np
 
 from sidecar.nixl.admission import RemoteFormatRule
-from sidecar.nixl.geometry import LocalRegions, StagingPool
+from sidecar.nixl.geometry import BlockPairs, LocalRegions, StagingPool
 from sidecar.wire.formats import PageFormat
 
 ReadMode = Literal["direct", "staged", "plain"]
@@ -104,9 +104,10 @@ class TransferPort(Protocol):
         local_ids: Sequence[int],
         remote_ids: Sequence[int],
         remote_num_tokens: int | None,
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> BlockPairs:
         """The checked kernel block pairs a read of these ids moves (padding trimmed): the local ids it writes
-        (what gets converted) and the remote ids each reads, in request order."""
+        (what gets converted) and the remote ids each reads, in request order. Made once per request on the
+        loop and handed to ``read`` (``pairs``), which does not pair the ids again."""
         ...
 
     def read(
@@ -124,9 +125,12 @@ class TransferPort(Protocol):
         pool: StagingPool | None = None,
         slots: np.ndarray | None = None,
         gaps: Any = None,
+        pairs: BlockPairs | None = None,
     ) -> Any:
         """Post the request's READs (one per layer group); the prefill is notified once all are DONE.
-        ``gaps``: staged only, a ``spans.GapRead`` of blocks read into staging just to merge runs."""
+        ``gaps``: staged only, a ``spans.GapRead`` of blocks read into staging just to merge runs.
+        ``pairs``: ``blocks``'s answer for these ids (else they are paired here); one checked under another
+        pairing rule (ratios, block size) or out of this read's block counts is refused naming the field."""
         ...
 
     def poll(self, read: Any, now: float, *, notify: bool = True) -> bool:

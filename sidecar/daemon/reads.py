@@ -31,7 +31,7 @@ from sidecar.daemon.errors import Failed, PeerLost, Refused
 from sidecar.daemon.jobs import Job
 from sidecar.daemon.port import ReadMode, TransferPort
 from sidecar.nixl.errors import RemoteDisconnected, RemoteRefused, TransferError
-from sidecar.nixl.geometry import GeometryError, StagingPool
+from sidecar.nixl.geometry import BlockPairs, GeometryError, StagingPool
 
 log = logging.getLogger("kv_sidecar.reads")
 
@@ -69,9 +69,9 @@ class Reads:
         if self._sent_event is not None:
             self._sent_event.set()
 
-    def blocks(self, job: Job, mode: ReadMode) -> tuple[np.ndarray, np.ndarray]:
+    def blocks(self, job: Job, mode: ReadMode) -> BlockPairs:
         """The checked kernel block pairs of the job's read (tail pairing, padding trimmed): the local blocks
-        it writes and the remote blocks each reads."""
+        it writes and the remote blocks each reads. The post takes them from ``job.pairs``: once per job."""
         local_ids, remote_ids = job.id_arrays
         try:
             return self._port.blocks(
@@ -96,8 +96,8 @@ class Reads:
         slots: np.ndarray | None,
         gaps: Any = None,
     ) -> None:
-        """Post the job's READs on the poster thread (it must have its peer, caches and, when staged, its
-        slots and gaps). Cancelled meanwhile (Abort, deadline, shutdown), it still waits for the post to
+        """Post the job's READs on the poster thread (it must have its peer, caches, pairs and, when staged,
+        its slots and gaps). Cancelled meanwhile (Abort, deadline, shutdown), it still waits for the post to
         return and keeps its read in ``job.read``, so ``stop`` can stop it before the job is answered."""
         fut = self.on_poster(self._post_now, job, mode, layer_groups, pool, slots, gaps)
         cancelled = False
@@ -167,6 +167,7 @@ class Reads:
                 pool=pool,
                 slots=slots,
                 gaps=gaps,
+                pairs=job.pairs,
             )
         except GeometryError as exc:
             raise Refused(exc.field, exc.reason) from None

@@ -45,6 +45,7 @@ from sidecar.nixl.errors import (
     map_nixl_error,
 )
 from sidecar.nixl.geometry import (
+    BlockPairs,
     DescIndices,
     Descs,
     GeometryError,
@@ -506,10 +507,12 @@ class NixlTransfer:
         pool: StagingPool | None,
         slots: np.ndarray | None,
         gaps: Any = None,
+        pairs: BlockPairs | None = None,
     ) -> DescIndices | Descs:
-        """A request's descriptors against ``geo``; raises GeometryError naming the field."""
+        """A request's descriptors against ``geo`` (from ``pairs`` when given: the ids are not paired again);
+        raises GeometryError naming the field."""
         if geo.source is not None:  # a head slice (heterogeneous TP): explicit descriptors in every mode
-            return geo.sliced_descs(local_block_ids, remote_block_ids, remote_num_tokens, slots)
+            return geo.sliced_descs(local_block_ids, remote_block_ids, remote_num_tokens, slots, pairs=pairs)
         if mode == "staged":
             if pool is None or slots is None:
                 raise GeometryError("pool", "a staged pull needs a pool and slots")
@@ -519,8 +522,9 @@ class NixlTransfer:
                 local_block_ids=local_block_ids,
                 remote_num_tokens=remote_num_tokens,
                 gaps=gaps,
+                pairs=pairs,
             )
-        return geo.indices(local_block_ids, remote_block_ids, remote_num_tokens)
+        return geo.indices(local_block_ids, remote_block_ids, remote_num_tokens, pairs=pairs)
 
     @_locked
     def pull(
@@ -540,9 +544,11 @@ class NixlTransfer:
         slots: np.ndarray | None = None,
         gaps: Any = None,
         table: DescIndices | Descs | None = None,
+        pairs: BlockPairs | None = None,
     ) -> ReadOp:
-        """Build the request's descriptors (unless ``table`` gives them, from :meth:`table`) and post them in
-        ``layer_groups`` READs; returns the sealed pull.
+        """Build the request's descriptors (unless ``table`` gives them, from :meth:`table`; from ``pairs``,
+        the ids' checked pairing, when given) and post them in ``layer_groups`` READs; returns the sealed
+        pull.
         ``gaps`` (staged): a ``spans.GapRead`` of blocks read into staging only, to merge runs.
 
         Staged mode reads into ``pool`` (see ``staging``) at ``slots[layer, i]``. With no block to read (a
@@ -556,7 +562,7 @@ class NixlTransfer:
         try:
             if table is None:
                 table = self.table(
-                    geo, mode, local_block_ids, remote_block_ids, remote_num_tokens, pool, slots, gaps
+                    geo, mode, local_block_ids, remote_block_ids, remote_num_tokens, pool, slots, gaps, pairs
                 )
         except GeometryError as exc:
             # Nothing will be read: tell the prefill now rather than let the blocks wait for the lease.

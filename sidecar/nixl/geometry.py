@@ -293,6 +293,55 @@ class Descs:
         return self.local[a:b], self.remote[a:b]
 
 
+@dataclass(frozen=True)
+class PairRule:
+    """What a pairing depends on besides the ids: each side's kernel blocks per logical block, the remote's
+    kernel block size (padding trim) and the block counts the ids were range-checked against."""
+
+    local_ratio: int
+    remote_ratio: int
+    remote_block_size: int
+    local_limit: int
+    remote_limit: int
+
+
+def _frozen(values: np.ndarray, field: str) -> np.ndarray:
+    """``values`` as a flat int64 array nobody can write into: itself when it and every array it views are
+    read-only already (the daemon's id arrays), else a read-only copy."""
+    a = values
+    while isinstance(a, np.ndarray) and not a.flags.writeable:
+        a = a.base
+    if a is None and values.dtype == _I64 and values.ndim == 1:
+        return values
+    out = np.array(values, dtype=_I64)
+    if out.ndim != 1:
+        raise GeometryError(field, f"must be flat, got shape {out.shape}")
+    out.flags.writeable = False
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class BlockPairs:
+    """One request's checked kernel block pairs (``PairGeometry.blocks``): local block ``local[i]`` receives
+    remote block ``remote[i]``. Read-only (copied unless already), so the loop and the poster thread share
+    them; ``rule`` is what they were checked under, so a geometry refuses pairs made for another one."""
+
+    local: np.ndarray  # int64, read-only
+    remote: np.ndarray  # int64, read-only
+    rule: PairRule
+
+    def __post_init__(self) -> None:
+        local, remote = _frozen(self.local, "pairs.local"), _frozen(self.remote, "pairs.remote")
+        if local.size != remote.size:
+            raise GeometryError("pairs", f"{local.size} local blocks for {remote.size} remote blocks")
+        object.__setattr__(self, "local", local)
+        object.__setattr__(self, "remote", remote)
+
+    @property
+    def count(self) -> int:
+        return int(self.local.size)
+
+
 def single_group(block_ids: Sequence[Any], field: str) -> list[int]:
     """Unwrap vLLM's per-group id lists (``[[...]]``); several groups (HMA) are out of scope."""
     if block_ids and isinstance(block_ids[0], (list, tuple, np.ndarray)):
@@ -345,14 +394,22 @@ def trim_padding(
     return local_ids, remote_ids[:used]
 
 
-def _check_range(ids: np.ndarray, limit: int, field: str) -> None:
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+def _increasing(ids: np.ndarray) -> bool:
+    """Strictly increasing (contiguous ids and slots are): then unique, and bounded by the first and last."""
+    return ids.size < 2 or bool((ids[1:] > ids[:-1]).all())  # slices: a third of np.diff's cost
+
+
+def _check_range(ids: np.ndarray, limit: int, field: str, increasing: bool = False) -> None:
+    if not ids.size:
+        return
+    lo, hi = (ids[0], ids[-1]) if increasing else (ids.min(), ids.max())
+    if int(lo) < 0 or int(hi) >= limit:
         bad = ids[(ids < 0) | (ids >= limit)]
         raise GeometryError(field, f"block id {int(bad[0])} outside [0, {limit})")
 
 
-def _check_unique(ids: np.ndarray, field: str) -> None:
-    if ids.size < 2 or (np.diff(ids) > 0).all():  # strictly increasing (e.g. contiguous slots): unique
+def _check_unique(ids: np.ndarray, field: str, increasing: bool | None = None) -> None:
+    if _increasing(ids) if increasing is None else increasing:
         return
     s = np.sort(ids)
     dup = s[1:][s[1:] == s[:-1]]
@@ -473,6 +530,10 @@ class PairGeometry:
             )
         self.remote_limit = int(remote.num_blocks.min())
         self.local_limit = int(local.num_blocks.min())
+        self.rule = PairRule(
+            local.blocks_per_logical, remote.blocks_per_logical, remote.block_size,
+            self.local_limit, self.remote_limit,
+        )
         if mode == "plain":
             if plan.convert:
                 raise GeometryError("mode", "a plain read needs the same page format on both sides")
@@ -532,12 +593,14 @@ class PairGeometry:
         remote_block_ids: Sequence[int] | np.ndarray,
         remote_num_tokens: int | None = None,
         slots: np.ndarray | None = None,
+        *,
+        pairs: BlockPairs | None = None,
     ) -> Descs:
         """Explicit descriptors of a sliced read (heterogeneous TP), in any mode: the source's head slice of
         each remote page into its place in the local page (planes, slot or whole block)."""
         if self.source is None:
             raise GeometryError("source", "sliced_descs needs a geometry built with a source slice")
-        lk, rk = self.blocks(local_block_ids, remote_block_ids, remote_num_tokens)
+        lk, rk = self._paired(local_block_ids, remote_block_ids, remote_num_tokens, pairs)
         n, layers = lk.size, self.layers
         ra = self._remote_addr(rk)  # (layers, n): remote page starts
         if self.mode == "staged":
@@ -547,8 +610,10 @@ class PairGeometry:
             if s.shape != (layers, n) or not np.issubdtype(s.dtype, np.integer):
                 raise GeometryError("slots", f"need integer slots of shape ({layers}, {n}), got {s.shape}")
             s = s.astype(_I64, copy=False)
-            _check_range(s.ravel(), self.pool.num_slots, "slots")
-            _check_unique(s.ravel(), "slots")
+            flat = s.ravel()
+            inc = _increasing(flat)
+            _check_range(flat, self.pool.num_slots, "slots", inc)
+            _check_unique(flat, "slots", inc)
             pages = (np.uint64(self.pool.base) + s.astype(_U64) * np.uint64(self.pool.slot_bytes))[:, None, :]
             local_dev = self.pool.device_id
         else:
@@ -597,7 +662,7 @@ class PairGeometry:
         local_block_ids: Sequence[int] | np.ndarray,
         remote_block_ids: Sequence[int] | np.ndarray,
         remote_num_tokens: int | None = None,
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> BlockPairs:
         """Checked kernel block pairs: local ids and the tail of the remote ids, equal length.
 
         With ``remote_num_tokens`` (kv_transfer_params' ``remote_num_tokens``) the kernel blocks past the last
@@ -610,19 +675,56 @@ class PairGeometry:
                 lk, rk, remote_num_tokens, self.remote.block_size, self.local.blocks_per_logical
             )
         lk, rk = pair_blocks(lk, rk)
-        _check_range(lk, self.local_limit, "local_block_ids")
+        inc = _increasing(lk)
+        _check_range(lk, self.local_limit, "local_block_ids", inc)
         _check_range(rk, self.remote_limit, "remote_block_ids")
-        _check_unique(lk, "local_block_ids")
-        return lk, rk
+        _check_unique(lk, "local_block_ids", inc)
+        return BlockPairs(lk, rk, self.rule)
+
+    def accept(self, pairs: BlockPairs) -> BlockPairs:
+        """``pairs`` from ``blocks`` of this geometry or one pairing the same way (the same ratios and block
+        size: another mode, or another prefill rank of the request): refused naming the field otherwise. Ids
+        are checked again only against a block count smaller than the one they were checked against."""
+        if not isinstance(pairs, BlockPairs):
+            raise GeometryError("pairs", f"expected BlockPairs from PairGeometry.blocks, not {type(pairs)}")
+        got, want = pairs.rule, self.rule
+        for name in ("local_ratio", "remote_ratio", "remote_block_size"):
+            if getattr(got, name) != getattr(want, name):
+                raise GeometryError(
+                    f"pairs.{name}",
+                    f"the pairs were made with {getattr(got, name)}, this read has {getattr(want, name)}",
+                )
+        if got.local_limit > want.local_limit:
+            _check_range(pairs.local, want.local_limit, "local_block_ids")
+        if got.remote_limit > want.remote_limit:
+            _check_range(pairs.remote, want.remote_limit, "remote_block_ids")
+        return pairs
+
+    def _paired(
+        self,
+        local_block_ids: Sequence[int] | np.ndarray,
+        remote_block_ids: Sequence[int] | np.ndarray,
+        remote_num_tokens: int | None,
+        pairs: BlockPairs | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The request's (local, remote) kernel blocks: ``pairs`` when given (then the ids are not paired
+        again), else paired from the ids."""
+        if pairs is None:
+            pairs = self.blocks(local_block_ids, remote_block_ids, remote_num_tokens)
+        else:
+            self.accept(pairs)
+        return pairs.local, pairs.remote
 
     def indices(
         self,
         local_block_ids: Sequence[int] | np.ndarray,
         remote_block_ids: Sequence[int] | np.ndarray,
         remote_num_tokens: int | None = None,
+        *,
+        pairs: BlockPairs | None = None,
     ) -> DescIndices:
         """Index form (direct, plain): int32 indices into ``local_table`` / ``remote_table`` rows."""
-        lk, rk = self.blocks(local_block_ids, remote_block_ids, remote_num_tokens)
+        lk, rk = self._paired(local_block_ids, remote_block_ids, remote_num_tokens, pairs)
         n = lk.size
         if self.mode == "direct":
             # (layer, half, block): half 0 -> K plane of the layer, half 1 -> V plane.
@@ -654,9 +756,10 @@ class PairGeometry:
         remote_num_tokens: int | None = None,
         *,
         merge: bool = True,
+        pairs: BlockPairs | None = None,
     ) -> Descs:
         """Explicit form (direct, plain). Direct halves never merge (the remote halves are not adjacent)."""
-        lk, rk = self.blocks(local_block_ids, remote_block_ids, remote_num_tokens)
+        lk, rk = self._paired(local_block_ids, remote_block_ids, remote_num_tokens, pairs)
         r, loc = self.remote, self.local
         if self.mode == "direct":
             half = r.block_len // 2  # (layers,)
@@ -692,9 +795,10 @@ class PairGeometry:
         local_block_ids: Sequence[int] | np.ndarray | None = None,
         remote_num_tokens: int | None = None,
         gaps: Any = None,
+        pairs: BlockPairs | None = None,
     ) -> Descs:
         """Whole remote pages into pool slots: ``slots[layer, i]`` receives remote block ``i`` of the paired
-        tail (the last ``slots.shape[1]`` kernel blocks, or those paired with ``local_block_ids``).
+        tail: the last ``slots.shape[1]`` kernel blocks, those paired with ``local_block_ids``, or ``pairs``.
         ``gaps`` (a ``spans.GapRead``): more remote kernel blocks read into their own slots (staging only).
         Pages go in remote-id order, so blocks adjacent on both sides merge whatever the request order."""
         if self.mode != "staged" or self.pool is None:
@@ -704,20 +808,24 @@ class PairGeometry:
             raise GeometryError(
                 "slots", f"need an integer array of shape ({self.layers}, n), got {slots.dtype} {slots.shape}"
             )
-        if local_block_ids is None:
+        if pairs is not None:
+            rk = self.accept(pairs).remote
+        elif local_block_ids is None:
             rk = kernel_block_ids(remote_block_ids, self.remote.blocks_per_logical, "remote_block_ids")
             if remote_num_tokens is not None:
                 _, rk = trim_padding(np.empty(0, _I64), rk, remote_num_tokens, self.remote.block_size, 1)
             _, rk = pair_blocks(np.empty(slots.shape[1], _I64), rk)
             _check_range(rk, self.remote_limit, "remote_block_ids")
         else:
-            _, rk = self.blocks(local_block_ids, remote_block_ids, remote_num_tokens)
+            rk = self.blocks(local_block_ids, remote_block_ids, remote_num_tokens).remote
         if rk.size != slots.shape[1]:
             raise GeometryError("slots", f"{slots.shape[1]} slots per layer for {rk.size} blocks")
         s = slots.astype(_I64, copy=False)
         rk, s = _with_gaps(rk, s, gaps, self.remote_limit)
-        _check_range(s.ravel(), self.pool.num_slots, "slots")
-        _check_unique(s.ravel(), "slots")
+        flat = s.ravel()
+        inc = _increasing(flat)
+        _check_range(flat, self.pool.num_slots, "slots", inc)
+        _check_unique(flat, "slots", inc)
         ra = self._remote_addr(rk)
         la = np.uint64(self.pool.base) + s.astype(_U64) * np.uint64(self.pool.slot_bytes)
         return merge_runs(ra, la, self.remote.block_len, self.remote.device_id, self.pool.device_id)

@@ -14,7 +14,7 @@ from sidecar.nixl import tp
 from sidecar.nixl.admission import admit_remote, resolve_remote_format
 from sidecar.nixl.agent import NixlTransfer, Peer, ReadOp, TransferSettings
 from sidecar.nixl.errors import RemoteRefused, TransferError
-from sidecar.nixl.geometry import LocalRegions, StagingPool
+from sidecar.nixl.geometry import BlockPairs, LocalRegions, StagingPool
 from sidecar.wire import prefill as vllm_wire
 
 
@@ -195,7 +195,7 @@ class NixlPort:
         local_ids: Sequence[int],
         remote_ids: Sequence[int],
         remote_num_tokens: int | None,
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> BlockPairs:
         geo = self.agent.geometry(_members(peer)[0], dest, "plain" if mode == "plain" else "direct")
         return geo.blocks(local_ids, remote_ids, remote_num_tokens)
 
@@ -214,16 +214,18 @@ class NixlPort:
         pool: StagingPool | None = None,
         slots: np.ndarray | None = None,
         gaps: Any = None,
+        pairs: BlockPairs | None = None,
     ) -> ReadOp | ReadGroup:
         """The request's reads from each prefill rank of ``peer`` (a ``PeerSet`` or one peer); each rank gets
-        its own notification ``id:n`` once its reads are DONE (or stopped)."""
+        its own notification ``id:n`` once its reads are DONE (or stopped). ``pairs``: the ids' pairing from
+        ``blocks``, so it is not made again here; every rank's geometry checks it fits that rank."""
         with self.agent.hold():  # every rank's read as one unit against the other thread's agent calls
             members = _members(peer)
             tables: list[Any] = [None] * len(members)
             if len(members) > 1:  # every rank's descriptors before anything is posted or notified
                 tables = [
                     self.agent.table(self.agent.geometry(m, dest, mode, pool), mode, local_ids, remote_ids,
-                                     remote_num_tokens, pool, slots, gaps)
+                                     remote_num_tokens, pool, slots, gaps, pairs)
                     for m in members
                 ]
             ops: list[ReadOp] = []
@@ -232,7 +234,7 @@ class NixlPort:
                     ops.append(self.agent.pull(
                         m, dest, mode, local_ids, remote_ids, remote_request_id, readers=m.notif_count,
                         layer_groups=layer_groups, timeout_s=timeout_s, remote_num_tokens=remote_num_tokens,
-                        pool=pool, slots=slots, gaps=gaps, table=tables[i],
+                        pool=pool, slots=slots, gaps=gaps, table=tables[i], pairs=pairs,
                     ))
                 except Exception as exc:
                     # The failed rank was notified by its pull; stop and notify the others exactly once too.

@@ -20,8 +20,14 @@ import numpy as np
 
 from sidecar.daemon.port import Admission, PeerTarget, ReadMode
 from sidecar.nixl import tp
-from sidecar.nixl.errors import RemoteDisconnected, RemoteRefused, TransferFailed, TransferTimeout
-from sidecar.nixl.geometry import LocalRegions, StagingPool, regions_per_layer
+from sidecar.nixl.errors import (
+    RemoteDisconnected,
+    RemoteRefused,
+    RequestRefused,
+    TransferFailed,
+    TransferTimeout,
+)
+from sidecar.nixl.geometry import BlockPairs, LocalRegions, PairRule, StagingPool, regions_per_layer
 from sidecar.wire.formats import STANDARD, Plan, negotiate
 
 
@@ -47,6 +53,7 @@ class FakeRead:
     mode: str
     slots: Any = None
     gaps: Any = None  # the GapRead a staged read was posted with
+    pairs: Any = None  # the BlockPairs it was posted with (None: it paired the ids itself)
     landed: list[tuple[int, int]] = field(default_factory=list)
     finished: bool = False
     done_at: float | None = None
@@ -88,6 +95,7 @@ class FakePort:
         self.held_skips = 0  # hold(blocking=False) calls answered False (a post was in progress)
         self._lock = threading.RLock()
         self.spent: set[str] = set()
+        self.pairings = 0  # blocks() calls: the daemon pairs each job once
 
     # -- local memory
     def register(self, ranges: Sequence[tuple[int, int, int]], mem_type: str) -> Any:
@@ -153,10 +161,12 @@ class FakePort:
         local_ids: Sequence[int],
         remote_ids: Sequence[int],
         remote_num_tokens: int | None,
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> BlockPairs:
+        self.pairings += 1
         n = min(len(local_ids), len(remote_ids))
-        return (np.asarray(list(local_ids)[len(local_ids) - n :], dtype=np.int64),
-                np.asarray(list(remote_ids)[len(remote_ids) - n :], dtype=np.int64))
+        return BlockPairs(np.asarray(list(local_ids)[len(local_ids) - n :], dtype=np.int64),
+                          np.asarray(list(remote_ids)[len(remote_ids) - n :], dtype=np.int64),
+                          _rule(peer, dest))
 
     def read(
         self,
@@ -173,11 +183,17 @@ class FakePort:
         pool: StagingPool | None = None,
         slots: np.ndarray | None = None,
         gaps: Any = None,
+        pairs: BlockPairs | None = None,
     ) -> FakeRead:
         self.post_threads.append(threading.current_thread().name)
         with self._lock:
             if self.post_gate is not None:
                 self.post_gate.wait(10.0)
+            if pairs is not None and (not isinstance(pairs, BlockPairs) or pairs.rule != _rule(peer, dest)):
+                # as NixlPort: a pairing made for another geometry is refused, and the prefill told at once
+                self._tell(peer, remote_request_id)
+                self.spent.add(remote_request_id)
+                raise RequestRefused("the pairs were made for another geometry", "pairs")
             if self.fail_post:  # the real port notified the failed rank already; so does the fake
                 self._tell(peer, remote_request_id)
                 self.spent.add(remote_request_id)
@@ -196,7 +212,8 @@ class FakePort:
         groups = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         if self.reverse:
             groups.reverse()
-        read = FakeRead(peer, remote_request_id, time.monotonic() + timeout_s, groups, mode, slots, gaps)
+        deadline = time.monotonic() + timeout_s
+        read = FakeRead(peer, remote_request_id, deadline, groups, mode, slots, gaps, pairs)
         read.handles = [object() for _ in groups]
         if pool is not None and slots is not None:  # what a real staged read's descriptors would cover
             read.nbytes = (slots.size + (0 if gaps is None else gaps.slots.size)) * pool.slot_bytes
@@ -291,6 +308,13 @@ class FakePort:
 
     def close(self) -> None:
         pass
+
+
+def _rule(peer: Any, dest: Any) -> PairRule:
+    """The fake's pairing rule (plain tail pairing, no range check) for a peer and a destination."""
+    regions = dest[1]
+    block_size = _members(peer)[0].plan.remote.block_size
+    return PairRule(1, 1, block_size, int(regions.num_blocks.min()), np.iinfo(np.int64).max)
 
 
 def _members(peer: Any) -> tuple[Any, ...]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 
@@ -153,6 +154,8 @@ def test_a_pull_is_read_converted_and_answered_once(mode):
             assert 0 <= done.timings["accept"] <= done.timings["queue"]
             assert h.port.notified == ["r-a"]  # exactly one notification, after the reads
             assert h.port.reads[0].mode == mode
+            assert h.port.pairings == 1  # paired once, on the loop: the post got those very pairs
+            assert h.port.reads[0].pairs.local.tolist() == [1, 2, 3]
             await asyncio.sleep(0.01)
             assert h.port.reads[0].handles == []  # released after Done, on the poster thread
             assert h.port.post_threads == ["kv-sidecar-post_0"]  # posted off the event loop
@@ -630,6 +633,27 @@ def test_a_reload_during_a_staged_wait_leaves_the_waiting_pull_to_finish():
 
 
 # -- the prefill side failing ------------------------------------------------------------------------
+
+
+def test_pairs_that_do_not_fit_the_read_fail_the_pull_and_the_prefill_is_told_once():
+    async def main():
+        async with started() as h:
+            made = h.port.blocks
+
+            def foreign(*args):  # a pairing checked under another geometry's rule
+                pairs = made(*args)
+                return dataclasses.replace(pairs, rule=dataclasses.replace(pairs.rule, remote_ratio=2))
+
+            h.port.blocks = foreign
+            h.pull("a")
+            done = await h.reply(p.Done, "a")
+            assert not done.ok and "pairs" in done.reason, done
+            assert h.port.reads == [] and h.port.notified == ["r-a"]
+            h.port.blocks = made
+            h.pull("b")
+            assert (await h.reply(p.Done, "b")).ok
+
+    run(main())
 
 
 def test_a_failing_read_fails_the_pull_and_the_daemon_goes_on():

@@ -3,6 +3,7 @@ destination planes in POSIX shared memory, every byte checked against the emulat
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -25,7 +26,7 @@ from sidecar.nixl.errors import (
     TransferTimeout,
     map_nixl_error,
 )
-from sidecar.nixl.geometry import LocalRegions, StagingPool, contiguous_slots
+from sidecar.nixl.geometry import BlockPairs, LocalRegions, StagingPool, contiguous_slots
 from sidecar.standins.emulator_control import spawn_emulator
 from sidecar.standins.emulator_pages import expected_pages
 from sidecar.wire import prefill as wire
@@ -417,6 +418,28 @@ def test_direct_pull_pairs_with_the_remote_tail(emu, tx, planes):
     tx.wait(tx.pull(peer, planes.dest, "direct", local, params.remote_block_ids[0], params.remote_request_id))
     check_planes(planes.arr, reply, local)
     emu.client.wait_state(params.remote_request_id, "freed_by_notif", 10)
+
+
+def test_a_pull_reads_the_pairs_it_is_given_and_refuses_pairs_of_another_rule(emu, tx, planes):
+    """The daemon's post: the loop's pairing (``blocks`` on the direct geometry) is read as is; pairs made
+    under another pairing rule are refused naming the field, and the prefill is told at once."""
+    peer = connect(tx, emu)
+    reply, params = new_request(emu, 12)
+    local, remote = [40, 3, 17, 9, 22], params.remote_block_ids[0]
+    pairs = tx.geometry(peer, planes.dest, "direct").blocks(local, remote)
+    planes.reset()
+    tx.wait(tx.pull(peer, planes.dest, "direct", local, remote, params.remote_request_id, pairs=pairs))
+    check_planes(planes.arr, reply, local)
+    emu.client.wait_state(params.remote_request_id, "freed_by_notif", 10)
+    _, params = new_request(emu, 3)
+    foreign = BlockPairs(pairs.local[:3], pairs.remote[:3], dataclasses.replace(pairs.rule, remote_ratio=2))
+    planes.reset()
+    with pytest.raises(RequestRefused) as e:
+        tx.pull(peer, planes.dest, "direct", local[:3], params.remote_block_ids[0], params.remote_request_id,
+                pairs=foreign)
+    assert e.value.field == "pairs.remote_ratio"
+    assert emu.client.wait_state(params.remote_request_id, "freed_by_notif", 10).notif_counts == [1]
+    assert (planes.arr == SENTINEL).all()  # nothing read
 
 
 def test_staged_pull_every_byte(emu, tx, planes):

@@ -386,6 +386,11 @@ def test_direct_refuses_more_local_than_remote_blocks():
         ([1], [12], "remote_block_ids"),
         ([1], [-3], "remote_block_ids"),
         ([1, 1], [2, 3], "local_block_ids"),  # duplicate destination
+        ([7, 8, 9, 10], [1, 2, 3, 4], "local_block_ids"),  # increasing: bounded by its ends
+        ([-1, 0, 1], [1, 2, 3], "local_block_ids"),
+        ([9, 3, 10, 4], [1, 2, 3, 4], "local_block_ids"),  # neither increasing nor in range
+        ([3, 1, 3], [1, 2, 4], "local_block_ids"),
+        ([1, 2], [10, 12], "remote_block_ids"),
     ],
 )
 def test_ids_out_of_range_or_duplicate(local, remote, field):
@@ -511,9 +516,9 @@ def test_without_token_count_a_padded_remote_tail_would_misalign():
     """Why remote_num_tokens matters: 17 tokens in remote logical blocks of 2 kernels leave an empty last
     kernel block; plain tail pairing then shifts every local block by one."""
     geo, _, _ = direct_setup(nb_remote=16, ratio=2)
-    _, rk = geo.blocks([0, 1], [3, 5])  # remote kernels 6, 7, 10, 11
+    rk = geo.blocks([0, 1], [3, 5]).remote  # remote kernels 6, 7, 10, 11
     assert rk.tolist() == [10, 11]  # tokens 32..63: wrong for a 17-token request
-    _, rk = geo.blocks([0, 1], [3, 5], remote_num_tokens=17)
+    rk = geo.blocks([0, 1], [3, 5], remote_num_tokens=17).remote
     assert rk.tolist() == [6, 7]
     with pytest.raises(GeometryError) as e:
         geo.blocks([0, 1], [3], remote_num_tokens=40)
@@ -633,6 +638,7 @@ def test_staged_pairs_with_local_blocks_and_tail():
     [
         (np.zeros((2, 2), np.int64), "slots"),  # 2 layers, geometry has 3
         (np.array([[0, 1], [2, 3], [4, 48]]), "slots"),  # 48 >= 48 slots
+        (np.array([[-1, 0], [1, 2], [3, 4]]), "slots"),  # increasing, first out of range
         (np.array([[0, 1], [2, 3], [3, 4]]), "slots"),  # slot 3 twice
         (np.array([[0.0, 1.0]] * 3), "slots"),
         (np.arange(9).reshape(3, 3), "slots"),  # 3 slots per layer for 2 blocks

@@ -30,8 +30,10 @@ class StubAgent:
 
     fail_on: set[int] = field(default_factory=set)
     sent: list[tuple[str, str, int]] = field(default_factory=list)  # (agent, request id, n)
+    pairs_seen: list[tuple[str, object]] = field(default_factory=list)  # ("table"/"pull", pairs) per call
 
     def pull(self, peer, dest, mode, local_ids, remote_ids, rid, *, readers, **kw):
+        self.pairs_seen.append(("pull", kw.get("pairs")))
         op = ReadOp(peer=peer, remote_request_id=rid, readers=readers, deadline=1e18)
         if peer.tp_rank in self.fail_on:
             self._notify_once(op)
@@ -65,8 +67,8 @@ class StubAgent:
     def geometry(self, peer, dest, mode, pool=None):
         return Unsliced()
 
-    @staticmethod
-    def table(geo, mode, *args):
+    def table(self, geo, mode, *args):
+        self.pairs_seen.append(("table", args[-1]))  # (ids, tokens, pool, slots, gaps, pairs)
         return ("descriptors of", mode)  # built once per rank before any post; pull receives it
 
 
@@ -85,9 +87,9 @@ def port_with(agent: StubAgent) -> NixlPort:
 PEERS = PeerSet(tuple(StubPeer(f"agent-{r}", r) for r in range(3)))
 
 
-def read(port, rid="req"):
+def read(port, rid="req", pairs=None):
     return port.read(PEERS, None, "direct", [1], [1], rid, layer_groups=2, timeout_s=5.0,
-                     remote_num_tokens=None)
+                     remote_num_tokens=None, pairs=pairs)
 
 
 @pytest.mark.parametrize("failing", [0, 1, 2])
@@ -107,6 +109,13 @@ def test_reads_of_every_rank_are_one_group():
     group = read(port_with(agent))
     assert isinstance(group, ReadGroup) and [op.peer.tp_rank for op in group.ops] == [0, 1, 2]
     assert agent.sent == []  # nothing told before the reads are done
+
+
+def test_every_rank_builds_its_descriptors_from_the_loops_pairs():
+    agent = StubAgent()
+    pairs = object()  # the stub geometry does not look inside; the real one checks the rule per rank
+    read(port_with(agent), pairs=pairs)
+    assert agent.pairs_seen == [("table", pairs)] * 3 + [("pull", pairs)] * 3
 
 
 def test_notify_sends_each_rank_its_own_n():

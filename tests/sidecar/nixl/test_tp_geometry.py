@@ -95,13 +95,21 @@ def test_every_byte_lands_where_tp_says(mode, local_tp, remote_tp):
         reads = [rank_read(remote_fmt, local_fmt, local_tp=local_tp, local_rank=t, remote_tp=remote_tp,
                            remote_rank=r) for r in range(remote_tp)]
         mine = [(r, rr) for r, rr in enumerate(reads) if isinstance(rr, RankRead)]
+        pairs = None
         assert all(rr.field == "remote_rank" for rr in reads if isinstance(rr, Refusal))
         for r, rr in mine:
             plan = negotiate(rr.view, local_fmt)
             assert isinstance(plan, Plan) and plan.convert == (mode != "plain")
             geo = PairGeometry(plan, ranks[r][0], local, mode, pool=pool if mode == "staged" else None,
                                source=rr.source)
-            mem.run(geo.sliced_descs(local_ids, remote_ids, slots=slots if mode == "staged" else None))
+            s = slots if mode == "staged" else None
+            d = geo.sliced_descs(local_ids, remote_ids, slots=s)
+            if pairs is None:
+                pairs = geo.blocks(local_ids, remote_ids)  # the first rank's pairing serves every rank
+            p = geo.sliced_descs(local_ids, remote_ids, slots=s, pairs=pairs)
+            assert np.array_equal(d.local, p.local) and np.array_equal(d.remote, p.remote)
+            assert np.array_equal(d.layer_rows, p.layer_rows)
+            mem.run(d)
         for layer in range(LAYERS):
             for i, (lb, rb) in enumerate(zip(local_ids, remote_ids[1:], strict=True)):
                 want = global_page(pages_by_rank, remote_tp, layer, rb)[t * page : (t + 1) * page]
