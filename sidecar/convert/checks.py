@@ -429,8 +429,14 @@ def check_launch(
         if rows.shape != ids.shape:
             raise ValueError(f"src_index shape {rows.shape} must be [len(block_ids)] = [{len(ids)}]")
         _check_source_rows(rows, srcs.shape[1])
-        index = torch.from_numpy(rows)
-    return _job(planes, first, last, torch.from_numpy(ids), srcs, src_rows, lut, counts, index, src_aligned)
+        index = _tensor(rows)
+    return _job(planes, first, last, _tensor(ids), srcs, src_rows, lut, counts, index, src_aligned)
+
+
+def _tensor(values: np.ndarray) -> torch.Tensor:
+    """A CPU tensor of int64 ``values``; read-only ones (a daemon's shared id arrays) are copied, since torch
+    warns about sharing memory it could write."""
+    return torch.from_numpy(values if values.flags.writeable else values.copy())
 
 
 def _remembered(memo: SourceMemo, planes: Planes, src: torch.Tensor, layers: int, m: int,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import warnings
 
 import numpy as np
 import pytest
@@ -182,6 +183,18 @@ def test_unsigned_and_narrow_ids_are_accepted_as_int64():
     for dtype in (np.uint8, np.int16, np.uint32, np.int32):
         job = check_launch(ps.planes, np.array([5, 0, 3], dtype=dtype), None, None, SourceMemo())
         assert job.ids.dtype == torch.int64 and job.ids.tolist() == [5, 0, 3]
+
+
+def test_read_only_ids_and_rows_are_taken_without_a_warning():
+    """The daemon's id arrays are shared read-only (loop and poster): the job copies them instead of letting
+    torch share memory it warns it could write."""
+    _, ps, stage = _arena()
+    ids, rows = np.array([5, 0, 3]), np.array([2, 0, 1])
+    ids.flags.writeable = rows.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        job = check_launch(ps.planes, ids, stage[:, :WIDTH], None, SourceMemo(), src_index=rows)
+    assert job.ids.tolist() == [5, 0, 3] and job.src_index.tolist() == [2, 0, 1]
 
 
 @pytest.mark.parametrize("mode", ["in_place", "staged", "indexed"])
