@@ -103,8 +103,7 @@ def map_caches(
         return caches
     except BaseException:
         del views
-        for b in imported:
-            b.close()
+        ipc_mod.close_imported(imported)
         raise
 
 
@@ -125,7 +124,7 @@ def close_caches(caches: Caches) -> None:
     caches.reencode_sets.clear()
     caches.k_planes.clear()
     caches.v_planes.clear()
-    if not all([b.close() for b in caches.imported]):
+    if not ipc_mod.close_imported(caches.imported):
         log.warning("some cache mappings are still referenced; they unmap when the last view goes")
 
 

@@ -117,6 +117,30 @@ def test_close_reports_live_views_then_releases():
         shm.close()
 
 
+def test_closing_many_buffers_collects_garbage_once(monkeypatch):
+    """A decoder's 72 buffers closed while views of them are still alive (the daemon then logs that they
+    unmap with their last view): one garbage collection for all of them, not one per buffer (which stalled
+    the daemon's loop at unregister). Views held only by a reference cycle are unmapped by that one."""
+    shms = [ipc.create_shm_buffer(64) for _ in range(72)]
+    try:
+        imported = [ipc.import_buffer(s.description) for s in shms]
+        live = [b.tensor[:8] for b in imported[1:]]
+        cycle = {"view": imported[0].tensor[:8]}
+        cycle["self"] = cycle
+        del cycle
+        calls = []
+        real = gc.collect
+        monkeypatch.setattr(gc, "collect", lambda *a: calls.append(1) or real(*a))
+        assert ipc.close_imported(imported) is False
+        assert len(calls) == 1
+        assert imported[0]._map_ref() is None and all(b._map_ref() is not None for b in imported[1:])
+        del live
+        assert all(b._map_ref() is None for b in imported)
+    finally:
+        for s in shms:
+            s.close()
+
+
 def _layer(**kw):
     fields = dict(name="l0", buffer_index=0, offset_bytes=0, shape=[4, 8], strides=[8, 1], dtype="bfloat16")
     fields.update(kw)
