@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from sidecar.convert.checks import Job, check_job
+from sidecar.convert.checks import ConversionJob, check_job
 from sidecar.convert.reference import run_reference
 
 
@@ -185,7 +185,7 @@ def _random_bits(shape: tuple[int, ...], device: torch.device, gen: torch.Genera
 
 
 def _job(shape: ConvertShape, cache: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype,
-         src: torch.Tensor | None) -> Job:
+         src: torch.Tensor | None) -> ConversionJob:
     return check_job([cache[i, 0].view(dtype) for i in range(shape.layers)],
                      [cache[i, 1].view(dtype) for i in range(shape.layers)], ids,
                      num_heads=shape.num_heads, block_size=shape.block_size, head_size=shape.head_size,

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from sidecar.convert.checks import (
-    Job,
+    ConversionJob,
     SourceMemo,
     aligned16,
     check_job,
@@ -21,7 +21,7 @@ from sidecar.convert.tables import MetaCache
 from sidecar.convert.tuning import Tuning
 
 
-def _run(job: Job, tuning: Tuning | None = None, tables: MetaCache | None = None) -> None:
+def _run(job: ConversionJob, tuning: Tuning | None = None, tables: MetaCache | None = None) -> None:
     if job.device.type == "cuda":  # CUDA and ROCm (HIP) builds of torch both say "cuda"
         from sidecar.convert import triton_kernel  # lazy: the CPU torch wheel has no Triton
 

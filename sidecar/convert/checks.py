@@ -21,7 +21,7 @@ def x_of(elem_bytes: int) -> int:
 
 
 @dataclass(frozen=True, eq=False)
-class Job:
+class ConversionJob:
     """A checked conversion: planes as int16 (or, for 1-byte dtypes, uint8) views, ids on CPU.
 
     A pure permutation never looks at values; with ``lut`` (fp8 e4m3fn -> e4m3fnuz) every moved byte ``b`` of
@@ -165,7 +165,7 @@ class Planes:
     aligned16: bool  # every plane's base and row stride allow 16-byte vectors
     spans: tuple[tuple[int, int, str], ...]  # byte ranges of the planes and their names, sorted, disjoint
     starts: tuple[int, ...]  # each span's start, for bisecting
-    rows: np.ndarray  # int64 [layers, 4], as Job.plane_rows
+    rows: np.ndarray  # int64 [layers, 4], as ConversionJob.plane_rows
     elem_bytes: int = 2
 
     @property
@@ -185,7 +185,7 @@ def _aligned16(tensors: Sequence[torch.Tensor]) -> bool:
     )
 
 
-def aligned16(job: Job) -> bool:
+def aligned16(job: ConversionJob) -> bool:
     """16-byte vectors fit every tensor of the job (the planes were checked once, the sources now)."""
     rows = job.src_rows
     if rows is None or not len(rows) or not job.planes_aligned16:
@@ -375,7 +375,7 @@ def check_request(
     counts: torch.Tensor | None = None,
     src_index: object = None,
     memo: SourceMemo | None = None,
-) -> Job:
+) -> ConversionJob:
     """Check one request against checked planes: its ids and its source for layers ``[first, last)``
     (default all): None (in place), a [layers, M, page] tensor, or a sequence of [M, page] tensors.
     ``src_index`` (out of place only): block ``ids[i]`` reads source row ``src_index[i]``; the source
@@ -410,7 +410,7 @@ def check_launch(
     lut: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
     src_index: np.ndarray | None = None,
-) -> Job:
+) -> ConversionJob:
     """``check_request`` for the daemon's own launches: ids and source rows as numpy int arrays, the source
     one [layers, rows, page] tensor (its staging) or None. The same checks of ids, source and source rows;
     the source's checked once per ``memo`` (the planes were checked once, at registration)."""
@@ -468,8 +468,8 @@ def _layer_range(planes: Planes, layers: tuple[int, int] | None) -> tuple[int, i
 
 def _job(planes: Planes, first: int, last: int, ids: torch.Tensor, srcs: object, src_rows: np.ndarray | None,
          lut: torch.Tensor | None, counts: torch.Tensor | None, index: torch.Tensor | None,
-         src_aligned16: bool | None = None) -> Job:
-    return Job(
+         src_aligned16: bool | None = None) -> ConversionJob:
+    return ConversionJob(
         k_planes=planes.k_planes[first:last],
         v_planes=planes.v_planes[first:last],
         srcs=srcs,
@@ -512,7 +512,7 @@ def check_job(
     block_size: object,
     head_size: object,
     srcs: Sequence[object] | None,
-) -> Job:
+) -> ConversionJob:
     """Check everything a conversion reads or writes; raise ValueError naming the first problem found."""
     planes = check_planes(k_planes, v_planes, num_heads=num_heads, block_size=block_size, head_size=head_size)
     return check_request(planes, block_ids, None if srcs is None else list(srcs))

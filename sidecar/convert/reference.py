@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from sidecar.convert.checks import BASE, Job, aligned16
+from sidecar.convert.checks import BASE, ConversionJob, aligned16
 
 CPU_CHUNK_BYTES = 2 << 20  # pairs per chunk on the CPU: gather, permute and scatter stay in L2/L3
 WIDE = torch.complex128  # a 16-byte element type; only ever copied, never computed on
 
 
-def run_reference(job: Job) -> None:
+def run_reference(job: ConversionJob) -> None:
     """Convert every layer of a checked job with torch ops: gather each pair, permute, scatter the tiles."""
     h, n, d, x = job.num_heads, job.block_size, job.head_size, job.x
     m_all = job.ids.numel()
@@ -59,7 +59,7 @@ def run_reference(job: Job) -> None:
             wide(vp).index_put_((ids,), wide(v_out[:m]))
 
 
-def _reencode(job: Job, out: torch.Tensor, tensor: int) -> None:
+def _reencode(job: ConversionJob, out: torch.Tensor, tensor: int) -> None:
     """Map the bytes of ``out`` (K: tensor 0, V: 1) through the job's table and count the flagged ones."""
     codes = job.lut[tensor][out.long()]
     out.copy_((codes & 0xFF).to(torch.uint8))

@@ -3,10 +3,11 @@
 Imported only when a GPU tensor is converted: the CPU torch wheel has no Triton.
 
 Every kernel moves int16 elements, or uint8 ones for 1-byte dtypes such as fp8 (x = 16 then), a bit-exact
-permutation; an fp8 re-encode (``Job.lut``) runs only in ``convert_kernel`` (out of place, or in place through
-the scratch form), mapping each stored byte through its tensor's 256-entry table. Every kernel finds a layer's planes through a small int64
-table ``meta[L, 6]`` = (K offset, K row stride, V offset, V row stride, src offset, src row stride), offsets
-in elements from one anchor tensor, so per-layer planes anywhere in memory convert in one launch.
+permutation; an fp8 re-encode (``ConversionJob.lut``) runs only in ``convert_kernel`` (out of place, or in
+place through the scratch form), mapping each stored byte through its tensor's 256-entry table. Every kernel
+finds a layer's planes through a small int64 table ``meta[L, 6]`` = (K offset, K row stride, V offset, V row
+stride, src offset, src row stride), offsets in elements from one anchor tensor, so per-layer planes anywhere
+in memory convert in one launch.
 
 Forms (``Tuning`` picks among them; the defaults are what measured best on an H200, see
 bench/results/convert-h200-*.json):
@@ -32,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sidecar.convert.checks import Job
+from sidecar.convert.checks import ConversionJob
 from sidecar.convert.tables import MetaCache, meta_table, upload
 from sidecar.convert.tuning import TUNING, Tuning
 
@@ -280,7 +281,7 @@ def _floor_pow2(v: int) -> int:
     return 1 << (max(1, v).bit_length() - 1)
 
 
-def _meta_table(job: Job, anchor: torch.Tensor, src_rows: np.ndarray | None,
+def _meta_table(job: ConversionJob, anchor: torch.Tensor, src_rows: np.ndarray | None,
                 cache: MetaCache | None = None) -> np.ndarray:
     """int64 [L, 6] of element offsets from ``anchor`` and row strides (``tables.meta_table``), host side.
     ``src_rows``: [L, 2] source addresses (bytes) and row strides, or None (in place)."""
@@ -289,7 +290,7 @@ def _meta_table(job: Job, anchor: torch.Tensor, src_rows: np.ndarray | None,
     return cache.get(job.plane_rows, src_rows, anchor.data_ptr(), job.elem_bytes)
 
 
-def in_place_strategy(job: Job, tuning: Tuning = TUNING) -> str:
+def in_place_strategy(job: ConversionJob, tuning: Tuning = TUNING) -> str:
     """How a pair of this shape converts in place: "pipe", "whole" or "split" (on chip) or "scratch"."""
     h, nd = job.num_heads, job.block_size * job.head_size
     e = job.elem_bytes
@@ -419,7 +420,7 @@ class Launcher:
 
     direct = True
 
-    def __init__(self, job: Job, tuning: Tuning = TUNING, tables: MetaCache | None = None) -> None:
+    def __init__(self, job: ConversionJob, tuning: Tuning = TUNING, tables: MetaCache | None = None) -> None:
         self.job, self.t = job, tuning
         self.anchor = job.k_planes[0]
         self.device = job.device
@@ -540,6 +541,6 @@ class Launcher:
             self._out_of_place(table, pair0, pairs)
 
 
-def run_triton(job: Job, tuning: Tuning | None = None, tables: MetaCache | None = None) -> None:
+def run_triton(job: ConversionJob, tuning: Tuning | None = None, tables: MetaCache | None = None) -> None:
     """Convert a checked job on its GPU (current stream); ``tables`` as in ``Launcher``."""
     Launcher(job, TUNING if tuning is None else tuning, tables)()
