@@ -522,29 +522,9 @@ def check_test_pull(args: argparse.Namespace, env: Mapping[str, str]) -> list[Do
     if not control:
         from sidecar.standins.emulator_control import ControlError, spawn_emulator
 
-        f = EMULATOR_SPEC.format
         try:
             emulator = spawn_emulator(
-                [
-                    "--host",
-                    "127.0.0.1",
-                    "--layers",
-                    "2",
-                    "--heads",
-                    str(f.num_heads),
-                    "--head-size",
-                    str(f.head_size),
-                    "--block-size",
-                    str(f.block_size),
-                    "--dtype",
-                    f.dtype,
-                    "--num-blocks",
-                    "16",
-                    "--seed",
-                    str(EMULATOR_SPEC.seed),
-                    # no spinning progress thread: doctor runs on a busy production node
-                    "--no-progress-thread",
-                ],
+                EMULATOR_SPEC.emulator_args(),
                 timeout_s=60,
                 env=dict(env),
             )

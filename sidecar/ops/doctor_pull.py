@@ -34,6 +34,14 @@ class EmulatorSpec(msgspec.Struct, frozen=True):
     seed: int
     format: PageFormat
 
+    def emulator_args(self, layers: int = 2, num_blocks: int = 16) -> list[str]:
+        """The prefill emulator's command-line arguments for this spec, on loopback. No spinning progress
+        thread: doctor runs on a busy production node."""
+        f = self.format
+        return ["--host", "127.0.0.1", "--layers", str(layers), "--heads", str(f.num_heads), "--head-size",
+                str(f.head_size), "--block-size", str(f.block_size), "--dtype", f.dtype, "--num-blocks",
+                str(num_blocks), "--seed", str(self.seed), "--no-progress-thread"]
+
 
 def probe_pull(control: str, spec: EmulatorSpec | None, timeout_s: float, blocks: int = 4) -> PullProbeResult:
     """One request of the emulator read into our own DRAM buffer; bytes checked when its spec is known."""

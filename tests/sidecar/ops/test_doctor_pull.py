@@ -15,29 +15,7 @@ LAYERS = 2
 
 def _spawn():
     """An emulator as doctor starts one: EMULATOR_SPEC's format and seed."""
-    f = dp.EMULATOR_SPEC.format
-    return spawn_emulator(
-        [
-            "--host",
-            "127.0.0.1",
-            "--layers",
-            str(LAYERS),
-            "--heads",
-            str(f.num_heads),
-            "--head-size",
-            str(f.head_size),
-            "--block-size",
-            str(f.block_size),
-            "--dtype",
-            f.dtype,
-            "--num-blocks",
-            "16",
-            "--seed",
-            str(dp.EMULATOR_SPEC.seed),
-            "--no-progress-thread",
-        ],
-        timeout_s=60,
-    )
+    return spawn_emulator(dp.EMULATOR_SPEC.emulator_args(LAYERS), timeout_s=60)
 
 
 @pytest.fixture(scope="module")
