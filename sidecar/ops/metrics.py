@@ -104,10 +104,9 @@ class Metrics:
         self.build_info = Gauge("kv_sidecar_build_info", "kv-sidecar version", ["version"], registry=r)
         self.build_info.labels(version=__version__).set(1)
         # Pre-create label sets so every series exists (at 0) from the start.
-        for outcome in OUTCOMES:
-            self.requests.labels(outcome=outcome)
-        for stage in STAGES:
-            self.stage_seconds.labels(stage=stage)
+        # Kept, so answering a Pull does no label lookups (about 4 µs each).
+        self._requests = {outcome: self.requests.labels(outcome=outcome) for outcome in OUTCOMES}
+        self._stages = {stage: self.stage_seconds.labels(stage=stage) for stage in STAGES}
         for outcome in ("ok", "failed"):
             self.handshakes.labels(outcome=outcome)
         for kind in FP8_REENCODE_KINDS:
@@ -115,16 +114,19 @@ class Metrics:
 
     def answered(self, outcome: str, timings: dict[str, float] | None = None) -> None:
         """One Pull answered: count its outcome and observe its stage timings."""
-        if outcome not in OUTCOMES:
+        counter = self._requests.get(outcome)
+        if counter is None:
             raise ValueError(f"outcome {outcome!r} is not one of {OUTCOMES}")
-        self.requests.labels(outcome=outcome).inc()
+        counter.inc()
         self.observe(timings or {})
 
     def observe(self, timings: dict[str, float]) -> None:
         """Observe a Pull's stage timings (those not in STAGES are ignored)."""
+        stages = self._stages
         for stage, seconds in timings.items():
-            if stage in STAGES:
-                self.stage_seconds.labels(stage=stage).observe(seconds)
+            child = stages.get(stage)
+            if child is not None:
+                child.observe(seconds)
 
     def fp8_reencode(self, saturated: int, nan: int) -> None:
         """Count one conversion's flagged elements (``PlaneSet.convert``'s returned (saturated, NaN))."""
@@ -137,7 +139,7 @@ class Metrics:
     def handshake(self, ok: bool, seconds: float | None = None) -> None:
         self.handshakes.labels(outcome="ok" if ok else "failed").inc()
         if seconds is not None:
-            self.stage_seconds.labels(stage="handshake").observe(seconds)
+            self._stages["handshake"].observe(seconds)
 
     def expose(self) -> bytes:
         return generate_latest(self.registry)
