@@ -4,17 +4,19 @@ The new path is the daemon's own call, ``launch_gpu`` (``Conversions.convert_gro
 each Done's ``launch``), on its own stream, with random block ids in a cache of ``--blocks`` blocks. The old
 path is the launch as it was before its tables went through pinned memory, replayed here: the full
 ``check_request`` on torch ids, the meta table rebuilt, one pageable host-to-device copy per table (each may
-first wait for the work already queued on the stream) and a fresh zeroed counts tensor. Each is timed per
-call (p50/p99 µs) for a staged request (``staged``), a staged span with gap rows read through a source index
-(``staged_gaps``) and in place, as one launch for every layer or one launch per layer group, with the stream
-idle (synchronised before each call, untimed), busy (a ~1 ms kernel queued on the stream just before each
-call: a launch that waits for it shows ~1 ms; ``pending_after`` is the share of calls that returned while
-that kernel still ran) and queued (8 requests' launches back to back, as the daemon's groups and requests
-queue). Then each path's bytes are checked against the torch reference on the same device.
+first wait for the work already queued on the stream), a fresh zeroed counts tensor and the kernel launched
+through Triton's binder. Each is timed per call (p50/p99 µs) for a staged request (``staged``), a staged span
+with gap rows read through a source index (``staged_gaps``) and in place, as one launch for every layer or
+one launch per layer group, with the stream idle (synchronised before each call, untimed), busy (a ~1 ms
+kernel queued on the stream just before each call: a launch that waits for it shows ~1 ms;
+``pending_after`` is the share of calls that returned while that kernel still ran) and queued (8 requests'
+launches back to back, as the daemon's groups and requests queue). Then each path's bytes are checked
+against the torch reference on the same device.
 
 The new path's parts are also timed alone (``components_us``): the checks, the tables (built and sent), the
-Triton launch, the stream switch and the event. On the CPU the same paths run through the torch reference
-on a small shape (the times then include the conversion itself) and the bytes are checked the same way.
+Triton launch (``DirectKernel``, and through Triton's binder), the stream switch and the event. On the CPU
+the same paths run through the torch reference on a small shape (the times then include the conversion
+itself) and the bytes are checked the same way.
 
 Usage on a GPU: ``python -m sidecar.bench.probe_launch --out $OUT/launch-probe.json``.
 """
