@@ -537,7 +537,8 @@ class Launcher:
         for pair0, pairs, table in self.chunks:
             self._go(gather_pairs_kernel, (pairs, half // self.piece), self.anchor, self.meta, self.ids,
                      self.m, pair0, self.scratch, self.job.num_heads,
-                     ND=self.job.block_size * self.job.head_size, PIECE=self.piece, EVICT=self.t.evict, num_warps=4)
+                     ND=self.job.block_size * self.job.head_size, PIECE=self.piece, EVICT=self.t.evict,
+                     num_warps=4)
             self._out_of_place(table, pair0, pairs)
 
 

@@ -279,7 +279,8 @@ def test_meta_tables_are_built_once_per_layer_range_and_source(cases, no_referen
 @pytest.mark.parametrize("mode", MODES)
 def test_warm_launches_go_past_tritons_binder(cases, no_reference, mode, monkeypatch):
     """Once a variant has run, later launches of it (new ids, other layer groups of the same size) reach the
-    compiled kernel directly: with Triton's ``JITFunction.run`` made to fail they still convert bit-exactly."""
+    compiled kernel directly: with Triton's ``JITFunction.run`` made to fail they still convert
+    bit-exactly."""
     import triton
 
     from sidecar.convert import triton_kernel as tk
