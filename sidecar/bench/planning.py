@@ -80,7 +80,7 @@ def request_ids(order: str, n: int, num_blocks: int, seed: int) -> tuple[np.ndar
 
 def load_geometry(path: str) -> Any:
     """Another tree's ``geometry.py`` as its own module (it imports nothing else of the package but
-    ``sidecar.wire.formats``)."""
+    ``sidecar.wire.formats`` and, from 2026-12-02 on, ``sidecar.nixl.pairing``, which this tree's serves)."""
     spec = importlib.util.spec_from_file_location("planning_other_geometry", path)
     if spec is None or spec.loader is None:
         raise ValueError(f"cannot load {path}")

@@ -18,7 +18,7 @@ Two forms of the same tables:
 - explicit form: Nx3 ``(addr, len, dev)`` arrays per request, with adjacent runs merged.
 
 Size: three read modes (direct, staged, plain) over one pair of region tables; one file keeps
-their shared index math in one place.
+their shared index math in one place. Which block pairs with which is ``pairing.py``'s.
 """
 
 from __future__ import annotations
@@ -29,6 +29,18 @@ from typing import Any, Literal
 
 import numpy as np
 
+from sidecar.nixl.pairing import (
+    BlockPairs,
+    GeometryError,
+    PairRule,
+    as_ids,
+    check_range,
+    check_unique,
+    increasing,
+    kernel_block_ids,
+    pair_blocks,
+    trim_padding,
+)
 from sidecar.wire.formats import AITER_SHUFFLED, STANDARD, PageFormat, Plan
 
 Mode = Literal["direct", "staged", "plain"]
@@ -41,15 +53,6 @@ _U64 = np.uint64
 _I64 = np.int64
 
 
-class GeometryError(ValueError):
-    """Sizes, counts, ids or layouts disagree with the negotiated formats; ``field`` names the culprit."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
-
-
 def regions_per_layer(fmt: PageFormat) -> int:
     """How many registered regions (descriptor windows) one layer of ``fmt`` occupies."""
     if fmt.layout in ("LBHNC", "LBNHC"):
@@ -59,13 +62,6 @@ def regions_per_layer(fmt: PageFormat) -> int:
     if fmt.kind == STANDARD:
         return fmt.num_heads  # LHBNC standard: one head plane per head
     raise GeometryError("layout", f"no region model for {fmt.kind!r} pages under {fmt.layout}")
-
-
-def _array(values: Sequence[int] | np.ndarray, field: str) -> np.ndarray:
-    arr = np.asarray(values)
-    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise GeometryError(field, f"must be a flat list of integers, got {arr.dtype} shape {arr.shape}")
-    return arr.astype(_I64, copy=False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,14 +85,14 @@ class RemoteRegions:
     @classmethod
     def from_metadata(cls, meta: Any, *, default_mem_type: str = "VRAM") -> RemoteRegions:
         """Read and check the region fields of a NixlAgentMetadata (any object with vLLM's field names)."""
-        bases = _array(meta.kv_caches_base_addr, "kv_caches_base_addr")
+        bases = as_ids(meta.kv_caches_base_addr, "kv_caches_base_addr")
         r = bases.size
         if r == 0:
             raise GeometryError("kv_caches_base_addr", "the prefill published no regions")
         if (bases <= 0).any():
             raise GeometryError("kv_caches_base_addr", "region base addresses must be positive")
-        lens = _array(meta.block_lens, "block_lens")
-        strides = _array(meta.block_strides, "block_strides")
+        lens = as_ids(meta.block_lens, "block_lens")
+        strides = as_ids(meta.block_strides, "block_strides")
         for name, arr in (("block_lens", lens), ("block_strides", strides)):
             if arr.size != r:
                 raise GeometryError(name, f"{arr.size} entries for {r} regions")
@@ -119,7 +115,7 @@ class RemoteRegions:
                 f"physical_blocks_per_logical_kv_block={ratio}",
             )
         counts_in = getattr(meta, "region_num_blocks", None)
-        counts = np.full(r, total, _I64) if counts_in is None else _array(counts_in, "region_num_blocks")
+        counts = np.full(r, total, _I64) if counts_in is None else as_ids(counts_in, "region_num_blocks")
         if counts.size != r:
             raise GeometryError("region_num_blocks", f"{counts.size} entries for {r} regions")
         if (counts <= 0).any():
@@ -184,7 +180,7 @@ class LocalRegions:
         blocks_per_logical: int = 1,
     ) -> LocalRegions:
         """Dense LHBNC planes: regions ordered K0, V0, K1, V1, ... (one plane-block per block id)."""
-        k, v = _array(k_bases, "local.k_bases"), _array(v_bases, "local.v_bases")
+        k, v = as_ids(k_bases, "local.k_bases"), as_ids(v_bases, "local.v_bases")
         if k.size != v.size or k.size == 0:
             raise GeometryError("local.planes", f"{k.size} K planes and {v.size} V planes")
         bases = np.empty(2 * k.size, _I64)
@@ -211,7 +207,7 @@ class LocalRegions:
         blocks_per_logical: int = 1,
     ) -> LocalRegions:
         """One region per entry of ``bases``, all with the same block length, stride and count."""
-        b = _array(bases, "local.bases")
+        b = as_ids(bases, "local.bases")
         stride = block_len if block_stride is None else block_stride
         if b.size == 0 or (b <= 0).any():
             raise GeometryError("local.bases", "need at least one positive base address")
@@ -291,130 +287,6 @@ class Descs:
     def layer_slice(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         a, b = int(self.layer_rows[start]), int(self.layer_rows[stop])
         return self.local[a:b], self.remote[a:b]
-
-
-@dataclass(frozen=True)
-class PairRule:
-    """What a pairing depends on besides the ids: each side's kernel blocks per logical block, the remote's
-    kernel block size (padding trim) and the block counts the ids were range-checked against."""
-
-    local_ratio: int
-    remote_ratio: int
-    remote_block_size: int
-    local_limit: int
-    remote_limit: int
-
-
-def _frozen(values: np.ndarray, field: str) -> np.ndarray:
-    """``values`` as a flat int64 array nobody can write into: itself when it and every array it views are
-    read-only already (the daemon's id arrays), else a read-only copy."""
-    a = values
-    while isinstance(a, np.ndarray) and not a.flags.writeable:
-        a = a.base
-    if a is None and values.dtype == _I64 and values.ndim == 1:
-        return values
-    out = np.array(values, dtype=_I64)
-    if out.ndim != 1:
-        raise GeometryError(field, f"must be flat, got shape {out.shape}")
-    out.flags.writeable = False
-    return out
-
-
-@dataclass(frozen=True, eq=False)
-class BlockPairs:
-    """One request's checked kernel block pairs (``PairGeometry.blocks``): local block ``local[i]`` receives
-    remote block ``remote[i]``. Read-only (copied unless already), so the loop and the poster thread share
-    them; ``rule`` is what they were checked under, so a geometry refuses pairs made for another one."""
-
-    local: np.ndarray  # int64, read-only
-    remote: np.ndarray  # int64, read-only
-    rule: PairRule
-
-    def __post_init__(self) -> None:
-        local, remote = _frozen(self.local, "pairs.local"), _frozen(self.remote, "pairs.remote")
-        if local.size != remote.size:
-            raise GeometryError("pairs", f"{local.size} local blocks for {remote.size} remote blocks")
-        object.__setattr__(self, "local", local)
-        object.__setattr__(self, "remote", remote)
-
-    @property
-    def count(self) -> int:
-        return int(self.local.size)
-
-
-def single_group(block_ids: Sequence[Any], field: str) -> list[int]:
-    """Unwrap vLLM's per-group id lists (``[[...]]``); several groups (HMA) are out of scope."""
-    if block_ids and isinstance(block_ids[0], (list, tuple, np.ndarray)):
-        if len(block_ids) != 1:
-            raise GeometryError(field, f"{len(block_ids)} KV-cache groups; only one (no HMA) is supported")
-        return list(block_ids[0])
-    return list(block_ids)
-
-
-def kernel_block_ids(logical_ids: Sequence[int] | np.ndarray, ratio: int, field: str) -> np.ndarray:
-    """Logical (manager) block ids to kernel block ids: L -> L*ratio + j, j in [0, ratio)."""
-    ids = _array(logical_ids, field)
-    if ratio == 1:
-        return ids
-    return (ids[:, None] * ratio + np.arange(ratio, dtype=_I64)[None, :]).ravel()
-
-
-def pair_blocks(local_ids: np.ndarray, remote_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Pair local kernel blocks with the TAIL of the remote list (vLLM's ``prefill[-len(decode):]``)."""
-    n, m = local_ids.size, remote_ids.size
-    if n > m:
-        raise GeometryError(
-            "local_block_ids", f"the decoder asks for {n} kernel blocks but the prefill supplied only {m}"
-        )
-    return local_ids, remote_ids[m - n :]
-
-
-def trim_padding(
-    local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int, block_size: int, local_ratio: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Drop the kernel blocks past token ``num_tokens`` at the end of both lists: the remote keeps the first
-    ceil(T/N); the local loses the empty tail of its last logical block (it was allocated for T tokens)."""
-    if num_tokens < 0:
-        raise GeometryError("remote_num_tokens", f"must be >= 0, got {num_tokens}")
-    used = -(-num_tokens // block_size)
-    if remote_ids.size < used:
-        raise GeometryError(
-            "remote_block_ids",
-            f"{remote_ids.size} kernel blocks cannot hold {num_tokens} tokens of {block_size}",
-        )
-    pad = local_ratio * -(-num_tokens // (local_ratio * block_size)) - used
-    if pad and local_ids.size:
-        if local_ids.size < pad:
-            raise GeometryError(
-                "local_block_ids",
-                f"{local_ids.size} kernel blocks, fewer than the {pad} "
-                "padding blocks of the last logical block",
-            )
-        local_ids = local_ids[: local_ids.size - pad]
-    return local_ids, remote_ids[:used]
-
-
-def _increasing(ids: np.ndarray) -> bool:
-    """Strictly increasing (contiguous ids and slots are): then unique, and bounded by the first and last."""
-    return ids.size < 2 or bool((ids[1:] > ids[:-1]).all())  # slices: a third of np.diff's cost
-
-
-def _check_range(ids: np.ndarray, limit: int, field: str, increasing: bool = False) -> None:
-    if not ids.size:
-        return
-    lo, hi = (ids[0], ids[-1]) if increasing else (ids.min(), ids.max())
-    if int(lo) < 0 or int(hi) >= limit:
-        bad = ids[(ids < 0) | (ids >= limit)]
-        raise GeometryError(field, f"block id {int(bad[0])} outside [0, {limit})")
-
-
-def _check_unique(ids: np.ndarray, field: str, increasing: bool | None = None) -> None:
-    if _increasing(ids) if increasing is None else increasing:
-        return
-    s = np.sort(ids)
-    dup = s[1:][s[1:] == s[:-1]]
-    if dup.size:
-        raise GeometryError(field, f"block id {int(dup[0])} appears twice; two reads would land in one block")
 
 
 def _table(
@@ -611,9 +483,9 @@ class PairGeometry:
                 raise GeometryError("slots", f"need integer slots of shape ({layers}, {n}), got {s.shape}")
             s = s.astype(_I64, copy=False)
             flat = s.ravel()
-            inc = _increasing(flat)
-            _check_range(flat, self.pool.num_slots, "slots", inc)
-            _check_unique(flat, "slots", inc)
+            inc = increasing(flat)
+            check_range(flat, self.pool.num_slots, "slots", inc)
+            check_unique(flat, "slots", inc)
             pages = (np.uint64(self.pool.base) + s.astype(_U64) * np.uint64(self.pool.slot_bytes))[:, None, :]
             local_dev = self.pool.device_id
         else:
@@ -675,10 +547,10 @@ class PairGeometry:
                 lk, rk, remote_num_tokens, self.remote.block_size, self.local.blocks_per_logical
             )
         lk, rk = pair_blocks(lk, rk)
-        inc = _increasing(lk)
-        _check_range(lk, self.local_limit, "local_block_ids", inc)
-        _check_range(rk, self.remote_limit, "remote_block_ids")
-        _check_unique(lk, "local_block_ids", inc)
+        inc = increasing(lk)
+        check_range(lk, self.local_limit, "local_block_ids", inc)
+        check_range(rk, self.remote_limit, "remote_block_ids")
+        check_unique(lk, "local_block_ids", inc)
         return BlockPairs(lk, rk, self.rule)
 
     def accept(self, pairs: BlockPairs) -> BlockPairs:
@@ -695,9 +567,9 @@ class PairGeometry:
                     f"the pairs were made with {getattr(got, name)}, this read has {getattr(want, name)}",
                 )
         if got.local_limit > want.local_limit:
-            _check_range(pairs.local, want.local_limit, "local_block_ids")
+            check_range(pairs.local, want.local_limit, "local_block_ids")
         if got.remote_limit > want.remote_limit:
-            _check_range(pairs.remote, want.remote_limit, "remote_block_ids")
+            check_range(pairs.remote, want.remote_limit, "remote_block_ids")
         return pairs
 
     def _paired(
@@ -815,7 +687,7 @@ class PairGeometry:
             if remote_num_tokens is not None:
                 _, rk = trim_padding(np.empty(0, _I64), rk, remote_num_tokens, self.remote.block_size, 1)
             _, rk = pair_blocks(np.empty(slots.shape[1], _I64), rk)
-            _check_range(rk, self.remote_limit, "remote_block_ids")
+            check_range(rk, self.remote_limit, "remote_block_ids")
         else:
             rk = self.blocks(local_block_ids, remote_block_ids, remote_num_tokens).remote
         if rk.size != slots.shape[1]:
@@ -823,9 +695,9 @@ class PairGeometry:
         s = slots.astype(_I64, copy=False)
         rk, s = _with_gaps(rk, s, gaps, self.remote_limit)
         flat = s.ravel()
-        inc = _increasing(flat)
-        _check_range(flat, self.pool.num_slots, "slots", inc)
-        _check_unique(flat, "slots", inc)
+        inc = increasing(flat)
+        check_range(flat, self.pool.num_slots, "slots", inc)
+        check_unique(flat, "slots", inc)
         ra = self._remote_addr(rk)
         la = np.uint64(self.pool.base) + s.astype(_U64) * np.uint64(self.pool.slot_bytes)
         return merge_runs(ra, la, self.remote.block_len, self.remote.device_id, self.pool.device_id)
@@ -834,13 +706,13 @@ class PairGeometry:
 def _with_gaps(rk: np.ndarray, s: np.ndarray, gaps: Any, remote_limit: int) -> tuple[np.ndarray, np.ndarray]:
     """Add a staged read's gap blocks, then order every page by remote id (runs merge in that order)."""
     if gaps is not None and np.asarray(gaps.remote_ids).size:
-        g_ids = _array(gaps.remote_ids, "gaps.remote_ids")
+        g_ids = as_ids(gaps.remote_ids, "gaps.remote_ids")
         g_slots = np.asarray(gaps.slots)
         if g_slots.shape != (s.shape[0], g_ids.size) or not np.issubdtype(g_slots.dtype, np.integer):
             raise GeometryError(
                 "gaps.slots", f"need shape ({s.shape[0]}, {g_ids.size}), got {g_slots.dtype} {g_slots.shape}"
             )
-        _check_range(g_ids, remote_limit, "gaps.remote_ids")
+        check_range(g_ids, remote_limit, "gaps.remote_ids")
         rk = np.concatenate([rk, g_ids])
         s = np.concatenate([s, g_slots.astype(_I64, copy=False)], axis=1)
     if rk.size > 1 and (np.diff(rk) < 0).any():

@@ -23,11 +23,10 @@ from sidecar.nixl.geometry import (
     StagingPool,
     check_remote,
     contiguous_slots,
-    kernel_block_ids,
     merge_runs,
     regions_per_layer,
-    single_group,
 )
+from sidecar.nixl.pairing import kernel_block_ids
 from sidecar.wire.formats import AITER_SHUFFLED, STANDARD, PageFormat, Plan, negotiate
 
 H, N, D = 2, 16, 64
@@ -321,22 +320,6 @@ def test_mismatched_kernel_page_rejected():
 
 
 # -- pairing rules ---------------------------------------------------------------------------------
-
-
-def test_kernel_block_ids_expansion():
-    assert kernel_block_ids([2, 3], 1, "x").tolist() == [2, 3]
-    assert kernel_block_ids([2, 3], 2, "x").tolist() == [4, 5, 6, 7]  # vLLM's docstring example
-    assert kernel_block_ids([1, 5], 3, "x").tolist() == [3, 4, 5, 15, 16, 17]
-    assert kernel_block_ids([], 4, "x").tolist() == []
-
-
-def test_single_group():
-    assert single_group([[1, 2]], "remote_block_ids") == [1, 2]
-    assert single_group([1, 2], "remote_block_ids") == [1, 2]
-    assert single_group([], "remote_block_ids") == []
-    with pytest.raises(GeometryError) as e:
-        single_group([[1], [2]], "remote_block_ids")
-    assert e.value.field == "remote_block_ids"
 
 
 def test_direct_bytes_land_in_k_and_v_planes():
