@@ -290,6 +290,17 @@ def _meta_table(job: ConversionJob, anchor: torch.Tensor, src_rows: np.ndarray |
     return cache.get(job.plane_rows, src_rows, anchor.data_ptr(), job.elem_bytes)
 
 
+def oop_chunks(h: int, n: int, d: int, x: int, tuning: Tuning) -> tuple[int, int, int, int]:
+    """The out-of-place program's chunk of a page, about ``oop_elems`` elements: (heads, tokens, dims,
+    head chunks); several heads of a small page, or tokens x dims of one head."""
+    dc = min(d, tuning.oop_max_dims)
+    if 2 * n * dc <= tuning.oop_elems and dc == d:
+        hc, nc = min(_next_pow2(h), _floor_pow2(tuning.oop_elems // (2 * n * d))), n
+    else:
+        hc, nc = 1, max(x, min(n, _floor_pow2(tuning.oop_elems // (2 * dc))))
+    return hc, nc, dc, -(-h // hc)
+
+
 def in_place_strategy(job: ConversionJob, tuning: Tuning = TUNING) -> str:
     """How a pair of this shape converts in place: "pipe", "whole" or "split" (on chip) or "scratch"."""
     h, nd = job.num_heads, job.block_size * job.head_size
@@ -492,13 +503,8 @@ class Launcher:
         """Chunks of about ``oop_elems``: several heads of a small page, or tokens x dims of one head.
         ``src_idx``: source rows come from the ids tensor (the job's ``src_index``)."""
         job = self.job
-        h, n, d, x = job.num_heads, job.block_size, job.head_size, job.x
-        dc = min(d, self.t.oop_max_dims)
-        if 2 * n * dc <= self.t.oop_elems and dc == d:
-            hc, nc = min(_next_pow2(h), _floor_pow2(self.t.oop_elems // (2 * n * d))), n
-        else:
-            hc, nc = 1, max(x, min(n, _floor_pow2(self.t.oop_elems // (2 * dc))))
-        hchunks = -(-h // hc)
+        h, n, d = job.num_heads, job.block_size, job.head_size
+        hc, nc, dc, hchunks = oop_chunks(h, n, d, job.x, self.t)
         grid = pairs * hchunks * (n // nc) * (d // dc)
         if self.t.oop_max_programs and grid > self.t.oop_max_programs:
             self._go(convert_persistent_kernel, (self.t.oop_max_programs,), self.anchor, meta, self.ids,
