@@ -1,0 +1,224 @@
+"""Staged conversion launches replayed from CUDA graphs: one graph launch, not Python's tables and launch.
+
+The daemon's staged launch is the same two steps for every request: copy the request's table (block ids,
+source rows, meta) to the device, then run ``convert_kernel`` over its (layer, block) pairs. Done in Python
+each time that is 150-420 µs of host time on the H200 host (bench/results/launch-inline-h200-2026-12-02.json).
+Captured once per size bucket and layer count, a launch checks the ids, writes the table into the graph's
+pinned buffer, replays the graph (the copy, then the kernel) and records an event.
+
+Padding: ``graph_tables`` (a request replays the graph of the smallest bucket holding it; the extra rows
+convert the request's first block again, with the same bytes). Buffers: a graph copies from its own pinned
+buffer, which may be rewritten only once that copy has run, so each graph keeps the event recorded after its
+last replay; a launch takes a graph of its key whose event is complete, captures another (up to
+``per_key``) when all are busy, and otherwise returns None: the caller then launches the ordinary way. So
+does a request this cannot take (a source 16-byte vectors do not fit) and, for good, a ``GraphLaunches``
+whose capture failed once. Only the out-of-place form without an fp8 re-encode replays; in place has no
+padding that is safe (a block converted twice in place is scrambled).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from sidecar.convert.api import PlaneSet
+from sidecar.convert.checks import _check_id_values, _check_source_rows, _id_array, x_of
+from sidecar.convert.graph_tables import bucket, fill, table_layout
+from sidecar.convert.tables import meta_table
+from sidecar.convert.tuning import TUNING, Tuning
+
+log = logging.getLogger("kv_sidecar.convert")
+
+
+@dataclass(eq=False)
+class _Graph:
+    """One captured launch: its pinned table, the device copy the kernel reads, its last replay's event."""
+
+    host: torch.Tensor  # pinned int64: written by the host before each replay
+    table: np.ndarray  # ``host`` as numpy
+    device: torch.Tensor  # int64 on the GPU: the graph copies ``host`` here, the kernel reads it
+    graph: Any = None  # torch.cuda.CUDAGraph, once captured
+    last: Any = None  # the event recorded after its latest launch (None: never launched)
+
+    def free(self) -> bool:
+        """Whether the copy of its latest launch has run (the table may be rewritten)."""
+        return self.last is None or self.last.query()
+
+
+class GraphLaunches:
+    """Graph-replayed staged launches into one ``PlaneSet``'s planes (its caches own it)."""
+
+    def __init__(self, planes: PlaneSet, tuning: Tuning = TUNING, per_key: int = 8, max_graphs: int = 256):
+        from sidecar.convert import triton_kernel as tk  # lazy: the CPU torch wheel has no Triton
+
+        p = planes.planes
+        if planes.lut is not None:
+            raise ValueError("graph launches do not re-encode fp8 (the padding would count bytes twice)")
+        self._tk = tk
+        self.planes = planes
+        self.tuning = tuning
+        self.per_key = per_key
+        self.max_graphs = max_graphs
+        self.anchor = p.k_planes[0]
+        self._anchor_ptr = self.anchor.data_ptr()
+        self.device = p.device
+        self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        h, n, d = p.num_heads, p.block_size, p.head_size
+        self._geom = dict(N=n, D=d, X=x_of(p.elem_bytes))
+        self._chunks = tk.oop_chunks(h, n, d, x_of(p.elem_bytes), tuning)
+        self._unused = tk._unused_counts(self.device)
+        self._graphs: OrderedDict[tuple[int, int], list[_Graph]] = OrderedDict()
+        self._plane_meta: dict[tuple[int, int], np.ndarray] = {}
+        self.count = 0  # graphs held
+        self.broken: str | None = None  # why capture failed (then every launch goes the ordinary way)
+        self.stats = {"replays": 0, "captures": 0, "declined": 0}
+
+    def launch(
+        self, stream: Any, ids: np.ndarray, src: torch.Tensor, layers: tuple[int, int], src_index: Any = None
+    ) -> Any:
+        """Queue the conversion of layers ``[first, last)`` of blocks ``ids`` from ``src`` ([layers, rows,
+        page], rows picked by ``src_index``, else row i) on ``stream``; return the event after it, or None
+        when this launch is not taken (nothing queued, nothing written). Bad input raises ValueError."""
+        first, last = layers
+        p = self.planes.planes
+        if not 0 <= first < last <= len(p.k_planes):
+            raise ValueError(
+                f"layers [{first}, {last}) is not a non-empty range of the {len(p.k_planes)} layers"
+            )
+        ids = _id_array("block_ids", ids)
+        _check_id_values(ids, p.num_blocks)
+        m = ids.size
+        if not isinstance(src, torch.Tensor):
+            raise ValueError(f"src must be a torch.Tensor, got {type(src).__name__}")
+        # the ordinary launch's check of the source, remembered per staging view (a row per block, or any
+        # number of rows when a source index picks them)
+        _, src_rows, _, vectors_fit = self.planes.sources.batched(
+            p, src, last - first, m if src_index is None else None
+        )
+        if src_index is None:
+            rows = np.arange(m, dtype=np.int64)
+        else:
+            rows = _id_array("src_index", src_index)
+            if rows.shape != ids.shape:
+                raise ValueError(f"src_index shape {rows.shape} must be [len(block_ids)] = [{m}]")
+            _check_source_rows(rows, src.shape[1])
+        if self.broken is not None or m == 0 or not (p.aligned16 and vectors_fit):
+            self.stats["declined"] += 1
+            return None
+        key = (last - first, bucket(m))
+        entry = self._take(key)
+        if entry is None:
+            self.stats["declined"] += 1
+            return None
+        src_meta = np.empty((last - first, 2), dtype=np.int64)
+        src_meta[:, 0] = (src_rows[:, 0] - self._anchor_ptr) // p.elem_bytes
+        src_meta[:, 1] = src_rows[:, 1]
+        fill(entry.table, key[1], ids, rows, self._planes_meta(layers), src_meta)
+        previous = _use_stream(stream)
+        try:
+            if entry.graph is None:
+                self._enqueue(entry, key)  # this request, the ordinary way (and Triton compiles if it must)
+                self._capture(entry, key)  # the next one of this key replays
+            else:
+                entry.graph.replay()
+                self.stats["replays"] += 1
+            entry.last = torch.cuda.Event()
+            entry.last.record(stream)
+        finally:
+            _restore_stream(previous)
+        return entry.last
+
+    def _planes_meta(self, layers: tuple[int, int]) -> np.ndarray:
+        """The planes' four meta columns of these layers (offsets from the anchor, row strides)."""
+        found = self._plane_meta.get(layers)
+        if found is None:
+            p = self.planes.planes
+            found = meta_table(p.rows[layers[0] : layers[1]], None, self._anchor_ptr, p.elem_bytes)[:, :4]
+            found = self._plane_meta[layers] = np.ascontiguousarray(found)
+        return found
+
+    def _take(self, key: tuple[int, int]) -> _Graph | None:
+        """A graph of ``key`` free to rewrite, a new one (not yet captured) if none is, or None."""
+        entries = self._graphs.get(key)
+        if entries is None:
+            entries = self._graphs[key] = []
+        self._graphs.move_to_end(key)
+        for entry in entries:
+            if entry.free():
+                return entry
+        if len(entries) >= self.per_key or not self._room():
+            return None
+        _, _, total = table_layout(key[1], key[0])
+        host = torch.empty(total, dtype=torch.int64, pin_memory=True)
+        entry = _Graph(host=host, table=host.numpy(), device=torch.empty(total, dtype=torch.int64,
+                                                                          device=self.device))
+        entries.append(entry)
+        self.count += 1
+        return entry
+
+    def _room(self) -> bool:
+        """Room for one more graph: drop the least recently used keys whose graphs are all idle."""
+        for key in list(self._graphs):
+            if self.count < self.max_graphs:
+                return True
+            entries = self._graphs[key]
+            if entries and all(e.free() for e in entries):
+                del self._graphs[key]
+                self.count -= len(entries)
+        return self.count < self.max_graphs
+
+    def _enqueue(self, entry: _Graph, key: tuple[int, int]) -> None:
+        """The launch itself, on the current stream: the table's copy, then the kernel."""
+        layers, b = key
+        entry.device.copy_(entry.host, non_blocking=True)
+        _, meta_at, _ = table_layout(b, layers)
+        meta = entry.device[meta_at:]
+        ids = entry.device[: 2 * b]
+        hc, nc, dc, hchunks = self._chunks
+        p, t = self.planes.planes, self.tuning
+        grid = layers * b * hchunks * (p.block_size // nc) * (p.head_size // dc)
+        self._tk._launch(
+            self._tk.convert_kernel, (grid,), self.device, True, self.anchor, meta, ids, b, p.num_heads, 0,
+            HC=hc, HCHUNKS=hchunks, NC=nc, DC=dc, FROM_SRC=True, KD=t.k_direct_oop, EVICT=t.evict,
+            num_warps=t.oop_warps, SRC_IDX=True, lut=self._unused, cnt=self._unused, REENC=False,
+            **self._geom,
+        )
+
+    def _capture(self, entry: _Graph, key: tuple[int, int]) -> None:
+        """Capture ``_enqueue`` into the entry's graph; a failure turns graph launches off, with a warning
+        (the request itself was already queued the ordinary way)."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # thread_local: CUDA calls of other threads (NIXL's UCX workers) may go on during the capture
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self._enqueue(entry, key)
+            finally:
+                graph.capture_end()
+        except Exception as exc:  # noqa: BLE001 - the ordinary launch still works
+            self.broken = f"{type(exc).__name__}: {exc}"
+            log.warning("conversion graphs off: capture failed (%s); launches go the ordinary way",
+                        self.broken)
+            return
+        entry.graph = graph
+        self.stats["captures"] += 1
+
+
+def _use_stream(stream: Any) -> tuple[int, int, int] | None:
+    """Make ``stream`` current (cheaper than ``torch.cuda.stream``'s 17-40 µs); returns what to restore."""
+    previous = torch._C._cuda_getCurrentStream(stream.device_index)
+    if previous[0] == stream.stream_id:
+        return None
+    torch._C._cuda_setStream(stream_id=stream.stream_id, device_index=stream.device_index,
+                             device_type=stream.device_type)
+    return previous
+
+
+def _restore_stream(previous: tuple[int, int, int] | None) -> None:
+    if previous is not None:
+        torch._C._cuda_setStream(stream_id=previous[0], device_index=previous[1], device_type=previous[2])

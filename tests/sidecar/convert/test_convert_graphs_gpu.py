@@ -1,0 +1,165 @@
+"""Graph-replayed staged launches (``GraphLaunches``) on a GPU: the same bytes as the ordinary launch for
+every request, captured once and replayed with each new request's tables, nothing written outside a request's own
+blocks (the planes are compared whole: every other block is canary), the ordinary way taken when no graph is
+free or a capture failed, and bad input refused before anything is queued."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sidecar.convert import PlaneSet
+from sidecar.convert.launch import launch_gpu, make_stream
+from sidecar.wire import fp8
+from sidecar.wire.formats import AITER_SHUFFLED
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU"),
+]
+DEV = "cuda:0"
+BLOCKS = 64
+
+
+class Rig:
+    """Two copies of random planes: one converted by graphs, one by the ordinary launch, then compared."""
+
+    def __init__(self, h: int, n: int, d: int, layers: int = 3, seed: int = 0, dtype=torch.bfloat16) -> None:
+        from sidecar.convert.graphs import GraphLaunches
+
+        self.h, self.n, self.d, self.layers = h, n, d, layers
+        self.row = h * n * d
+        gen = torch.Generator(device=DEV).manual_seed(seed)
+        self.k = [self._random((BLOCKS, self.row), gen, dtype) for _ in range(layers)]
+        self.v = [self._random((BLOCKS, self.row), gen, dtype) for _ in range(layers)]
+        self.k2 = [t.clone() for t in self.k]
+        self.v2 = [t.clone() for t in self.v]
+        geom = dict(num_heads=h, block_size=n, head_size=d)
+        self.ps = PlaneSet(self.k, self.v, **geom)
+        self.ordinary = type("Caches", (), {"plane_set": PlaneSet(self.k2, self.v2, **geom)})()
+        self.src = self._random((layers, 3 * BLOCKS, 2 * self.row), gen, dtype)
+        self.stream = make_stream(torch.device(DEV))
+        self.stream.wait_stream(torch.cuda.current_stream(DEV))
+        self.graphs = GraphLaunches(self.ps, per_key=2)
+        self.rng = np.random.default_rng(seed)
+
+    @staticmethod
+    def _random(shape, gen, dtype):
+        t = torch.empty(shape, dtype=torch.int16, device=DEV)
+        t.random_(-(2**15), 2**15, generator=gen)
+        return t.view(dtype)
+
+    def request(self, m: int, indexed: bool):
+        ids = self.rng.choice(BLOCKS, m, replace=False).astype(np.int64)
+        if not indexed:
+            return ids, self.src[:, :m], None
+        return ids, self.src, self.rng.choice(self.src.shape[1], m, replace=False).astype(np.int64)
+
+    def both(self, ids, src, rows, layers):
+        """The request through graphs and the ordinary way; the graphs' event (None: not taken)."""
+        part = src[layers[0] : layers[1]]
+        event = self.graphs.launch(self.stream, ids, part, layers, rows)
+        launch_gpu(self.stream, self.ordinary, ids, AITER_SHUFFLED, part, layers, None, None, None, rows)
+        return event
+
+    def assert_same(self, what: str) -> None:
+        self.stream.synchronize()
+        for a, b, name in ((self.k, self.k2, "K"), (self.v, self.v2, "V")):
+            for layer, (x, y) in enumerate(zip(a, b, strict=True)):
+                same = torch.equal(x.view(torch.int16), y.view(torch.int16))
+                assert same, f"{what}: {name} plane of layer {layer} differs from the ordinary launch"
+
+
+@pytest.mark.parametrize(("h", "n", "d"), [(8, 16, 128), (3, 32, 64), (1, 16, 256)], ids=str)
+@pytest.mark.parametrize("indexed", [False, True], ids=["staged", "indexed"])
+def test_replays_convert_each_new_request_like_the_ordinary_launch(h, n, d, indexed):
+    from sidecar.convert.graph_tables import bucket
+
+    rig = Rig(h, n, d, seed=h + n + d)
+    # sizes that share a bucket (17 and 18), pad (19 -> 20), come back after others, and one block
+    sizes, groups = (5, 5, 17, 18, 19, 5, 1, 33, 33, 20, 18, 5), ((0, 3), (0, 1), (1, 3))
+    for m in sizes:
+        for layers in groups:
+            ids, src, rows = rig.request(m, indexed)
+            event = rig.both(ids, src, rows, layers)
+            assert event is not None, f"{m} blocks, layers {layers}: not taken"
+            rig.assert_same(f"{m} blocks, layers {layers}")
+    # each launch found its key's graph idle (synchronised above): one capture per key, the rest replays
+    keys = {(last - first, bucket(m)) for m in sizes for first, last in groups}
+    assert rig.graphs.stats == {"captures": len(keys), "replays": len(sizes) * len(groups) - len(keys),
+                                "declined": 0}
+
+
+def test_a_busy_graph_is_never_rewritten():
+    """Launches queued behind a long kernel: each key's graphs are in use, so the third launch of a key is
+    declined (per_key 2) and converts nothing; the two taken convert their own requests exactly."""
+    rig = Rig(8, 16, 128, seed=5)
+    ids, src, rows = rig.request(8, True)
+    rig.both(ids, src, rows, (0, 3))  # captured
+    rig.assert_same("first")
+    with torch.cuda.stream(rig.stream):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s: the replays below queue behind it
+    taken = []
+    for _ in range(3):
+        ids, src, rows = rig.request(8, True)
+        event = rig.graphs.launch(rig.stream, ids, src, (0, 3), rows)
+        if event is not None:
+            launch_gpu(rig.stream, rig.ordinary, ids, AITER_SHUFFLED, src, (0, 3), None, None, None, rows)
+        taken.append(event is not None)
+    assert taken == [True, True, False]
+    rig.assert_same("queued")
+
+
+def test_a_failed_capture_leaves_the_request_converted_and_graphs_off(monkeypatch):
+    rig = Rig(8, 16, 128, seed=6)
+
+    def refuse(*_args, **_kwargs):
+        raise RuntimeError("no capture here")
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", refuse)
+    ids, src, rows = rig.request(9, False)
+    assert rig.both(ids, src, rows, (0, 3)) is not None  # queued the ordinary way before the capture
+    rig.assert_same("converted before the failed capture")
+    assert "no capture here" in rig.graphs.broken
+    ids, src, rows = rig.request(9, False)
+    assert rig.graphs.launch(rig.stream, ids, src, (0, 3), rows) is None
+    rig.assert_same("declined after it")  # the declined launch wrote nothing
+
+
+@pytest.mark.parametrize(
+    ("ids", "rows", "match"),
+    [
+        (np.array([1, 64]), None, "out of range"),
+        (np.array([3, 3]), None, "duplicates"),
+        (np.array([1, 2]), np.array([0, 999]), "src_index holds 999"),
+        (np.array([1, 2]), np.array([0]), "src_index shape"),
+        (np.array([1.0, 2.0]), None, "integer type"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_is_queued(ids, rows, match):
+    rig = Rig(8, 16, 128, seed=7)
+    src = rig.src if rows is not None else rig.src[:, : len(ids)]
+    with pytest.raises(ValueError, match=match):
+        rig.graphs.launch(rig.stream, ids, src, (0, 3), rows)
+    rig.assert_same("refused")
+
+
+def test_a_source_of_the_wrong_shape_is_refused():
+    rig = Rig(8, 16, 128, seed=8)
+    with pytest.raises(ValueError, match="src shape"):
+        rig.graphs.launch(rig.stream, np.array([1, 2, 3]), rig.src[:, :2], (0, 3), None)
+    with pytest.raises(ValueError, match="layers"):
+        rig.graphs.launch(rig.stream, np.array([1, 2]), rig.src[:, :2], (2, 5), None)
+    rig.assert_same("refused")
+
+
+def test_graphs_do_not_take_a_reencoding_plane_set():
+    from sidecar.convert.graphs import GraphLaunches
+
+    fnuz = torch.float8_e4m3fnuz
+    k = [torch.zeros((4, 8 * 16 * 128), dtype=torch.uint8, device=DEV).view(fnuz)]
+    v = [torch.zeros((4, 8 * 16 * 128), dtype=torch.uint8, device=DEV).view(fnuz)]
+    ps = PlaneSet(k, v, num_heads=8, block_size=16, head_size=128, lut=fp8.pair_table(1.0, 1.0, 1.0, 1.0))
+    with pytest.raises(ValueError, match="re-encode"):
+        GraphLaunches(ps)

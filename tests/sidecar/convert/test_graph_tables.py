@@ -1,0 +1,96 @@
+"""Size buckets and tables of the graph-replayed launch (``graph_tables``, pure logic, every size checked)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sidecar.convert.graph_tables import EXACT_UP_TO, STEPS_PER_OCTAVE, bucket, fill, table_layout
+from sidecar.convert.tables import ALIGN, META_COLUMNS
+
+
+def test_every_size_up_to_a_large_cache_gets_a_bucket_within_an_eighth():
+    buckets = set()
+    previous = 0
+    for m in range(1, 70_000):
+        b = bucket(m)
+        assert b >= m, m
+        assert b >= previous, m  # monotone: a larger request never gets a smaller grid
+        previous = b
+        if m <= EXACT_UP_TO:
+            assert b == m
+        else:
+            assert b - m < m / STEPS_PER_OCTAVE, m
+        assert bucket(b) == b, m  # a bucket is its own bucket
+        buckets.add(b)
+    # about 8 a doubling above the exact sizes: 16 exact, then 8 per octave up to 2**16 and one more
+    assert len(buckets) <= EXACT_UP_TO + STEPS_PER_OCTAVE * 13 + 1
+
+
+@pytest.mark.parametrize("m", [0, -1])
+def test_no_bucket_for_an_empty_request(m):
+    with pytest.raises(ValueError, match="at least one block"):
+        bucket(m)
+
+
+@pytest.mark.parametrize("b", [1, 2, 3, 16, 17, 288])
+@pytest.mark.parametrize("layers", [1, 3, 36])
+def test_layout_puts_rows_right_after_ids_and_meta_on_16_bytes(b, layers):
+    rows_at, meta_at, total = table_layout(b, layers)
+    assert rows_at == b  # the kernel reads source row i at ids + M + i
+    assert meta_at >= 2 * b and meta_at % ALIGN == 0
+    assert total >= meta_at + layers * META_COLUMNS and total % ALIGN == 0
+
+
+def _request(rng, m, b, layers):
+    ids = rng.permutation(1000)[:m].astype(np.int64)
+    rows = rng.permutation(5 * m)[:m].astype(np.int64)
+    plane = rng.integers(-(2**40), 2**40, size=(layers, 4), dtype=np.int64)
+    src = rng.integers(-(2**40), 2**40, size=(layers, 2), dtype=np.int64)
+    return ids, rows, plane, src
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 17, 100, 255, 256, 257, 1000])
+@pytest.mark.parametrize("layers", [1, 4, 36])
+def test_fill_pads_with_the_first_block_and_its_row(m, layers):
+    rng = np.random.default_rng(m * 100 + layers)
+    b = bucket(m)
+    ids, rows, plane, src = _request(rng, m, b, layers)
+    table = np.full(table_layout(b, layers)[2], 7777, dtype=np.int64)
+    fill(table, b, ids, rows, plane, src)
+    got_ids, got_rows = table[:b], table[b : 2 * b]
+    assert np.array_equal(got_ids[:m], ids) and np.array_equal(got_rows[:m], rows)
+    # every padding pair is the first pair: it converts the request's first block from its own row again
+    assert (got_ids[m:] == ids[0]).all() and (got_rows[m:] == rows[0]).all()
+    assert set(got_ids.tolist()) == set(ids.tolist())  # never a block outside the request
+    meta_at = table_layout(b, layers)[1]
+    meta = table[meta_at : meta_at + layers * META_COLUMNS].reshape(layers, META_COLUMNS)
+    assert np.array_equal(meta[:, :4], plane) and np.array_equal(meta[:, 4:], src)
+
+
+def test_fill_over_a_used_table_leaves_nothing_of_the_last_request():
+    rng = np.random.default_rng(1)
+    b, layers = bucket(200), 3
+    table = np.zeros(table_layout(b, layers)[2], dtype=np.int64)
+    fill(table, b, *_request(rng, 200, b, layers))
+    second = _request(rng, 193, b, layers)
+    fill(table, b, *second)
+    ids, rows = second[0], second[1]
+    assert set(table[:b].tolist()) == set(ids.tolist())
+    assert set(table[b : 2 * b].tolist()) == set(rows.tolist())
+
+
+@pytest.mark.parametrize(("m", "b", "rows_m"), [(0, 4, 0), (5, 4, 5), (3, 4, 2)])
+def test_fill_refuses_what_does_not_fit(m, b, rows_m):
+    table = np.zeros(table_layout(b, 2)[2], dtype=np.int64)
+    ids = np.arange(m, dtype=np.int64)
+    with pytest.raises(ValueError, match="do not fit a bucket"):
+        fill(table, b, ids, np.arange(rows_m, dtype=np.int64), np.zeros((2, 4), np.int64),
+             np.zeros((2, 2), np.int64))
+
+
+def test_fill_refuses_a_table_of_another_bucket():
+    table = np.zeros(table_layout(8, 2)[2] + 2, dtype=np.int64)
+    with pytest.raises(ValueError, match="a bucket of 8 needs"):
+        fill(table, 8, np.arange(3, dtype=np.int64), np.arange(3, dtype=np.int64), np.zeros((2, 4), np.int64),
+             np.zeros((2, 2), np.int64))
