@@ -99,6 +99,8 @@ class Daemon:
             limits_for(config.conversion_max_step_delay_us),
             self.metrics.fp8_reencode,
             wake=self.poller.wake,
+            graphs=lambda: self.config.conversion_graphs,
+            on_launch=self.metrics.launched,
         )
         self.poller.add(self.conversions.poll)
         self.caches: CacheRegistry | None = None

@@ -38,6 +38,7 @@ class Caches:
     v_planes: list[Any] = field(default_factory=list)
     plane_set: Any = None  # sidecar.convert.PlaneSet over k_planes/v_planes: checked planes for conversion
     reencode_sets: dict[tuple, Any] = field(default_factory=dict)  # fp8 re-encode PlaneSets, by scales
+    graphs: Any = None  # sidecar.convert.graphs.GraphLaunches over plane_set (GPU, made at first use)
     users: int = 0
 
     owner_session: Any = None  # the jobs.Session that registered them
@@ -121,6 +122,7 @@ def register_caches(port: Any, caches: Caches) -> None:
 
 def close_caches(caches: Caches) -> None:
     caches.plane_set = None  # it holds views of the mappings too
+    caches.graphs = None  # so do its graphs' kernels
     caches.reencode_sets.clear()
     caches.k_planes.clear()
     caches.v_planes.clear()

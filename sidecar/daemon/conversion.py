@@ -44,6 +44,15 @@ def reencode_planes(caches: Any, plan: Plan) -> Any:
     return found
 
 
+def _graph_launches(caches: Any) -> Any:
+    """The caches' ``GraphLaunches`` (made at first use: it holds pinned and device tables, and graphs)."""
+    if caches.graphs is None:
+        from sidecar.convert.graphs import GraphLaunches  # lazy: GPU only
+
+        caches.graphs = GraphLaunches(caches.plane_set)
+    return caches.graphs
+
+
 @dataclass(eq=False)
 class JobConversion:
     """What one job's conversion has started."""
@@ -67,8 +76,14 @@ class Conversions:
         limits: ConversionLimits | None = None,
         on_reencode: Callable[[int, int], None] | None = None,
         wake: Callable[[], None] = lambda: None,
+        graphs: Callable[[], bool] = lambda: False,
+        on_launch: Callable[[str], None] = lambda path: None,
     ) -> None:
+        """``graphs``: whether staged launches may replay CUDA graphs (config ``conversion_graphs``);
+        ``on_launch``: told each GPU launch's path ("graph" or "ordinary")."""
         self._gpu = gpu
+        self._graphs = graphs
+        self._on_launch = on_launch
         self._on_reencode = on_reencode
         self._wake = wake
         self.limits = limits or ConversionLimits()
@@ -143,18 +158,26 @@ class Conversions:
                 )
             else:
                 t0, c0 = time.perf_counter(), time.thread_time()
-                conv.last_event = launch_gpu(
-                    self._stream,
-                    caches,
-                    job.pairs.local,
-                    fmt,
-                    src,
-                    (first, last),
-                    self.limits,
-                    conv.planes,
-                    conv.counts,
-                    conv.src_index,
-                )
+                event = None
+                if src is not None and conv.planes is None and self.limits.unbounded and self._graphs():
+                    event = _graph_launches(caches).launch(
+                        self._stream, job.pairs.local, src, (first, last), conv.src_index
+                    )
+                self._on_launch("graph" if event is not None else "ordinary")
+                if event is None:  # not taken: in place, sliced, re-encoding, or no graph free
+                    event = launch_gpu(
+                        self._stream,
+                        caches,
+                        job.pairs.local,
+                        fmt,
+                        src,
+                        (first, last),
+                        self.limits,
+                        conv.planes,
+                        conv.counts,
+                        conv.src_index,
+                    )
+                conv.last_event = event
                 job.timings["launch"] = job.timings.get("launch", 0.0) + time.perf_counter() - t0
                 # this thread's CPU time in the launch: far below "launch" means it waited (GIL, driver locks)
                 job.timings["launch_cpu"] = job.timings.get("launch_cpu", 0.0) + time.thread_time() - c0

@@ -44,6 +44,7 @@ RELOADABLE = frozenset(
         "pull_mode",
         "verify_model_identity",
         "handshake_timeout_s",
+        "conversion_graphs",
     }
 )
 
@@ -225,6 +226,16 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             ge=0,
         ),
     ] = 0.0
+    conversion_graphs: Annotated[
+        bool,
+        _doc(
+            "GPU, staged reads: replay each conversion launch from a CUDA graph captured once per size "
+            "bucket (a request of m blocks runs the bucket's grid, at most 1/8 more, padding rows convert "
+            "the request's first block again), instead of building its tables and launching in Python; "
+            "the first request of each bucket launches the ordinary way. In place (direct) launches "
+            "always go the ordinary way"
+        ),
+    ] = True
     remotes: Annotated[
         list[RemoteRule],
         _doc(

@@ -19,6 +19,7 @@ from sidecar.ops.errors import StartupError
 
 OUTCOMES = ("ok", "failed", "refused", "aborted", "expired")
 FP8_REENCODE_KINDS = ("saturated", "nan")
+LAUNCH_PATHS = ("graph", "ordinary")  # a GPU conversion launch replayed from a CUDA graph, or built in Python
 STAGES = ("handshake", "queue", "transfer", "convert", "signal", "end_to_end", "delivery")
 # 50 µs .. ~100 s, roughly x2.5 per bucket: signal latencies and multi-second pulls both resolve.
 BUCKETS = (
@@ -101,6 +102,14 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.conversion_launches = Counter(
+            "kv_sidecar_conversion_launches",
+            "GPU conversion launches by path: graph (replayed from a CUDA graph, config conversion_graphs) "
+            "or ordinary (tables and launch built in Python: in place, sliced, fp8 re-encode, a size's "
+            "first)",
+            ["path"],
+            registry=r,
+        )
         self.build_info = Gauge("kv_sidecar_build_info", "kv-sidecar version", ["version"], registry=r)
         self.build_info.labels(version=__version__).set(1)
         # Pre-create label sets so every series exists (at 0) from the start.
@@ -111,6 +120,7 @@ class Metrics:
             self.handshakes.labels(outcome=outcome)
         for kind in FP8_REENCODE_KINDS:
             self.fp8_reencoded.labels(kind=kind)
+        self._launches = {path: self.conversion_launches.labels(path=path) for path in LAUNCH_PATHS}
 
     def answered(self, outcome: str, timings: dict[str, float] | None = None) -> None:
         """One Pull answered: count its outcome and observe its stage timings."""
@@ -132,6 +142,10 @@ class Metrics:
         """Count one conversion's flagged elements (``PlaneSet.convert``'s returned (saturated, NaN))."""
         self.fp8_reencoded.labels(kind="saturated").inc(saturated)
         self.fp8_reencoded.labels(kind="nan").inc(nan)
+
+    def launched(self, path: str) -> None:
+        """One GPU conversion launch, by ``LAUNCH_PATHS`` path."""
+        self._launches[path].inc()
 
     def refused(self, field: str) -> None:
         self.refusals.labels(field=field or "unknown").inc()

@@ -15,7 +15,10 @@ import glob
 import json
 import os
 import random
+import re
+import socket
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -150,12 +153,26 @@ def pull_round(standin: DeviceStandin, emulator, name: str, seed: int) -> dict:
     }
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launches(port: int) -> dict[str, float]:
+    """The daemon's conversion launches by path, from its /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    found = re.findall(r'^kv_sidecar_conversion_launches_total\{path="(\w+)"\} (\S+)$', text, re.M)
+    return {path: float(value) for path, value in found}
+
+
 @pytest.mark.parametrize("groups", [0, LAYERS], ids=["groups-auto", "group-per-layer"])
 @pytest.mark.parametrize("mode", ["direct", "staged"])
 def test_slice_on_one_gpu_is_bit_exact(mode: str, groups: int, work, emulator) -> None:
     """With one layer group per layer too: each group converts once it landed, while later ones read."""
     name = f"daemon-{mode}-groups-{groups or 'auto'}"
     env = ucx_env(work, name, "info", cuda=True)
+    metrics_port = _free_port()
     daemon = start_daemon(
         work,
         name,
@@ -165,7 +182,7 @@ def test_slice_on_one_gpu_is_bit_exact(mode: str, groups: int, work, emulator) -
         staging_bytes=STAGING,
         env=env,
         log_path=work / f"{name}.log",
-        settings={"layer_groups": str(groups)},
+        settings={"layer_groups": str(groups), "metrics_port": str(metrics_port)},
     )
     rounds = {}
     try:
@@ -182,6 +199,11 @@ def test_slice_on_one_gpu_is_bit_exact(mode: str, groups: int, work, emulator) -
             # cold: the first requests pay the handshake, NIXL's list preparation and the kernel's JIT
             rounds["cold"] = pull_round(standin, emulator, f"{name}-cold", seed=7)
             rounds["warm"] = pull_round(standin, emulator, f"{name}-warm", seed=8)
+            launches = _launches(metrics_port)
+            # staged: replayed from CUDA graphs (config conversion_graphs, on by default) once a size was
+            # seen; direct converts in place, always the ordinary way
+            assert (launches["graph"] > 0) == (mode == "staged"), launches
+            rounds["launches"] = launches
         finally:
             standin.close()
     finally:

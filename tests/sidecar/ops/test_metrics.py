@@ -99,3 +99,19 @@ def test_fp8_reencode_counts_by_kind():
     text = m.expose().decode()
     assert 'kv_sidecar_fp8_reencoded_elements_total{kind="saturated"} 3.0' in text
     assert 'kv_sidecar_fp8_reencoded_elements_total{kind="nan"} 3.0' in text
+
+
+def test_conversion_launches_count_by_path_from_zero():
+    from sidecar.ops.metrics import Metrics
+
+    m = Metrics()
+    text = m.expose().decode()
+    assert 'kv_sidecar_conversion_launches_total{path="graph"} 0.0' in text  # present before any launch
+    m.launched("graph")
+    m.launched("graph")
+    m.launched("ordinary")
+    text = m.expose().decode()
+    assert 'kv_sidecar_conversion_launches_total{path="graph"} 2.0' in text
+    assert 'kv_sidecar_conversion_launches_total{path="ordinary"} 1.0' in text
+    with pytest.raises(KeyError):
+        m.launched("eager")
