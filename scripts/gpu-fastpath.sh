@@ -3,7 +3,8 @@
 # step runs even when an earlier one failed, results as JSON under $OUT, a one-line status per step at the end.
 #
 #   bash scripts/gpu-fastpath.sh STEP...
-#   steps: tests launchtests daemontests launch sweep contiguous defaults orders groups poll interference profile
+#   steps: tests launchtests graphtests daemontests launch sweep contiguous defaults graphsab orders groups poll
+#          interference profile
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -42,13 +43,22 @@ for step in "$@"; do
       tests/sidecar/daemon tests/gpu/test_gpu_slice.py ;;
     launchtests) TAIL=40 run launchtests 100 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
       tests/sidecar/convert/test_convert_launch_gpu.py tests/sidecar/convert/test_convert_src_index.py ;;
+    graphtests) TAIL=30 run graphtests 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
+      tests/sidecar/convert/test_convert_graphs_gpu.py tests/sidecar/convert/test_convert_launch_gpu.py \
+      tests/gpu/test_gpu_slice.py ;;
     daemontests) TAIL=20 run daemontests 150 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
       tests/sidecar/daemon tests/gpu/test_gpu_slice.py tests/gpu/test_gpu_tp.py ;;
     defaults) TAIL=30 run defaults 160 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
       --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous,direct/contiguous \
       --budget-s 140 \
       --out "$OUT/e2e-h200-contiguous-defaults.json" ;;
-    launch) run launch 90 python3 -m sidecar.cli bench launch --out "$OUT/launch-probe-h200.json" ;;
+    # the daemon's defaults with conversion graphs on and off, one after the other in one call
+    graphsab) for g in true false; do
+        TAIL=14 run "graphs-$g" 100 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
+          --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous \
+          --daemon-set conversion_graphs=$g --budget-s 80 --out "$OUT/e2e-h200-graphs-$g.json"
+      done ;;
+    launch) run launch 120 python3 -m sidecar.cli bench launch --iters 200 --out "$OUT/launch-probe-h200.json" ;;
     sweep) run sweep 100 python3 -m sidecar.cli bench convert --device cuda --dtype bfloat16 \
       --shapes qwen3-8b-4k,qwen3-8b-16k --no-verify --no-plot --reps 40 --tag h200-sweep-stages --out-dir "$OUT" \
       --variant default: --variant p1056:oop_max_programs=1056 --variant p2112:oop_max_programs=2112 \

@@ -1,9 +1,10 @@
-"""``kv-sidecar bench launch``: host CPU time of one conversion launch, old path and new side by side.
+"""``kv-sidecar bench launch``: host CPU time of one conversion launch, old, new and graph paths side by side.
 
-The new path is the daemon's own call, ``launch_gpu`` (``Conversions.convert_group`` times the same call as
-each Done's ``launch``), on its own stream, with random block ids in a cache of ``--blocks`` blocks. The old
-path is the launch as it was before its tables went through pinned memory, replayed here: the full
-``check_request`` on torch ids, the meta table rebuilt, one pageable host-to-device copy per table (each may
+The graph path (GPU) is the daemon's call with ``conversion_graphs`` on: a staged launch replayed from a
+CUDA graph (``sidecar.convert.graphs``), in place the new path. The new path is the daemon's call with
+graphs off, ``launch_gpu`` (``Conversions.convert_group`` times the same call as each Done's ``launch``),
+on its own stream, with random block ids in a cache of ``--blocks`` blocks. The old path is the launch as
+it was before its tables went through pinned memory, replayed here: the full ``check_request`` on torch ids, the meta table rebuilt, one pageable host-to-device copy per table (each may
 first wait for the work already queued on the stream), a fresh zeroed counts tensor and the kernel launched
 through Triton's binder. Each is timed per call (p50/p99 µs) for a staged request (``staged``), a staged span
 with gap rows read through a source index (``staged_gaps``) and in place, as one launch for every layer or
@@ -100,6 +101,7 @@ class LaunchRig:
         self.span = self._random((s.layers, GAP_DENSITY * m, 2 * s.row), gen)  # a span read through gaps
         self.rng = np.random.default_rng(seed)
         self.old_launcher: Any = None  # GPU: the launcher class of the old path (``_pageable_launcher``)
+        self.graphs: Any = None  # GPU: the graph path's ``GraphLaunches``
 
     def _random(self, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
         t = torch.empty(shape, dtype=torch.int16, device=self.device)
@@ -162,6 +164,14 @@ def new_launch(rig: LaunchRig, stream: Any, ids: np.ndarray, src: Any, layers: t
                index: np.ndarray | None) -> Any:
     """The daemon's call (``Conversions.convert_group``): ``launch_gpu`` on its stream."""
     return launch_gpu(stream, rig.caches, ids, AITER_SHUFFLED, src, layers, None, None, None, index)
+
+
+def graph_launch(rig: LaunchRig, stream: Any, ids: np.ndarray, src: Any, layers: tuple[int, int],
+                 index: np.ndarray | None) -> Any:
+    """The daemon's call with ``conversion_graphs`` on: a staged launch replayed from a CUDA graph, the
+    ordinary launch when that is not taken (in place, or every graph of the size still queued)."""
+    event = None if src is None else rig.graphs.launch(stream, ids, src, layers, index)
+    return event if event is not None else new_launch(rig, stream, ids, src, layers, index)
 
 
 def cpu_old(rig: LaunchRig, _stream: Any, ids: np.ndarray, src: Any, layers: tuple[int, int],
@@ -390,17 +400,21 @@ def main(argv: list[str] | None = None) -> int:
         rig.old_launcher = _pageable_launcher()
         rig.ps.warm_up()
         stream = make_stream(device)
-        paths = {"old": old_launch, "new": new_launch}
+        from sidecar.convert.graphs import GraphLaunches
+
+        rig.graphs = GraphLaunches(rig.ps)
+        paths = {"old": old_launch, "new": new_launch, "graph": graph_launch}
         busy_cycles = sleep_cycles(device, args.busy_us)
     states = STREAM_STATES if cuda else ("idle",)
     cells = []
-    print(f"{'mode':12s} {'layers/launch':>13s} {'stream':6s} {'path':4s} {'p50 µs':>9s} {'p99 µs':>9s} "
+    print(f"{'mode':12s} {'layers/launch':>13s} {'stream':6s} {'path':5s} {'p50 µs':>9s} {'p99 µs':>9s} "
           f"{'pending':>7s}", flush=True)
     warmup = 20 if cuda else 2
     for mode, per, where, (name, launch) in itertools.product(modes, per_launch, states, paths.items()):
-        got = time_cell(rig, stream, launch, mode, per, where, iters, warmup, busy_cycles, args.rest_us * 1e-6)
+        got = time_cell(rig, stream, launch, mode, per, where, iters, warmup, busy_cycles,
+                        args.rest_us * 1e-6)
         cells.append({"path": name, "mode": mode, "layers_per_launch": per, "stream": where, **got})
-        print(f"{mode:12s} {per:13d} {where:6s} {name:4s} {got['p50_us']:9.1f} {got['p99_us']:9.1f} "
+        print(f"{mode:12s} {per:13d} {where:6s} {name:5s} {got['p50_us']:9.1f} {got['p99_us']:9.1f} "
               f"{got.get('pending_after', ''):>7}", flush=True)
     verified = {name: {f"{mode}/{per}": verify(rig, stream, launch, mode, per) for mode in modes
                        for per in per_launch} for name, launch in paths.items()}
@@ -433,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, q in report["components_us"].items():
             print(f"{name:52s} p50 {q['p50_us']:8.1f} µs  p99 {q['p99_us']:8.1f} µs", flush=True)
         report["tables"] = {"meta_cache_hits": rig.ps.tables.hits, "meta_cache_misses": rig.ps.tables.misses}
+        report["graphs"] = {**rig.graphs.stats, "held": rig.graphs.count, "broken": rig.graphs.broken}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
