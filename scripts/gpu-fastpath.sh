@@ -3,8 +3,8 @@
 # step runs even when an earlier one failed, results as JSON under $OUT, a one-line status per step at the end.
 #
 #   bash scripts/gpu-fastpath.sh STEP...
-#   steps: tests launchtests graphtests daemontests launch sweep contiguous defaults graphsab orders groups poll
-#          interference profile
+#   steps: tests launchtests graphtests daemontests launch graphlaunch sweep convertgraph contiguous defaults
+#          graphsab groupsab gilab orders groups poll interference profile daemonprofile
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -52,6 +52,24 @@ for step in "$@"; do
       --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous,direct/contiguous \
       --budget-s 140 \
       --out "$OUT/e2e-h200-contiguous-defaults.json" ;;
+    graphlaunch) run graphlaunch 90 python3 -m sidecar.cli bench launch --iters 200 --modes staged,staged_gaps \
+      --paths new,graph,graphcap --graph-programs 1056 --out "$OUT/launch-probe-h200-graphcap.json" ;;
+    convertgraph) run convertgraph 120 python3 -m sidecar.cli bench convert --device cuda --dtype bfloat16 \
+      --shapes qwen3-8b-4k,qwen3-8b-16k --no-plot --reps 40 --tag h200-graph-per-call --out-dir "$OUT" \
+      --variant default: --variant p1056:oop_max_programs=1056 ;;
+    # one layer group against four, graphs on, groups converting as they land during the post
+    groupsab) for g in 1 4; do
+        TAIL=14 run "groups-ab$g" 100 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
+          --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous \
+          --layer-groups "$g" --budget-s 80 --out "$OUT/e2e-h200-groups-ab$g.json"
+      done ;;
+    # the GIL switch interval (us) against one and four layer groups (GIL_SWEEP, GROUPS_SWEEP to change them)
+    gilab) for gil in ${GIL_SWEEP:-500 50}; do for g in ${GROUPS_SWEEP:-1 4}; do
+        TAIL=6 run "gil$gil-groups$g" 70 python3 -m sidecar.bench.e2e --prefill-device cuda:0 \
+          --decoder-device cuda:0 --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 \
+          --pairs staged/contiguous --layer-groups "$g" --daemon-set "gil_switch_interval_us=$gil" --budget-s 55 \
+          --out "$OUT/e2e-h200-gil$gil-groups$g.json"
+      done; done ;;
     # the daemon's defaults with conversion graphs on and off, one after the other in one call
     graphsab) for g in true false; do
         TAIL=14 run "graphs-$g" 100 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
@@ -89,6 +107,28 @@ for step in "$@"; do
           --pairs staged/contiguous --budget-s 90 --out "$OUT/e2e-h200-profile-x$c.json"
         gzip -f "$OUT/profile-4k-x$c.txt"
       done ;;
+    # py-spy attached by pid to the daemon of a 4k x 8 staged run (--subprocesses never reached it), for
+    # SPY_S seconds of its sidecar phase: raw stacks per thread in $OUT/daemon-4k-x8.txt.gz
+    daemonprofile) (
+        python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 --warmup 1 --contexts 4096 \
+          --concurrency 8 --reps "${SPY_REPS:-1500}" --pairs staged/contiguous --budget-s 150 \
+          --out "$OUT/e2e-h200-daemonprofile.json" >"$OUT/daemonprofile-bench.log" 2>&1 &
+        bench=$!
+        pid=""
+        for _ in $(seq 1 240); do
+          pid=$(pgrep -f "sidecar.cli serve" | head -1)
+          [ -n "$pid" ] && break
+          sleep 0.5
+        done
+        sleep "${SPY_DELAY_S:-12}"  # past the bare reads (the bench's own process) into the daemon's phase
+        echo "daemon pid ${pid:-none}"
+        [ -n "$pid" ] && timeout -k 5 $((${SPY_S:-25} + 20)) /tmp/site/bin/py-spy record --pid "$pid" \
+          --nonblocking --threads --rate 1000 --duration "${SPY_S:-25}" --format raw -o "$OUT/daemon-4k-x8.txt"
+        wait "$bench"
+        tail -n 12 "$OUT/daemonprofile-bench.log"
+        gzip -f "$OUT/daemon-4k-x8.txt"
+      ) 2>&1 | tail -n 30
+      STATUS+=("daemonprofile: done") ;;
     interference) TAIL=16 run interference 250 python3 -m sidecar.cli bench interference --source daemon \
       --settings none,mps-cap --cells "4096:0,10,20,50 16384:0,10" --phase-s 4 --budget-s 220 \
       --daemon-set nixl_num_threads=4 --out "$OUT/interference" ;;
