@@ -24,7 +24,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from sidecar.convert.checks import ConversionJob, check_job
@@ -254,6 +256,8 @@ def measure(shape: ConvertShape, device: torch.device, dtype: torch.dtype, timer
                  "out_of_place_vs_torch_ref": None, "verified": None}]
 
     from sidecar.convert import PlaneSet, triton_kernel
+    from sidecar.convert.graphs import GraphLaunches
+    from sidecar.convert.launch import make_stream
 
     src = _random_bits((shape.layers, shape.blocks, 2 * words), device, gen)  # a staging buffer of pages
     planes = PlaneSet([cache[i, 0].view(dtype) for i in range(shape.layers)],
@@ -261,6 +265,7 @@ def measure(shape: ConvertShape, device: torch.device, dtype: torch.dtype, timer
                       block_size=shape.block_size, head_size=shape.head_size)
     src_typed = src.view(dtype)
     wall = _wall_timer(PER_CALL_REPS)
+    graph_stream = make_stream(device)  # a graph is captured on, and replays from, a side stream
     rows = []
     for name, tuning in variants:
         step(f"kernel {name}")
@@ -270,6 +275,8 @@ def measure(shape: ConvertShape, device: torch.device, dtype: torch.dtype, timer
         # Per call: what the daemon does per request (ids checked, tables built, launched), synced.
         call_ip_s = wall(lambda t=tuning: planes.convert(ids, tuning=t))
         call_oop_s = wall(lambda t=tuning: planes.convert(ids, src=src_typed, tuning=t))
+        # Per call, the daemon's staged launch with conversion_graphs on: a replay (captured in the warm-up)
+        call_graph_s = wall(_graph_call(GraphLaunches(planes, tuning), graph_stream, ids.numpy(), src_typed))
         verified = None
         if verify:
             verified = _verify(shape, cache, ids, dtype, src, tuning)
@@ -286,11 +293,23 @@ def measure(shape: ConvertShape, device: torch.device, dtype: torch.dtype, timer
             "per_call_in_place_ms": call_ip_s * 1e3, "per_call_out_of_place_ms": call_oop_s * 1e3,
             "per_call_in_place_vs_copy": copy_s / call_ip_s,
             "per_call_out_of_place_vs_copy": copy_s / call_oop_s,
+            "per_call_out_of_place_graph_ms": call_graph_s * 1e3,
+            "per_call_out_of_place_graph_vs_copy": copy_s / call_graph_s,
             "in_place_vs_torch_ref": ref_s / ip_s, "out_of_place_vs_torch_ref": ref_s / oop_s,
             "verified": verified,
         })
     step("done")
     return rows
+
+
+def _graph_call(graphs: Any, stream: Any, ids: np.ndarray, src: torch.Tensor) -> Callable[[], None]:
+    """One staged request's launch through ``GraphLaunches`` (every layer, block i from source row i)."""
+
+    def call() -> None:
+        if graphs.launch(stream, ids, src, (0, src.shape[0]), None) is None:
+            raise RuntimeError(f"the graph launch was declined ({graphs.broken or 'no graph free'})")
+
+    return call
 
 
 def _verify(shape, cache, ids, dtype, src, tuning) -> bool:
@@ -351,8 +370,8 @@ def _table(rows: list[dict], title: str):
     cuda = rows and rows[0]["kernel_GBps"] is not None
     cols = ["shape", "GB", "copy GB/s", "torch ref GB/s"]
     if cuda:
-        cols += ["variant", "in place GB/s", "mode", "out of place GB/s", "kernel/copy", "per call ip/oop",
-                 "x ref", "bit-exact"]
+        cols += ["variant", "in place GB/s", "mode", "out of place GB/s", "kernel/copy",
+                 "per call ip/oop/graph", "x ref", "bit-exact"]
     for c in cols:
         t.add_column(c, justify="left" if c in ("shape", "variant", "mode") else "right")
     for r in rows:
@@ -363,7 +382,8 @@ def _table(rows: list[dict], title: str):
                       r["in_place_mode"],
                       f"{r['kernel_out_of_place_GBps']:.0f} ({r['out_of_place_vs_copy']:.0%})",
                       f"{r['kernel_vs_copy']:.0%}",
-                      f"{r['per_call_in_place_vs_copy']:.0%} / {r['per_call_out_of_place_vs_copy']:.0%}",
+                      f"{r['per_call_in_place_vs_copy']:.0%} / {r['per_call_out_of_place_vs_copy']:.0%} / "
+                      f"{r['per_call_out_of_place_graph_vs_copy']:.0%}",
                       f"{min(r['in_place_vs_torch_ref'], r['out_of_place_vs_torch_ref']):.1f}",
                       {True: "yes", False: "NO", None: "-"}[r["verified"]]]
         t.add_row(*cells)

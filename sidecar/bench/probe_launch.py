@@ -1,18 +1,19 @@
 """``kv-sidecar bench launch``: host CPU time of one conversion launch, old, new and graph paths side by side.
 
-The graph path (GPU) is the daemon's call with ``conversion_graphs`` on: a staged launch replayed from a
-CUDA graph (``sidecar.convert.graphs``), in place the new path. The new path is the daemon's call with
-graphs off, ``launch_gpu`` (``Conversions.convert_group`` times the same call as each Done's ``launch``),
-on its own stream, with random block ids in a cache of ``--blocks`` blocks. The old path is the launch as
-it was before its tables went through pinned memory, replayed here: the full ``check_request`` on torch ids, the meta table rebuilt, one pageable host-to-device copy per table (each may
-first wait for the work already queued on the stream), a fresh zeroed counts tensor and the kernel launched
-through Triton's binder. Each is timed per call (p50/p99 µs) for a staged request (``staged``), a staged span
-with gap rows read through a source index (``staged_gaps``) and in place, as one launch for every layer or
-one launch per layer group, with the stream idle (synchronised before each call, untimed), busy (a ~1 ms
-kernel queued on the stream just before each call: a launch that waits for it shows ~1 ms;
-``pending_after`` is the share of calls that returned while that kernel still ran) and queued (8 requests'
-launches back to back, as the daemon's groups and requests queue). Then each path's bytes are checked
-against the torch reference on the same device.
+The graph path (GPU) is the daemon's call with ``conversion_graphs`` on: a staged launch replayed from a CUDA
+graph (``sidecar.convert.graphs``), in place the new path. The new path is the daemon's call with graphs off,
+``launch_gpu`` (``Conversions.convert_group`` times the same call as each Done's ``launch``), on its own
+stream, with random block ids in a cache of ``--blocks`` blocks. The old path is the launch as it was before
+its tables went through pinned memory, replayed here: the full ``check_request`` on torch ids, the meta table
+rebuilt, one pageable host-to-device copy per table (each may first wait for the work already queued on the
+stream), a fresh zeroed counts tensor and the kernel launched through Triton's binder. Each is timed per call
+(p50/p99 µs) for a staged request (``staged``), a staged span with gap rows read through a source index
+(``staged_gaps``) and in place, as one launch for every layer or one launch per layer group, with the stream
+idle (synchronised before each call, untimed), busy (a ~1 ms kernel queued on the stream just before each
+call: a launch that waits for it shows ~1 ms; ``pending_after`` is the share of calls that returned while that
+kernel still ran) and queued (8 requests' launches back to back, as the daemon's groups and requests queue).
+Then each path's bytes are checked against the torch reference on the same device. ``--graph-programs N`` adds
+the graphcap path: graphs of the persistent out-of-place kernel on N programs.
 
 The new path's parts are also timed alone (``components_us``): the checks, the tables (built and sent), the
 Triton launch (``DirectKernel``, and through Triton's binder), the stream switch and the event. On the CPU
@@ -47,6 +48,7 @@ from sidecar.convert.checks import aligned16, check_launch, check_request
 from sidecar.convert.launch import convert_blocks, launch_gpu
 from sidecar.convert.reference import run_reference
 from sidecar.convert.tables import upload
+from sidecar.convert.tuning import Tuning
 from sidecar.wire.formats import AITER_SHUFFLED
 
 MODES = ("staged", "staged_gaps", "in_place")
@@ -102,6 +104,7 @@ class LaunchRig:
         self.rng = np.random.default_rng(seed)
         self.old_launcher: Any = None  # GPU: the launcher class of the old path (``_pageable_launcher``)
         self.graphs: Any = None  # GPU: the graph path's ``GraphLaunches``
+        self.graphs_capped: Any = None  # GPU, --graph-programs: the graphcap path's
 
     def _random(self, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
         t = torch.empty(shape, dtype=torch.int16, device=self.device)
@@ -166,12 +169,16 @@ def new_launch(rig: LaunchRig, stream: Any, ids: np.ndarray, src: Any, layers: t
     return launch_gpu(stream, rig.caches, ids, AITER_SHUFFLED, src, layers, None, None, None, index)
 
 
-def graph_launch(rig: LaunchRig, stream: Any, ids: np.ndarray, src: Any, layers: tuple[int, int],
-                 index: np.ndarray | None) -> Any:
-    """The daemon's call with ``conversion_graphs`` on: a staged launch replayed from a CUDA graph, the
-    ordinary launch when that is not taken (in place, or every graph of the size still queued)."""
-    event = None if src is None else rig.graphs.launch(stream, ids, src, layers, index)
-    return event if event is not None else new_launch(rig, stream, ids, src, layers, index)
+def graph_path(graphs: Any) -> Launch:
+    """The daemon's call with ``conversion_graphs`` on, through ``graphs``: a staged launch replayed from a
+    CUDA graph, the ordinary launch when that is not taken (in place, or every graph of the size queued)."""
+
+    def graph_launch(rig: LaunchRig, stream: Any, ids: np.ndarray, src: Any, layers: tuple[int, int],
+                     index: np.ndarray | None) -> Any:
+        event = None if src is None else graphs.launch(stream, ids, src, layers, index)
+        return event if event is not None else new_launch(rig, stream, ids, src, layers, index)
+
+    return graph_launch
 
 
 def cpu_old(rig: LaunchRig, _stream: Any, ids: np.ndarray, src: Any, layers: tuple[int, int],
@@ -362,10 +369,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--busy-us", type=float, default=1000.0, help="the kernel queued before each busy call")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rest-us", type=float, default=0.0,
-                   help="host sleep before each timed call (the daemon's loop comes to a launch from waiting)")
+                   help="host sleep before each timed call (the daemon's loop comes to a launch from "
+                   "waiting)")
     p.add_argument("--nixl", action="store_true",
                    help="load a NIXL agent (UCX, this GPU) with one registered VRAM region first, as the "
                    "daemon has: shows what UCX's CUDA hooks cost a launch")
+    p.add_argument("--graph-programs", type=int, default=0,
+                   help="also time graphs of the persistent out-of-place kernel on this many programs "
+                   "(path 'graphcap'; 0: not)")
+    p.add_argument("--paths", default=None,
+                   help="only these paths, comma-separated (old, new, graph, graphcap)")
     p.add_argument("--out", default=None, help="JSON results file (default: print only)")
     return p.parse_args(argv)
 
@@ -403,18 +416,23 @@ def main(argv: list[str] | None = None) -> int:
         from sidecar.convert.graphs import GraphLaunches
 
         rig.graphs = GraphLaunches(rig.ps)
-        paths = {"old": old_launch, "new": new_launch, "graph": graph_launch}
+        paths = {"old": old_launch, "new": new_launch, "graph": graph_path(rig.graphs)}
+        if args.graph_programs:  # the graph of a persistent kernel on a capped grid
+            rig.graphs_capped = GraphLaunches(rig.ps, Tuning(oop_max_programs=args.graph_programs))
+            paths["graphcap"] = graph_path(rig.graphs_capped)
         busy_cycles = sleep_cycles(device, args.busy_us)
+    if args.paths:
+        paths = {k: v for k, v in paths.items() if k in args.paths.split(",")}
     states = STREAM_STATES if cuda else ("idle",)
     cells = []
-    print(f"{'mode':12s} {'layers/launch':>13s} {'stream':6s} {'path':5s} {'p50 µs':>9s} {'p99 µs':>9s} "
+    print(f"{'mode':12s} {'layers/launch':>13s} {'stream':6s} {'path':8s} {'p50 µs':>9s} {'p99 µs':>9s} "
           f"{'pending':>7s}", flush=True)
     warmup = 20 if cuda else 2
     for mode, per, where, (name, launch) in itertools.product(modes, per_launch, states, paths.items()):
         got = time_cell(rig, stream, launch, mode, per, where, iters, warmup, busy_cycles,
                         args.rest_us * 1e-6)
         cells.append({"path": name, "mode": mode, "layers_per_launch": per, "stream": where, **got})
-        print(f"{mode:12s} {per:13d} {where:6s} {name:5s} {got['p50_us']:9.1f} {got['p99_us']:9.1f} "
+        print(f"{mode:12s} {per:13d} {where:6s} {name:8s} {got['p50_us']:9.1f} {got['p99_us']:9.1f} "
               f"{got.get('pending_after', ''):>7}", flush=True)
     verified = {name: {f"{mode}/{per}": verify(rig, stream, launch, mode, per) for mode in modes
                        for per in per_launch} for name, launch in paths.items()}
@@ -428,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "shape": asdict(shape),
-        "settings": {"iters": iters, "per_launch": per_launch, "modes": modes, "busy_us": args.busy_us,
+        "settings": {"iters": iters, "graph_programs": args.graph_programs, "per_launch": per_launch,
+                     "modes": modes, "busy_us": args.busy_us,
                      "rest_us": args.rest_us, "nixl_agent": agent is not None,
                      "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
                      "queued_requests": QUEUED_REQUESTS,
@@ -447,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, q in report["components_us"].items():
             print(f"{name:52s} p50 {q['p50_us']:8.1f} µs  p99 {q['p99_us']:8.1f} µs", flush=True)
         report["tables"] = {"meta_cache_hits": rig.ps.tables.hits, "meta_cache_misses": rig.ps.tables.misses}
-        report["graphs"] = {**rig.graphs.stats, "held": rig.graphs.count, "broken": rig.graphs.broken}
+        report["graphs"] = {name: {**g.stats, "held": g.count, "broken": g.broken}
+                            for name, g in (("graph", rig.graphs), ("graphcap", rig.graphs_capped)) if g}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

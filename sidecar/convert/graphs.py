@@ -181,13 +181,17 @@ class GraphLaunches:
         ids = entry.device[: 2 * b]
         hc, nc, dc, hchunks = self._chunks
         p, t = self.planes.planes, self.tuning
-        grid = layers * b * hchunks * (p.block_size // nc) * (p.head_size // dc)
-        self._tk._launch(
-            self._tk.convert_kernel, (grid,), self.device, True, self.anchor, meta, ids, b, p.num_heads, 0,
-            HC=hc, HCHUNKS=hchunks, NC=nc, DC=dc, FROM_SRC=True, KD=t.k_direct_oop, EVICT=t.evict,
-            num_warps=t.oop_warps, SRC_IDX=True, lut=self._unused, cnt=self._unused, REENC=False,
-            **self._geom,
-        )
+        programs = layers * b * hchunks * (p.block_size // nc) * (p.head_size // dc)
+        shape = dict(HC=hc, HCHUNKS=hchunks, NC=nc, DC=dc, KD=t.k_direct_oop, EVICT=t.evict,
+                     num_warps=t.oop_warps, SRC_IDX=True, lut=self._unused, cnt=self._unused, REENC=False,
+                     **self._geom)
+        tk = self._tk
+        if t.oop_max_programs and programs > t.oop_max_programs:  # a capped grid: programs loop
+            tk._launch(tk.convert_persistent_kernel, (t.oop_max_programs,), self.device, True, self.anchor,
+                       meta, ids, b, p.num_heads, 0, programs, STAGES=t.oop_stages, **shape)
+        else:
+            tk._launch(tk.convert_kernel, (programs,), self.device, True, self.anchor, meta, ids, b,
+                       p.num_heads, 0, FROM_SRC=True, **shape)
 
     def _capture(self, entry: _Graph, key: tuple[int, int]) -> None:
         """Capture ``_enqueue`` into the entry's graph; a failure turns graph launches off, with a warning
