@@ -19,7 +19,7 @@ What the daemon reads off the objects the port returns:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -126,15 +126,11 @@ class TransferPort(Protocol):
         slots: np.ndarray | None = None,
         gaps: Any = None,
         pairs: BlockPairs | None = None,
-        on_landed: Callable[[int, int], None] | None = None,
     ) -> Any:
         """Post the request's READs (one per layer group); the prefill is notified once all are DONE.
         ``gaps``: staged only, a ``spans.GapRead`` of blocks read into staging just to merge runs.
         ``pairs``: ``blocks``'s answer for these ids (else they are paired here); one checked under another
-        pairing rule (ratios, block size) or out of this read's block counts is refused naming the field.
-        ``on_landed(first, last)``: a layer group seen DONE while later groups are still being posted, called
-        in the posting thread (and then not put in ``landed``); a port may also leave every group to
-        ``landed``."""
+        pairing rule (ratios, block size) or out of this read's block counts is refused naming the field."""
         ...
 
     def poll(self, read: Any, now: float, *, notify: bool = True) -> bool:

@@ -12,10 +12,7 @@ the post in progress), and so do notifications and heartbeats that find the tran
 ``poll`` is one pass over every read in flight, run by the daemon's ``Poller`` (``polling.py``: hot while
 reads are in flight, asleep when none is). A layer group seen DONE is handed to the conversion at once
 (``on_landed``), so it converts while later groups still read; the prefill's notification of a finished read
-goes out only after its last group's conversion was launched. A transport that moves the bytes while it
-posts (UCX's cuda_ipc) finishes groups before the post returns: the poster checks the groups it posted
-between posts and hands those DONE to the loop right away (``_landed_while_posting``), so their conversion
-overlaps the posting of the next ones.
+goes out only after its last group's conversion was launched.
 """
 
 from __future__ import annotations
@@ -59,7 +56,6 @@ class Reads:
         self._waiting: dict[Any, tuple[asyncio.Future, Job]] = {}  # read handle -> (its wait, its job)
         self._last_sent = 0.0
         self._sent_event: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # set by ``post``, for the poster's callbacks
         self._poster = ThreadPoolExecutor(
             1, thread_name_prefix="kv-sidecar-post", initializer=port.thread_init
         )
@@ -100,7 +96,6 @@ class Reads:
         """Post the job's READs on the poster thread (it must have its peer, caches, pairs and, when staged,
         its slots and gaps). Cancelled meanwhile (Abort, deadline, shutdown), it still waits for the post to
         return and keeps its read in ``job.read``, so ``stop`` can stop it before the job is answered."""
-        self._loop = asyncio.get_running_loop()
         fut = self.on_poster(self._post_now, job, mode, layer_groups, pool, slots, gaps)
         cancelled = False
         while True:
@@ -155,13 +150,6 @@ class Reads:
         msg = job.msg
         local_ids, remote_ids = job.id_arrays
         remaining = max(0.001, job.deadline - time.monotonic())
-        loop = self._loop
-
-        def landed(first: int, last: int) -> None:
-            """A group DONE while later ones post: its conversion starts now, not after the whole post."""
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(self._landed_while_posting, job, first, last)
-
         try:
             return self._port.read(
                 job.peer,
@@ -177,7 +165,6 @@ class Reads:
                 slots=slots,
                 gaps=gaps,
                 pairs=job.pairs,
-                on_landed=landed,
             )
         except GeometryError as exc:
             raise Refused(exc.field, exc.reason) from None
@@ -190,16 +177,6 @@ class Reads:
                 err = Failed(f"transfer: {exc}")
             err.read = exc.read  # type: ignore[attr-defined]  # posted before it failed: post() keeps it
             raise err from None
-
-    def _landed_while_posting(self, job: Job, first: int, last: int) -> None:
-        """On the loop: convert a group the poster saw land (not for a job stopped meanwhile: its answer
-        waits only for conversions already started, and it will not be answered OK)."""
-        if job.stop is not None:
-            return
-        try:
-            self._on_landed(job, first, last)
-        except Exception:  # noqa: BLE001 - an unlaunched group fails its job at the layer count
-            log.exception("pull %s: launching a landed group", job.req_id)
 
     async def wait(self, job: Job) -> None:
         """Until every READ of the job is DONE (and the prefill notified)."""

@@ -545,16 +545,11 @@ class NixlTransfer:
         gaps: Any = None,
         table: DescIndices | Descs | None = None,
         pairs: BlockPairs | None = None,
-        on_landed: Callable[[int, int], None] | None = None,
     ) -> ReadOp:
         """Build the request's descriptors (unless ``table`` gives them, from :meth:`table`; from ``pairs``,
         the ids' checked pairing, when given) and post them in ``layer_groups`` READs; returns the sealed
         pull.
         ``gaps`` (staged): a ``spans.GapRead`` of blocks read into staging only, to merge runs.
-        ``on_landed(first, last)``: called here, in the posting thread, for each layer group seen DONE while
-        later groups are still being posted (a transport that moves the bytes while posting, as UCX's
-        cuda_ipc mostly does, would otherwise report every group only after the whole post); such groups
-        are not put in ``landed``. Without it, they are.
 
         Staged mode reads into ``pool`` (see ``staging``) at ``slots[layer, i]``. With no block to read (a
         full local prefix hit) nothing is posted and the pull completes with just the notification."""
@@ -574,7 +569,7 @@ class NixlTransfer:
             self._fail(pull, RequestRefused(exc.reason, exc.field))
             raise pull.error from exc  # type: ignore[misc]
         try:
-            self._post_groups(pull, geo, table, dest, mode, pool, layer_groups, on_landed)
+            self._post_groups(pull, geo, table, dest, mode, pool, layer_groups)
         except TransferError as exc:
             exc.read = pull  # failed midway: what it posted may still hold handles
             raise
@@ -582,12 +577,9 @@ class NixlTransfer:
         return pull
 
     def _post_groups(self, pull: ReadOp, geo: PairGeometry, table: Any, dest: Destination, mode: Mode,
-                     pool: StagingPool | None, layer_groups: int,
-                     on_landed: Callable[[int, int], None] | None = None) -> None:
+                     pool: StagingPool | None, layer_groups: int) -> None:
         bounds = np.linspace(0, geo.layers, max(1, min(layer_groups, geo.layers)) + 1).astype(int)
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            if on_landed is not None:
-                self._check_posted(pull, on_landed)
             posted = len(pull.handles)
             if isinstance(table, Descs):
                 loc, rem = table.layer_slice(a, b)
@@ -599,21 +591,7 @@ class NixlTransfer:
             if len(pull.handles) > posted:
                 pull.layer_ranges.append((int(a), int(b)))
                 if pull.done_flags[-1]:  # a transport that copies while posting (shm) is DONE at once
-                    if on_landed is not None:
-                        on_landed(int(a), int(b))
-                    else:
-                        pull.landed.append((int(a), int(b)))
-        if on_landed is not None and len(pull.handles) > 1:
-            self._check_posted(pull, on_landed)
-
-    def _check_posted(self, pull: ReadOp, on_landed: Callable[[int, int], None]) -> None:
-        """Report the posted groups DONE by now (one ``check_xfer_state`` each still in flight)."""
-        for i, handle in enumerate(pull.handles):
-            if not pull.done_flags[i] and i < len(pull.layer_ranges):
-                check = self.agent.check_xfer_state
-                pull.done_flags[i] = self._state(pull, "check_xfer_state", check, handle)
-                if pull.done_flags[i]:
-                    on_landed(*pull.layer_ranges[i])
+                    pull.landed.append((int(a), int(b)))
 
     @staticmethod
     def _index_bytes(geo: PairGeometry, count: int) -> int:

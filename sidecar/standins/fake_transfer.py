@@ -91,10 +91,6 @@ class FakePort:
         self.post_gate: threading.Event | None = None
         self.fail_post = False
         self.fail_post_keeps_handles = False  # with fail_post: the failed post leaves a handle to stop
-        # read() lands this many groups while it posts (through its on_landed, as NIXL's cuda_ipc does),
-        # then waits for post_hold (when set) before it returns
-        self.land_while_posting = 0
-        self.post_hold: threading.Event | None = None
         self.post_threads: list[str] = []  # the thread each read() ran on
         self.held_skips = 0  # hold(blocking=False) calls answered False (a post was in progress)
         self._lock = threading.RLock()
@@ -188,7 +184,6 @@ class FakePort:
         slots: np.ndarray | None = None,
         gaps: Any = None,
         pairs: BlockPairs | None = None,
-        on_landed: Any = None,
     ) -> FakeRead:
         self.post_threads.append(threading.current_thread().name)
         with self._lock:
@@ -223,11 +218,6 @@ class FakePort:
         if pool is not None and slots is not None:  # what a real staged read's descriptors would cover
             read.nbytes = (slots.size + (0 if gaps is None else gaps.slots.size)) * pool.slot_bytes
         self.reads.append(read)
-        if on_landed is not None:
-            for _ in range(min(self.land_while_posting, len(read.groups))):
-                on_landed(*read.groups.pop(0))
-            if self.post_hold is not None:
-                self.post_hold.wait(10.0)
         return read
 
     def land(self, read: FakeRead, index: int = 0) -> None:

@@ -407,43 +407,6 @@ def test_an_abort_during_a_post_waits_for_it_then_stops_it_and_notifies_once(fai
     run(main())
 
 
-def test_groups_that_land_while_the_post_runs_convert_before_it_returns():
-    """NIXL's cuda_ipc moves a group's bytes while later groups post: the poster reports each group it sees
-    DONE and the loop converts it then, not once the whole post has returned."""
-
-    async def main():
-        async with started(layer_groups=LAYERS) as h:
-            h.port.land_while_posting = 2
-            h.port.post_hold = threading.Event()
-            h.pull("a")
-            deadline = time.monotonic() + 2
-            while (job := h.daemon.jobs.get("a")) is None or getattr(job.conversion, "layers", 0) < 2:
-                assert time.monotonic() < deadline, "the groups that landed while posting were not converted"
-                await asyncio.sleep(0.002)
-            assert job.read is None and h.answers("a") == []  # the post has not returned yet
-            h.port.post_hold.set()
-            assert (await h.reply(p.Done, "a")).ok
-            assert job.conversion.layers == LAYERS  # the other two through the poll, none twice
-
-    run(main())
-
-
-def test_a_group_that_lands_while_posting_a_stopped_job_is_not_converted():
-    async def main():
-        async with started(layer_groups=LAYERS) as h:
-            h.port.land_while_posting = LAYERS
-            await _posting(h, "x")  # held before anything lands
-            job = h.daemon.jobs.get("x")
-            h.send(p.Abort(req_id="x"))
-            while job.stop is None:
-                await asyncio.sleep(0.002)
-            h.port.post_gate.set()  # now every group lands, on a job already stopped
-            assert (await h.reply(p.Aborted, "x")).safe
-            assert job.conversion.layers == 0 and job.conversion.groups == []
-
-    run(main())
-
-
 def test_a_poll_pass_launches_what_landed_after_letting_the_port_go():
     """A post waiting for the port must not also wait for launches (each ~0.15-0.5 ms on a GPU)."""
 

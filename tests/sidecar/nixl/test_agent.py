@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import threading
 import time
 from multiprocessing import shared_memory
 from types import SimpleNamespace
@@ -408,27 +407,6 @@ def test_layer_groups_land_and_stay_until_released_and_the_notification_does_not
     check_planes(planes.arr, reply, [0, 1, 2, 3])
     assert tx.release(pull) and pull.handles == []
     assert tx.poll(pull)
-
-
-def test_groups_done_while_posting_are_reported_once_from_the_posting_thread(emu, tx, planes):
-    """``on_landed``: each group seen DONE between (and after) the posts is reported at once, in the posting
-    thread, and not again through ``landed``; the rest land through ``poll`` as before. (UCX over host memory
-    seldom finishes a READ inside the post: there most groups land through ``poll``; the daemon's side is
-    tested on the fake port, ``test_groups_that_land_while_the_post_runs_convert_before_it_returns``.)"""
-    peer = connect(tx, emu)
-    reply, params = new_request(emu, 6)
-    planes.reset()
-    seen = []
-    pull = tx.pull(peer, planes.dest, "direct", list(range(6)), params.remote_block_ids[0],
-                   params.remote_request_id, layer_groups=3,
-                   on_landed=lambda a, b: seen.append((a, b, threading.current_thread())))
-    during = [(a, b) for a, b, _ in seen]
-    assert all(t is threading.current_thread() for *_, t in seen)
-    tx.wait(pull, release=False)
-    assert sorted(during + pull.landed) == pull.layer_ranges == [(0, 1), (1, 2), (2, LAYERS)]
-    check_planes(planes.arr, reply, list(range(6)))
-    emu.client.wait_state(params.remote_request_id, "freed_by_notif", 10)
-    assert tx.release(pull)
 
 
 def test_direct_pull_pairs_with_the_remote_tail(emu, tx, planes):
