@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu-fastpath.sh STEP...
 #   steps: tests launchtests graphtests daemontests launch graphlaunch sweep convertgraph contiguous defaults
-#          graphsab groupsab gilab orders groups poll interference profile daemonprofile
+#          graphsab groupsab orders groups poll interference profile daemonprofile
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -63,13 +63,6 @@ for step in "$@"; do
           --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous \
           --layer-groups "$g" --budget-s 80 --out "$OUT/e2e-h200-groups-ab$g.json"
       done ;;
-    # the GIL switch interval (us) against one and four layer groups (GIL_SWEEP, GROUPS_SWEEP to change them)
-    gilab) for gil in ${GIL_SWEEP:-500 50}; do for g in ${GROUPS_SWEEP:-1 4}; do
-        TAIL=6 run "gil$gil-groups$g" 70 python3 -m sidecar.bench.e2e --prefill-device cuda:0 \
-          --decoder-device cuda:0 --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 \
-          --pairs staged/contiguous --layer-groups "$g" --daemon-set "gil_switch_interval_us=$gil" --budget-s 55 \
-          --out "$OUT/e2e-h200-gil$gil-groups$g.json"
-      done; done ;;
     # the daemon's defaults with conversion graphs on and off, one after the other in one call
     graphsab) for g in true false; do
         TAIL=14 run "graphs-$g" 100 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \

@@ -226,17 +226,6 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             ge=0,
         ),
     ] = 0.0
-    gil_switch_interval_us: Annotated[
-        float,
-        _doc(
-            "the interpreter's GIL switch interval while the daemon runs (CPython's default is 5000): a "
-            "thread that wants the GIL waits up to this long for the one running Python to give it up. The "
-            "poster thread (NIXL posts) and the event loop (launches, polling) take turns at it many times "
-            "per request",
-            gt=0,
-            le=100_000,
-        ),
-    ] = 500.0
     conversion_graphs: Annotated[
         bool,
         _doc(
