@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu-fastpath.sh STEP...
 #   steps: tests launchtests graphtests daemontests launch graphlaunch sweep convertgraph contiguous defaults
-#          graphsab groupsab orders groups poll interference profile daemonprofile
+#          graphsab groupsab headcheck orders groups poll interference profile daemonprofile
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -63,6 +63,17 @@ for step in "$@"; do
           --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous \
           --layer-groups "$g" --budget-s 80 --out "$OUT/e2e-h200-groups-ab$g.json"
       done ;;
+    # a short check of HEAD: the graph and slice GPU tests, the staged contiguous cells and the scattered
+    # orders at the daemon's defaults (one cold start and about 4 minutes of device time)
+    headcheck) TAIL=6 run headtests 110 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
+        tests/sidecar/convert/test_convert_graphs_gpu.py tests/gpu/test_gpu_slice.py
+      TAIL=8 run headcontiguous 45 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
+        --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous --budget-s 35 \
+        --out "$OUT/e2e-h200-head-contiguous.json"
+      TAIL=8 run headorders 95 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
+        --warmup 1 --contexts 4096 --concurrency 1,8 --reps 3 --modes staged --orders churn,density-0.25,random \
+        --max-batch-tokens 65536 --prefill-pool-factor 4 --staging-factor 2 --budget-s 80 \
+        --out "$OUT/e2e-h200-head-orders.json" ;;
     # the daemon's defaults with conversion graphs on and off, one after the other in one call
     graphsab) for g in true false; do
         TAIL=14 run "graphs-$g" 100 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
