@@ -70,7 +70,7 @@ for step in "$@"; do
       TAIL=8 run headcontiguous 45 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
         --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous --budget-s 35 \
         --out "$OUT/e2e-h200-head-contiguous.json"
-      TAIL=8 run headorders 95 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
+      [ -n "${HEAD_ORDERS:-}" ] && TAIL=8 run headorders 95 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
         --warmup 1 --contexts 4096 --concurrency 1,8 --reps 3 --modes staged --orders churn,density-0.25,random \
         --max-batch-tokens 65536 --prefill-pool-factor 4 --staging-factor 2 --budget-s 80 \
         --out "$OUT/e2e-h200-head-orders.json" ;;
