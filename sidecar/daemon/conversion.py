@@ -136,51 +136,14 @@ class Conversions:
         conv: JobConversion | None = job.conversion
         if conv is None or job.caches is None:
             return
-        caches = job.caches
-        fmt = caches.page_format
         src = None if conv.src is None else conv.src[first:last]
         loop = asyncio.get_running_loop()
         try:
             if self._stream is None:
-                conv.groups.append(
-                    loop.run_in_executor(
-                        self._executor,
-                        convert_blocks,
-                        caches,
-                        job.pairs.local,
-                        fmt,
-                        src,
-                        (first, last),
-                        self.limits,
-                        None,
-                        conv.src_index,
-                    )
-                )
+                done = loop.run_in_executor(self._executor, self._convert_cpu, job, src, first, last)
+                conv.groups.append(done)
             else:
-                t0, c0 = time.perf_counter(), time.thread_time()
-                event = None
-                if src is not None and conv.planes is None and self.limits.unbounded and self._graphs():
-                    event = _graph_launches(caches).launch(
-                        self._stream, job.pairs.local, src, (first, last), conv.src_index
-                    )
-                self._on_launch("graph" if event is not None else "ordinary")
-                if event is None:  # not taken: in place, sliced, re-encoding, or no graph free
-                    event = launch_gpu(
-                        self._stream,
-                        caches,
-                        job.pairs.local,
-                        fmt,
-                        src,
-                        (first, last),
-                        self.limits,
-                        conv.planes,
-                        conv.counts,
-                        conv.src_index,
-                    )
-                conv.last_event = event
-                job.timings["launch"] = job.timings.get("launch", 0.0) + time.perf_counter() - t0
-                # this thread's CPU time in the launch: far below "launch" means it waited (GIL, driver locks)
-                job.timings["launch_cpu"] = job.timings.get("launch_cpu", 0.0) + time.thread_time() - c0
+                self._launch(job, src, first, last)
         except Exception as exc:  # noqa: BLE001 - a launch that fails fails the request, not the loop
             failed = loop.create_future()
             failed.set_exception(exc)
@@ -188,8 +151,30 @@ class Conversions:
             return
         conv.layers += last - first
 
-    def _convert_cpu(self, conv: JobConversion, *args: Any) -> None:
-        got = convert_blocks(*args, self.limits, conv.planes)
+    def _launch(self, job: Job, src: Any, first: int, last: int) -> None:
+        """Queue a group's conversion on the GPU stream: replayed from a CUDA graph when it can be (staged,
+        unsliced, no re-encode, config ``conversion_graphs``), else built here; timed into the job's Done."""
+        conv: JobConversion = job.conversion
+        caches, ids, layers = job.caches, job.pairs.local, (first, last)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        event = None
+        if src is not None and conv.planes is None and self.limits.unbounded and self._graphs():
+            event = _graph_launches(caches).launch(self._stream, ids, src, layers, conv.src_index)
+        self._on_launch("graph" if event is not None else "ordinary")
+        if event is None:  # not taken: in place, sliced, re-encoding, or no graph free
+            event = launch_gpu(self._stream, caches, ids, caches.page_format, src, layers, self.limits,
+                               conv.planes, conv.counts, conv.src_index)
+        conv.last_event = event
+        job.timings["launch"] = job.timings.get("launch", 0.0) + time.perf_counter() - t0
+        # this thread's CPU time in the launch: far below "launch" means it waited (GIL, driver locks)
+        job.timings["launch_cpu"] = job.timings.get("launch_cpu", 0.0) + time.thread_time() - c0
+
+    def _convert_cpu(self, job: Job, src: Any, first: int, last: int) -> None:
+        """The CPU twin's conversion of one group, in the worker thread: through the pairing's re-encode
+        planes when it has them, its flagged counts kept for ``finish``."""
+        conv: JobConversion = job.conversion
+        got = convert_blocks(job.caches, job.pairs.local, job.caches.page_format, src, (first, last),
+                             self.limits, conv.planes, conv.src_index)
         if got is not None:
             conv.counts.append(got)
 
