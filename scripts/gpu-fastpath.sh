@@ -63,8 +63,8 @@ for step in "$@"; do
           --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous \
           --layer-groups "$g" --budget-s 80 --out "$OUT/e2e-h200-groups-ab$g.json"
       done ;;
-    # a short check of HEAD: the graph and slice GPU tests, the staged contiguous cells and the scattered
-    # orders at the daemon's defaults (one cold start and about 4 minutes of device time)
+    # a short check of HEAD: the graph and slice GPU tests and the staged contiguous cells at the daemon's
+    # defaults (about 2 minutes of device time); HEAD_ORDERS=1 adds the scattered orders (about 95 s more)
     headcheck) TAIL=6 run headtests 110 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
         tests/sidecar/convert/test_convert_graphs_gpu.py tests/gpu/test_gpu_slice.py
       TAIL=8 run headcontiguous 45 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \

@@ -67,7 +67,6 @@ class GraphLaunches:
         self.anchor = p.k_planes[0]
         self._anchor_ptr = self.anchor.data_ptr()
         self.device = p.device
-        self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         h, n, d = p.num_heads, p.block_size, p.head_size
         self._geom = dict(N=n, D=d, X=x_of(p.elem_bytes))
         self._chunks = tk.oop_chunks(h, n, d, x_of(p.elem_bytes), tuning)
