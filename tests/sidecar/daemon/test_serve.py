@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import stat
 import time
 import urllib.error
@@ -382,12 +383,21 @@ def test_lease_duplicates_and_block_ranges(shared, emulator):
     assert not done.ok and done.reason.startswith("lease: cannot vouch"), done.reason
     assert d.decoder.untouched([21, 22])
 
-    r = emulator.client.new_request(num_tokens=2 * N)
-    d.shim.send(pull_of(r.kv_transfer_params, "twice", [3, 4], timeout_s=30))
-    err = d.shim.ask(pull_of(r.kv_transfer_params, "twice", [3, 4], timeout_s=30))
+    # A req_id sent again while it is in flight is refused. The first is held in flight by a prefill that
+    # never answers its handshake (nothing listens on its port): a real one finished a 2-block pull in 2 ms,
+    # before a loaded CI host had sent the duplicate, and the test raced.
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        silent_port = free.getsockname()[1]
+    silent = {"remote_engine_id": "silent-prefill", "remote_host": "127.0.0.1", "remote_port": silent_port,
+              "remote_request_id": "silent-twice", "remote_block_ids": [[1, 2]], "remote_num_tokens": 2 * N}
+    d.shim.send(pull_of(silent, "twice", [23, 24], timeout_s=30))
+    err = d.shim.ask(pull_of(silent, "twice", [23, 24], timeout_s=30))
     assert isinstance(err, p.Error) and "already in flight" in err.reason and err.req_id == "twice"
-    done = d.shim.recv()
-    assert done.req_id == "twice" and done.ok, done
+    d.shim.send(p.Abort(req_id="twice"))
+    aborted = d.shim.recv()
+    assert isinstance(aborted, p.Aborted) and aborted.req_id == "twice" and aborted.safe, aborted
+    assert d.decoder.untouched([23, 24])
 
     too_far = emulator.client.new_request(num_tokens=N)
     done = d.shim.ask(pull_of(too_far.kv_transfer_params, "oob", [B + 5]))
