@@ -6,7 +6,9 @@ then builds the descriptors (``NixlTransfer.table``) from those pairs instead of
 holds the GIL for that while the loop waits. This times both paths of the same geometry (a CPU twin's, no
 NIXL agent) per request, interleaved call by call so load on the host hits both alike, and checks that they
 give the same descriptors. ``--orders`` picks the request's ids: ``contiguous`` (a fresh engine) or
-``churned`` (vLLM's free queue after a busy while, ``block_orders.churned``). ``--against`` another tree's
+``churned`` (vLLM's free queue after a busy while, ``block_orders.churned``); staging slots are laid out as
+the daemon lays them out, in remote-address order (before 2026-12-02's third session: in request order,
+which left churned descriptors unmerged and overstated their cost). ``--against`` another tree's
 ``geometry.py`` (e.g. main's, before the poster took the pairs) times its pairing and its poster path (from
 the ids) in the same loop: a before/after on one host at one time.
 """
@@ -34,8 +36,8 @@ from sidecar.nixl.geometry import (
     PairGeometry,
     RemoteRegions,
     StagingPool,
-    contiguous_slots,
 )
+from sidecar.nixl.spans import plan_span, span_slots
 from sidecar.wire.formats import AITER_SHUFFLED, STANDARD, PageFormat, negotiate
 
 
@@ -110,7 +112,8 @@ def measure(args: argparse.Namespace, order: str) -> dict[str, Any]:
                                       args.num_blocks, args.layers * n)
     lids, rids = request_ids(order, n, args.num_blocks, args.seed)
     pairs = direct.blocks(lids, rids, tokens)  # what the loop hands the post
-    slots = contiguous_slots(0, args.layers, n)
+    # the daemon's staging slots: a span in remote-address order (Staging.take_span, no gaps)
+    slots = span_slots(0, args.layers, n, plan_span(pairs.remote, pool.slot_bytes, None, 0).pos)
 
     def table(geo: PairGeometry, mode: str, with_pairs: bool) -> Callable[[], Any]:
         kw = {"pairs": pairs} if with_pairs else {}
