@@ -381,7 +381,7 @@ def check_request(
     ``src_index`` (out of place only): block ``ids[i]`` reads source row ``src_index[i]``; the source
     may then hold any number of rows (e.g. a staged span with other blocks in between). ``memo``: sources
     of these planes already checked (a [layers, M, page] source is then checked once)."""
-    first, last = _layer_range(planes, layers)
+    first, last = layer_range(planes, layers)
     ids = _check_ids(block_ids, planes.device, planes.num_blocks)
     if src_index is not None and src is None:
         raise ValueError("src_index needs a src (it picks source rows; in place has none)")
@@ -414,23 +414,41 @@ def check_launch(
     """``check_request`` for the daemon's own launches: ids and source rows as numpy int arrays, the source
     one [layers, rows, page] tensor (its staging) or None. The same checks of ids, source and source rows;
     the source's checked once per ``memo`` (the planes were checked once, at registration)."""
-    first, last = _layer_range(planes, layers)
-    ids = _id_array("block_ids", block_ids)
-    _check_id_values(ids, planes.num_blocks)
+    first, last = layer_range(planes, layers)
+    ids = launch_ids(planes, block_ids)
     srcs = src_rows = index = src_aligned = None
     if src is not None:
-        if not isinstance(src, torch.Tensor):
-            raise ValueError(f"src must be a torch.Tensor, got {type(src).__name__}")
-        srcs, src_rows, src_aligned = _remembered(memo, planes, src, last - first, len(ids), src_index)
+        srcs, src_rows, src_aligned = launch_source(memo, planes, src, last - first, len(ids), src_index)
     if src_index is not None:
         if src is None:
             raise ValueError("src_index needs a src (it picks source rows; in place has none)")
-        rows = _id_array("src_index", src_index)
-        if rows.shape != ids.shape:
-            raise ValueError(f"src_index shape {rows.shape} must be [len(block_ids)] = [{len(ids)}]")
-        _check_source_rows(rows, srcs.shape[1])
-        index = _tensor(rows)
+        index = _tensor(launch_src_rows(src_index, ids, srcs.shape[1]))
     return _job(planes, first, last, _tensor(ids), srcs, src_rows, lut, counts, index, src_aligned)
+
+
+def launch_ids(planes: Planes, block_ids: object) -> np.ndarray:
+    """A launch's block ids as a flat int64 array, each in [0, num_blocks), none twice."""
+    ids = _id_array("block_ids", block_ids)
+    _check_id_values(ids, planes.num_blocks)
+    return ids
+
+
+def launch_source(memo: SourceMemo, planes: Planes, src: object, layers: int, m: int,
+                  src_index: object) -> tuple[torch.Tensor, np.ndarray, bool]:
+    """A launch's [layers, rows, page] source, checked once per ``memo``: its element view, rows and whether
+    16-byte vectors fit it (``_remembered``)."""
+    if not isinstance(src, torch.Tensor):
+        raise ValueError(f"src must be a torch.Tensor, got {type(src).__name__}")
+    return _remembered(memo, planes, src, layers, m, src_index)
+
+
+def launch_src_rows(src_index: object, ids: np.ndarray, available: int) -> np.ndarray:
+    """A launch's source rows as a flat int64 array: one per block id, each in [0, available)."""
+    rows = _id_array("src_index", src_index)
+    if rows.shape != ids.shape:
+        raise ValueError(f"src_index shape {rows.shape} must be [len(block_ids)] = [{len(ids)}]")
+    _check_source_rows(rows, available)
+    return rows
 
 
 def _tensor(values: np.ndarray) -> torch.Tensor:
@@ -457,7 +475,7 @@ def _check_source_rows(rows: np.ndarray, available: int) -> None:
             )
 
 
-def _layer_range(planes: Planes, layers: tuple[int, int] | None) -> tuple[int, int]:
+def layer_range(planes: Planes, layers: tuple[int, int] | None) -> tuple[int, int]:
     first, last = layers if layers is not None else (0, len(planes.k_planes))
     if not 0 <= first < last <= len(planes.k_planes):
         raise ValueError(

@@ -34,22 +34,17 @@ def table_layout(b: int, layers: int) -> tuple[int, int, int]:
     return b, starts[1], max(total, ALIGN)
 
 
-def fill(
-    table: np.ndarray, b: int, ids: np.ndarray, rows: np.ndarray, plane_meta: np.ndarray, src_meta: np.ndarray
-) -> None:
+def fill(table: np.ndarray, b: int, ids: np.ndarray, rows: np.ndarray, meta: np.ndarray) -> None:
     """Write one request into a bucket-``b`` table: ``ids`` and ``rows`` (``m <= b`` each) padded with row 0,
-    then the meta table, ``plane_meta`` [L, 4] (the planes' columns) beside ``src_meta`` [L, 2] (the
-    source's offset and row stride)."""
+    then ``meta`` [L, 6] (``tables.meta_table``)."""
     m = ids.size
     if not 0 < m <= b or rows.size != m:
         raise ValueError(f"{m} ids and {rows.size} source rows do not fit a bucket of {b}")
-    _, meta_at, total = table_layout(b, len(plane_meta))
-    if table.shape != (total,):
+    _, meta_at, total = table_layout(b, len(meta))
+    if table.shape != (total,) or meta.shape[1:] != (META_COLUMNS,):
         raise ValueError(f"the table has shape {table.shape}, a bucket of {b} needs ({total},)")
     table[:m] = ids
     table[m:b] = ids[0]
     table[b : b + m] = rows
     table[b + m : 2 * b] = rows[0]
-    meta = table[meta_at : meta_at + plane_meta.size + src_meta.size].reshape(len(plane_meta), META_COLUMNS)
-    meta[:, :4] = plane_meta
-    meta[:, 4:] = src_meta
+    table[meta_at : meta_at + meta.size] = meta.ravel()

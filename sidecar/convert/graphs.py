@@ -27,9 +27,8 @@ import numpy as np
 import torch
 
 from sidecar.convert.api import PlaneSet
-from sidecar.convert.checks import _check_id_values, _check_source_rows, _id_array, x_of
+from sidecar.convert.checks import launch_ids, launch_source, launch_src_rows, layer_range, x_of
 from sidecar.convert.graph_tables import bucket, fill, table_layout
-from sidecar.convert.tables import meta_table
 from sidecar.convert.tuning import TUNING, Tuning
 
 log = logging.getLogger("kv_sidecar.convert")
@@ -72,7 +71,6 @@ class GraphLaunches:
         self._chunks = tk.oop_chunks(h, n, d, x_of(p.elem_bytes), tuning)
         self._unused = tk._unused_counts(self.device)
         self._graphs: OrderedDict[tuple[int, int], list[_Graph]] = OrderedDict()
-        self._plane_meta: dict[tuple[int, int], np.ndarray] = {}
         self.count = 0  # graphs held
         self.broken: str | None = None  # why capture failed (then every launch goes the ordinary way)
         self.stats = {"replays": 0, "captures": 0, "declined": 0}
@@ -83,29 +81,15 @@ class GraphLaunches:
         """Queue the conversion of layers ``[first, last)`` of blocks ``ids`` from ``src`` ([layers, rows,
         page], rows picked by ``src_index``, else row i) on ``stream``; return the event after it, or None
         when this launch is not taken (nothing queued, nothing written). Bad input raises ValueError."""
-        first, last = layers
-        p = self.planes.planes
-        if not 0 <= first < last <= len(p.k_planes):
-            raise ValueError(
-                f"layers [{first}, {last}) is not a non-empty range of the {len(p.k_planes)} layers"
-            )
-        ids = _id_array("block_ids", ids)
-        _check_id_values(ids, p.num_blocks)
+        ps, p = self.planes, self.planes.planes
+        first, last = layer_range(p, layers)  # the ordinary launch's checks, in its order (check_launch)
+        ids = launch_ids(p, ids)
         m = ids.size
-        if not isinstance(src, torch.Tensor):
-            raise ValueError(f"src must be a torch.Tensor, got {type(src).__name__}")
-        # the ordinary launch's check of the source, remembered per staging view (a row per block, or any
-        # number of rows when a source index picks them)
-        _, src_rows, _, vectors_fit = self.planes.sources.batched(
-            p, src, last - first, m if src_index is None else None
-        )
+        view, src_rows, vectors_fit = launch_source(ps.sources, p, src, last - first, m, src_index)
         if src_index is None:
             rows = np.arange(m, dtype=np.int64)
         else:
-            rows = _id_array("src_index", src_index)
-            if rows.shape != ids.shape:
-                raise ValueError(f"src_index shape {rows.shape} must be [len(block_ids)] = [{m}]")
-            _check_source_rows(rows, src.shape[1])
+            rows = launch_src_rows(src_index, ids, view.shape[1])
         if self.broken is not None or m == 0 or not (p.aligned16 and vectors_fit):
             self.stats["declined"] += 1
             return None
@@ -114,10 +98,8 @@ class GraphLaunches:
         if entry is None:
             self.stats["declined"] += 1
             return None
-        src_meta = np.empty((last - first, 2), dtype=np.int64)
-        src_meta[:, 0] = (src_rows[:, 0] - self._anchor_ptr) // p.elem_bytes
-        src_meta[:, 1] = src_rows[:, 1]
-        fill(entry.table, key[1], ids, rows, self._planes_meta(layers), src_meta)
+        meta = ps.tables.get(p.rows[first:last], src_rows, self._anchor_ptr, p.elem_bytes)
+        fill(entry.table, key[1], ids, rows, meta)
         previous = _use_stream(stream)
         try:
             if entry.graph is None:
@@ -131,15 +113,6 @@ class GraphLaunches:
         finally:
             _restore_stream(previous)
         return entry.last
-
-    def _planes_meta(self, layers: tuple[int, int]) -> np.ndarray:
-        """The planes' four meta columns of these layers (offsets from the anchor, row strides)."""
-        found = self._plane_meta.get(layers)
-        if found is None:
-            p = self.planes.planes
-            found = meta_table(p.rows[layers[0] : layers[1]], None, self._anchor_ptr, p.elem_bytes)[:, :4]
-            found = self._plane_meta[layers] = np.ascontiguousarray(found)
-        return found
 
     def _take(self, key: tuple[int, int]) -> _Graph | None:
         """A graph of ``key`` free to rewrite, a new one (not yet captured) if none is, or None."""

@@ -45,9 +45,8 @@ def test_layout_puts_rows_right_after_ids_and_meta_on_16_bytes(b, layers):
 def _request(rng, m, b, layers):
     ids = rng.permutation(1000)[:m].astype(np.int64)
     rows = rng.permutation(5 * m)[:m].astype(np.int64)
-    plane = rng.integers(-(2**40), 2**40, size=(layers, 4), dtype=np.int64)
-    src = rng.integers(-(2**40), 2**40, size=(layers, 2), dtype=np.int64)
-    return ids, rows, plane, src
+    meta = rng.integers(-(2**40), 2**40, size=(layers, META_COLUMNS), dtype=np.int64)
+    return ids, rows, meta
 
 
 @pytest.mark.parametrize("m", [1, 2, 5, 16, 17, 100, 255, 256, 257, 1000])
@@ -55,9 +54,9 @@ def _request(rng, m, b, layers):
 def test_fill_pads_with_the_first_block_and_its_row(m, layers):
     rng = np.random.default_rng(m * 100 + layers)
     b = bucket(m)
-    ids, rows, plane, src = _request(rng, m, b, layers)
+    ids, rows, want_meta = _request(rng, m, b, layers)
     table = np.full(table_layout(b, layers)[2], 7777, dtype=np.int64)
-    fill(table, b, ids, rows, plane, src)
+    fill(table, b, ids, rows, want_meta)
     got_ids, got_rows = table[:b], table[b : 2 * b]
     assert np.array_equal(got_ids[:m], ids) and np.array_equal(got_rows[:m], rows)
     # every padding pair is the first pair: it converts the request's first block from its own row again
@@ -65,7 +64,7 @@ def test_fill_pads_with_the_first_block_and_its_row(m, layers):
     assert set(got_ids.tolist()) == set(ids.tolist())  # never a block outside the request
     meta_at = table_layout(b, layers)[1]
     meta = table[meta_at : meta_at + layers * META_COLUMNS].reshape(layers, META_COLUMNS)
-    assert np.array_equal(meta[:, :4], plane) and np.array_equal(meta[:, 4:], src)
+    assert np.array_equal(meta, want_meta)
 
 
 def test_fill_over_a_used_table_leaves_nothing_of_the_last_request():
@@ -85,12 +84,11 @@ def test_fill_refuses_what_does_not_fit(m, b, rows_m):
     table = np.zeros(table_layout(b, 2)[2], dtype=np.int64)
     ids = np.arange(m, dtype=np.int64)
     with pytest.raises(ValueError, match="do not fit a bucket"):
-        fill(table, b, ids, np.arange(rows_m, dtype=np.int64), np.zeros((2, 4), np.int64),
-             np.zeros((2, 2), np.int64))
+        fill(table, b, ids, np.arange(rows_m, dtype=np.int64), np.zeros((2, META_COLUMNS), np.int64))
 
 
 def test_fill_refuses_a_table_of_another_bucket():
     table = np.zeros(table_layout(8, 2)[2] + 2, dtype=np.int64)
     with pytest.raises(ValueError, match="a bucket of 8 needs"):
-        fill(table, 8, np.arange(3, dtype=np.int64), np.arange(3, dtype=np.int64), np.zeros((2, 4), np.int64),
-             np.zeros((2, 2), np.int64))
+        fill(table, 8, np.arange(3, dtype=np.int64), np.arange(3, dtype=np.int64),
+             np.zeros((2, META_COLUMNS), np.int64))
