@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -44,8 +45,26 @@ def interop_python() -> str | None:
     return None
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to outgoing connections (Linux default 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free port BELOW the ephemeral range. An engine binds its port seconds after it is chosen; a port from
+    the ephemeral range (bind to 0) can meanwhile become the local end of some outgoing connection (the
+    /health polls make many), and the engine then fails with "Address already in use" (seen once in CI)."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(min(20000, low // 2), low)
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            return port
+    with socket.socket() as s:  # nothing free below the range: take the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
