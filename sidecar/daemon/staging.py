@@ -17,7 +17,7 @@ from sidecar.daemon.errors import Refused
 from sidecar.daemon.port import TransferPort
 from sidecar.daemon.slots import SlotAllocator
 from sidecar.nixl.geometry import StagingPool, contiguous_slots
-from sidecar.nixl.spans import GapRead, ReadCost, plan_span, span_slots
+from sidecar.nixl.spans import GapRead, ReadCost, plan_span, span_slots, worth_waiting
 from sidecar.wire import ipc as ipc_mod
 from sidecar.wire.formats import PageFormat
 
@@ -104,30 +104,42 @@ class Staging:
                     f"the request needs {need} slots of {fmt.page_bytes} bytes, "
                     f"the pool has {cut.allocator.num_slots}",
                 )
-            async with self._changed:
-                while (first := cut.allocator.take(need)) is None and self._cut is cut:
-                    await self._changed.wait()
+            first = await self._wait_run(cut, need)
             if first is not None:
                 return cut.pool, contiguous_slots(first, layers, blocks), (first, need)
             # re-cut for another page size while we waited: start over on the new cut
+
+    async def _wait_run(self, cut: _Cut, need: int) -> int | None:
+        """The first slot of ``need`` adjacent slots once some are given back; None if the pool was re-cut."""
+        async with self._changed:
+            while (first := cut.allocator.take(need)) is None and self._cut is cut:
+                await self._changed.wait()
+        return first
 
     async def take_span(
         self, fmt: PageFormat, layers: int, remote_ids: np.ndarray, cost: ReadCost | None, share: float
     ) -> Staged:
         """Slots for a request's remote kernel blocks in remote-address order (neighbours merge into runs),
-        plus the gaps worth reading (``cost``) when their slots are free now and within ``share`` of the
-        pool; otherwise no gaps, waiting for the request's own slots as ``take`` does."""
+        plus the gaps worth reading (``cost``) within ``share`` of the pool. A busy pool: it waits for the
+        span's slots when the gaps save more than the reads in flight take to free them
+        (``worth_waiting``), else reads the gaps that fit the free slots now, or none (as ``take``)."""
         n = int(np.asarray(remote_ids).size)
         page = fmt.page_bytes
         span = None
         if cost is not None and share > 0 and layers > 0 and n > 1:
             cut = self._cut_for(page)
-            free = cut.allocator.free - layers * n
-            budget = min(int(share * cut.allocator.num_slots), free) // layers
-            span = plan_span(remote_ids, page, cost, budget)
+            total, own = cut.allocator.num_slots, layers * n
+            span = plan_span(remote_ids, page, cost, min(int(share * total), total - own) // layers)
             if span.gap_blocks:
                 need = layers * span.width
                 first = cut.allocator.take(need)
+                if first is None and worth_waiting(span, layers, page, cost, need - cut.allocator.free):
+                    first = await self._wait_run(cut, need)  # None: re-cut meanwhile, so no gaps
+                elif first is None:  # the gaps that fit the free slots now
+                    budget = min(int(share * total), cut.allocator.free - own) // layers
+                    span = plan_span(remote_ids, page, cost, budget)
+                    need = layers * span.width
+                    first = cut.allocator.take(need) if span.gap_blocks else None
                 if first is not None:
                     gaps = GapRead(span.gap_ids, span_slots(first, layers, span.width, span.gap_pos))
                     slots = span_slots(first, layers, span.width, span.pos)

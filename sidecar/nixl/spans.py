@@ -126,6 +126,20 @@ def span_slots(first_slot: int, layers: int, width: int, pos: np.ndarray) -> np.
     return first_slot + np.arange(layers, dtype=_I64)[:, None] * width + p[None, :]
 
 
+def span_saving_us(span: Span, layers: int, page_bytes: int, cost: ReadCost) -> float:
+    """What reading ``span``'s gaps saves over reading the request's blocks alone (µs, every layer): each
+    gap merges two runs (one descriptor less a layer) and costs its pages' bytes."""
+    gaps = count_runs(span.gap_ids)  # two gaps are never adjacent: a needed block sits between them
+    return layers * (gaps * cost.descriptor_us - cost.bytes_us(span.gap_blocks * page_bytes))
+
+
+def worth_waiting(span: Span, layers: int, page_bytes: int, cost: ReadCost, missing_slots: int) -> bool:
+    """Whether to wait for the slots a gap span needs rather than read without gaps now: the reads in
+    flight free ``missing_slots`` pages at about ``cost.gbps``, and the gaps save ``span_saving_us``."""
+    wait_us = cost.bytes_us(max(0, missing_slots) * page_bytes)
+    return span_saving_us(span, layers, page_bytes, cost) > wait_us
+
+
 def count_runs(sorted_ids: np.ndarray) -> int:
     """Descriptors per layer of a read of these sorted unique remote ids into slots in the same order."""
     ids = np.asarray(sorted_ids, dtype=_I64)

@@ -209,8 +209,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     gap_pool_share: Annotated[
         float,
         _doc(
-            "the most of the staging pool (a fraction) one request's gap blocks may take; gaps use only "
-            "slots free at the time, never wait for them",
+            "the most of the staging pool (a fraction) one request's gap blocks may take; a busy pool is "
+            "waited for only when the gaps save more than freeing their slots takes (the cost model)",
             ge=0,
             le=1,
         ),

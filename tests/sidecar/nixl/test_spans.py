@@ -13,7 +13,9 @@ from sidecar.nixl.spans import (
     fit_read_cost,
     plan_gaps,
     plan_span,
+    span_saving_us,
     span_slots,
+    worth_waiting,
 )
 
 PAGE = 64 * 1024
@@ -161,3 +163,27 @@ def test_fit_read_cost_refuses_what_it_cannot_fit():
         fit_read_cost([1], [1], [1])
     with pytest.raises(ValueError, match="positive byte rate"):
         fit_read_cost([1, 2, 3], [10, 10, 30], [1e-6, 2e-6, -1e-3])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_span_saving_counts_one_descriptor_per_gap_and_the_gaps_bytes(seed):
+    rng = np.random.default_rng(seed)
+    ids = rng.choice(200, size=int(rng.integers(2, 40)), replace=False).astype(np.int64)
+    cost = ReadCost(float(rng.uniform(1, 20)), float(rng.uniform(0.01, 5)))
+    page, layers = int(rng.choice([1000, PAGE])), int(rng.integers(1, 8))
+    span = plan_span(ids, page, cost, int(rng.integers(0, 100)))
+    every = np.sort(np.concatenate([ids, span.gap_ids]))
+    saved = count_runs(np.sort(ids)) - count_runs(every)  # descriptors a layer, brute force
+    want = layers * (saved * cost.descriptor_us - cost.bytes_us(span.gap_blocks * page))
+    assert span_saving_us(span, layers, page, cost) == pytest.approx(want)
+    assert span.gap_blocks == 0 or span_saving_us(span, layers, page, cost) > 0  # only gaps that pay are read
+
+
+def test_worth_waiting_weighs_the_saving_against_freeing_the_missing_slots():
+    span = plan_span(np.array([4, 7]), 4096, ReadCost(8.0, 1.4), 10)  # gap 5-6: 2 pages of 2.93 µs
+    assert span.gap_ids.tolist() == [5, 6]
+    saving = span_saving_us(span, 4, 4096, ReadCost(8.0, 1.4))
+    assert saving == pytest.approx(4 * (8.0 - 2 * 4096 / 1400))
+    assert worth_waiting(span, 4, 4096, ReadCost(8.0, 1.4), 0)  # the slots are free, only fragmented
+    assert worth_waiting(span, 4, 4096, ReadCost(8.0, 1.4), 2)  # 5.9 µs to free two pages < 8.6 saved
+    assert not worth_waiting(span, 4, 4096, ReadCost(8.0, 1.4), 4)  # 11.7 µs > 8.6
