@@ -111,11 +111,14 @@ for step in "$@"; do
           --pairs staged/contiguous --budget-s 90 --out "$OUT/e2e-h200-profile-x$c.json"
         gzip -f "$OUT/profile-4k-x$c.txt"
       done ;;
-    # py-spy attached by pid to the daemon of a 4k x 8 staged run (--subprocesses never reached it), for
-    # SPY_S seconds of its sidecar phase: raw stacks per thread in $OUT/daemon-4k-x8.txt.gz
+    # py-spy attached by pid to the daemon of a staged contiguous run (--subprocesses never reached it), for
+    # its whole life (at most SPY_S seconds; idle samples are not kept, so the bare reads' phase adds little):
+    # raw stacks per thread in $OUT/daemon-<tokens>-x<in flight>.txt.gz (SPY_CONTEXT 4096, SPY_CONC 8 by
+    # default); scripts/pyspy-summary.py turns them into the shares the README quotes
     daemonprofile) (
-        python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 --warmup 1 --contexts 4096 \
-          --concurrency 8 --reps "${SPY_REPS:-1500}" --pairs staged/contiguous --budget-s 150 \
+        python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 --warmup 1 \
+          --contexts "${SPY_CONTEXT:-4096}" --concurrency "${SPY_CONC:-8}" --reps "${SPY_REPS:-400}" \
+          --pairs staged/contiguous --budget-s "${SPY_BENCH_S:-150}" \
           --out "$OUT/e2e-h200-daemonprofile.json" >"$OUT/daemonprofile-bench.log" 2>&1 &
         bench=$!
         pid=""
@@ -124,13 +127,12 @@ for step in "$@"; do
           [ -n "$pid" ] && break
           sleep 0.5
         done
-        sleep "${SPY_DELAY_S:-12}"  # past the bare reads (the bench's own process) into the daemon's phase
         echo "daemon pid ${pid:-none}"
-        [ -n "$pid" ] && timeout -k 5 $((${SPY_S:-25} + 20)) /tmp/site/bin/py-spy record --pid "$pid" \
-          --nonblocking --threads --rate 1000 --duration "${SPY_S:-25}" --format raw -o "$OUT/daemon-4k-x8.txt"
+        [ -n "$pid" ] && timeout -k 5 $((${SPY_S:-120} + 20)) /tmp/site/bin/py-spy record --pid "$pid" \
+          --nonblocking --threads --rate 1000 --duration "${SPY_S:-120}" --format raw -o "$OUT/daemon-${SPY_CONTEXT:-4096}-x${SPY_CONC:-8}.txt"
         wait "$bench"
         tail -n 12 "$OUT/daemonprofile-bench.log"
-        gzip -f "$OUT/daemon-4k-x8.txt"
+        gzip -f "$OUT/daemon-${SPY_CONTEXT:-4096}-x${SPY_CONC:-8}.txt"
       ) 2>&1 | tail -n 30
       STATUS+=("daemonprofile: done") ;;
     interference) TAIL=16 run interference 250 python3 -m sidecar.cli bench interference --source daemon \
