@@ -16,10 +16,12 @@ import numpy as np
 from sidecar.daemon.errors import Refused
 from sidecar.daemon.port import TransferPort
 from sidecar.daemon.slots import SlotAllocator
-from sidecar.nixl.geometry import StagingPool, contiguous_slots
-from sidecar.nixl.spans import GapRead, ReadCost, plan_span, span_slots, worth_waiting
+from sidecar.nixl.geometry import StagingPool
+from sidecar.nixl.spans import GapRead, ReadCost, SpanSlots, plan_span, worth_waiting
 from sidecar.wire import ipc as ipc_mod
 from sidecar.wire.formats import PageFormat
+
+VIEWS_KEPT = 256  # staging views remembered (``Staging.source``); all are dropped when that many are held
 
 
 @dataclass(eq=False)
@@ -36,7 +38,7 @@ class Staged:
     """A staged request's slots: ``width`` per layer in remote order; block ``i`` lands in slot ``pos[i]``."""
 
     pool: StagingPool
-    slots: np.ndarray  # [layers, n]: the slot of each (layer, block)
+    slots: SpanSlots  # the slot of each (layer, block), compact (np.asarray gives the [layers, n] matrix)
     run: tuple[int, int]  # (first slot, count) to give back
     width: int
     pos: np.ndarray  # int64 (n,): block i's row in the span (the converter's source index)
@@ -67,6 +69,7 @@ class Staging:
         self._mem_type = port.local_mem_type
         self._registration = port.register([(self._tensor.data_ptr(), nbytes, device_id)], self._mem_type)
         self._cut: _Cut | None = None
+        self._views: dict[tuple, Any] = {}  # (first, count, slot bytes, dtype, layers, blocks) -> source view
         self._changed = asyncio.Condition()
         self._wakes: set[asyncio.Task] = set()
 
@@ -89,12 +92,9 @@ class Staging:
         self._cut = _Cut(page_bytes, self._port.staging(self._registration, pool), SlotAllocator(num))
         return self._cut
 
-    async def take(
-        self, fmt: PageFormat, layers: int, blocks: int
-    ) -> tuple[StagingPool, np.ndarray, tuple[int, int]]:
-        """Wait for ``layers * blocks`` adjacent slots of ``fmt``'s page size.
-
-        Returns the pool to read into, the slot of each (layer, block), and the run to give back."""
+    async def take(self, fmt: PageFormat, layers: int, blocks: int) -> tuple[StagingPool, tuple[int, int]]:
+        """Wait for ``layers * blocks`` adjacent slots of ``fmt``'s page size: the pool to read into and the
+        run (first slot, count) to give back."""
         while True:
             cut = self._cut_for(fmt.page_bytes)
             need = layers * blocks
@@ -106,7 +106,7 @@ class Staging:
                 )
             first = await self._wait_run(cut, need)
             if first is not None:
-                return cut.pool, contiguous_slots(first, layers, blocks), (first, need)
+                return cut.pool, (first, need)
             # re-cut for another page size while we waited: start over on the new cut
 
     async def _wait_run(self, cut: _Cut, need: int) -> int | None:
@@ -141,13 +141,13 @@ class Staging:
                     need = layers * span.width
                     first = cut.allocator.take(need) if span.gap_blocks else None
                 if first is not None:
-                    gaps = GapRead(span.gap_ids, span_slots(first, layers, span.width, span.gap_pos))
-                    slots = span_slots(first, layers, span.width, span.pos)
+                    gaps = GapRead(span.gap_ids, SpanSlots(first, layers, span.width, span.gap_pos))
+                    slots = SpanSlots(first, layers, span.width, span.pos)
                     return Staged(cut.pool, slots, (first, need), span.width, span.pos, gaps)
         if span is None or span.gap_blocks:  # a span without gaps is the plain plan already
             span = plan_span(remote_ids, page, None, 0)
-        pool, _, run = await self.take(fmt, layers, n)
-        return Staged(pool, span_slots(run[0], layers, n, span.pos), run, n, span.pos, None)
+        pool, run = await self.take(fmt, layers, n)
+        return Staged(pool, SpanSlots(run[0], layers, n, span.pos), run, n, span.pos, None)
 
     def give(self, run: tuple[int, int]) -> None:
         """Give a run back (the job's reads and conversion are over) and wake waiting pulls."""
@@ -163,15 +163,22 @@ class Staging:
         task.add_done_callback(self._wakes.discard)
 
     def source(self, run: tuple[int, int], fmt: PageFormat, layers: int, blocks: int) -> Any:
-        """A run's pages as one [layers, blocks, page elements] tensor of the page dtype."""
+        """A run's pages as one [layers, blocks, page elements] tensor of the page dtype. Views are kept:
+        first-fit hands out the same runs again and again, and torch's slicing lets go of the GIL."""
         assert self._cut is not None
         first, n = run
         slot = self._cut.slot_bytes
-        return (
-            self._tensor[first * slot : (first + n) * slot]
-            .view(ipc_mod.torch_dtype(fmt.dtype))
-            .view(layers, blocks, -1)
-        )
+        key = (first, n, slot, fmt.dtype, layers, blocks)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= VIEWS_KEPT:
+                self._views.clear()
+            view = self._views[key] = (
+                self._tensor[first * slot : (first + n) * slot]
+                .view(ipc_mod.torch_dtype(fmt.dtype))
+                .view(layers, blocks, -1)
+            )
+        return view
 
     def close(self) -> None:
         self._port.deregister(self._registration)

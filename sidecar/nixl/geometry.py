@@ -41,6 +41,7 @@ from sidecar.nixl.pairing import (
     pair_blocks,
     trim_padding,
 )
+from sidecar.nixl.spans import SpanSlots
 from sidecar.wire.formats import AITER_SHUFFLED, STANDARD, PageFormat, Plan
 
 Mode = Literal["direct", "staged", "plain"]
@@ -335,19 +336,41 @@ def layer_uniform_runs(
 ) -> Descs | None:
     """``merge_runs`` of a staged read (remote block ``remote_ids[i]`` of each layer into ``slots[l, i]``),
     computed once on the ids instead of on every layer, or None when that does not hold: every layer's
-    region must have one block stride and length, and every layer's slots must be the first layer's shifted
-    (a staging span: layer ``l`` owns its own run of slots). Then runs start at the same ``i`` in every
-    layer, and a layer's descriptors are the first one's moved by the layer's bases."""
+    slots must be the first layer's shifted (a staging span: layer ``l`` owns its own run of slots), and
+    ``shifted_runs``' conditions."""
     g, n = slots.shape
+    if n == 0 or g == 0:
+        return None
+    shift = slots[:, 0] - slots[0, 0]
+    if not (slots == slots[0] + shift[:, None]).all():
+        return None
+    return shifted_runs(remote_base, stride, unit, remote_ids, slots[0], shift, pool_base, slot_bytes,
+                        remote_dev, local_dev)
+
+
+def shifted_runs(
+    remote_base: np.ndarray,
+    stride: np.ndarray,
+    unit: np.ndarray,
+    remote_ids: np.ndarray,
+    row: np.ndarray,
+    shift: np.ndarray,
+    pool_base: int,
+    slot_bytes: int,
+    remote_dev: int,
+    local_dev: int,
+) -> Descs | None:
+    """``merge_runs`` of a staged read whose layer ``l`` puts remote block ``remote_ids[i]`` into slot
+    ``row[i] + shift[l]``, from the ids and one row (no per-layer matrix), or None unless every layer's
+    region has one block stride and length. Then runs start at the same ``i`` in every layer, and a
+    layer's descriptors are the first one's moved by the layer's bases."""
+    g, n = shift.size, row.size
     if n == 0 or g == 0:
         return None
     st, u = int(stride[0]), int(unit[0])
     if (stride != st).any() or (unit != u).any():
         return None
-    shift = slots[:, :1] - slots[0, 0]
-    if not (slots == slots[0] + shift).all():
-        return None
-    ids, row = remote_ids.astype(_I64, copy=False), slots[0]
+    ids = remote_ids.astype(_I64, copy=False)
     start = np.ones(n, bool)  # slices, not np.diff: a third of its cost on a request's few hundred ids
     start[1:] = ((ids[1:] - ids[:-1]) * st != u) | ((row[1:] - row[:-1]) * slot_bytes != u)
     first = np.flatnonzero(start)
@@ -359,7 +382,8 @@ def layer_uniform_runs(
     remote[:, :, 0] = remote_base.astype(_U64)[:, None] + (ids[first] * st).astype(_U64)[None, :]
     remote[:, :, 1], remote[:, :, 2] = lens, remote_dev
     local = np.empty((g, runs, 3), _U64)
-    local[:, :, 0] = np.uint64(pool_base) + slots[:, first].astype(_U64) * np.uint64(slot_bytes)
+    at = row[first].astype(_I64)[None, :] + shift.astype(_I64)[:, None]
+    local[:, :, 0] = np.uint64(pool_base) + at.astype(_U64) * np.uint64(slot_bytes)
     local[:, :, 1], local[:, :, 2] = lens, local_dev
     return Descs(local=local.reshape(-1, 3), remote=remote.reshape(-1, 3),
                  layer_rows=np.arange(g + 1, dtype=_I64) * runs)
@@ -718,11 +742,14 @@ class PairGeometry:
         Pages go in remote-id order, so blocks adjacent on both sides merge whatever the request order."""
         if self.mode != "staged" or self.pool is None:
             raise GeometryError("mode", "staged_descs needs a geometry built in staged mode with a pool")
-        slots = np.asarray(slots)
-        if slots.ndim != 2 or slots.shape[0] != self.layers or not np.issubdtype(slots.dtype, np.integer):
-            raise GeometryError(
-                "slots", f"need an integer array of shape ({self.layers}, n), got {slots.dtype} {slots.shape}"
-            )
+        span = slots if isinstance(slots, SpanSlots) else None
+        if span is None:
+            slots = np.asarray(slots)
+            if slots.ndim != 2 or not np.issubdtype(slots.dtype, np.integer):
+                raise GeometryError("slots", f"need an integer array of shape ({self.layers}, n), "
+                                             f"got {slots.dtype} {slots.shape}")
+        if slots.shape[0] != self.layers:
+            raise GeometryError("slots", f"need slots of shape ({self.layers}, n), got {slots.shape}")
         if pairs is not None:
             rk = self.accept(pairs).remote
         elif local_block_ids is None:
@@ -735,7 +762,9 @@ class PairGeometry:
             rk = self.blocks(local_block_ids, remote_block_ids, remote_num_tokens).remote
         if rk.size != slots.shape[1]:
             raise GeometryError("slots", f"{slots.shape[1]} slots per layer for {rk.size} blocks")
-        s = slots.astype(_I64, copy=False)
+        if span is not None and (gaps is None or isinstance(gaps.slots, SpanSlots)):
+            return self._span_descs(rk, span, gaps)
+        s = np.asarray(slots).astype(_I64, copy=False)
         rk, s = _with_gaps(rk, s, gaps, self.remote_limit)
         flat = s.ravel()
         inc = increasing(flat)
@@ -749,6 +778,37 @@ class PairGeometry:
         ra = self._remote_addr(rk)
         la = np.uint64(pool.base) + s.astype(_U64) * np.uint64(pool.slot_bytes)
         return merge_runs(ra, la, r.block_len, r.device_id, pool.device_id)
+
+    def _span_descs(self, rk: np.ndarray, span: SpanSlots, gaps: Any) -> Descs:
+        """``staged_descs`` of a compact span: checked and built on one row of slots, not a matrix."""
+        pool, r = self.pool, self.remote
+        assert pool is not None
+        rows = span.rows.astype(_I64, copy=False)
+        if gaps is not None and np.asarray(gaps.remote_ids).size:
+            g_ids, g = as_ids(gaps.remote_ids, "gaps.remote_ids"), gaps.slots
+            same_span = (g.first, g.layers, g.width) == (span.first, span.layers, span.width)
+            if not same_span or g.rows.size != g_ids.size:
+                raise GeometryError("gaps.slots", f"need {g_ids.size} rows of the request's own span, got "
+                                                  f"{g.rows.size} of a span at {g.first} x {g.width}")
+            check_range(g_ids, self.remote_limit, "gaps.remote_ids")
+            rk, rows = np.concatenate([rk, g_ids]), np.concatenate([rows, g.rows.astype(_I64, copy=False)])
+        if rk.size > 1 and (rk[1:] < rk[:-1]).any():
+            order = np.argsort(rk, kind="stable")
+            rk, rows = rk[order], rows[order]
+        inc = increasing(rows)
+        check_range(rows, span.width, "slots", inc)  # rows inside the span: layers never collide
+        check_unique(rows, "slots", inc)
+        if span.first < 0 or span.first + span.layers * span.width > pool.num_slots:
+            raise GeometryError("slots", f"a span of {span.layers} x {span.width} slots at {span.first} "
+                                         f"outside the pool's {pool.num_slots}")
+        row = span.first + rows
+        shift = np.arange(span.layers, dtype=_I64) * span.width
+        same = shifted_runs(r.base, r.block_stride, r.block_len, rk, row, shift, pool.base, pool.slot_bytes,
+                            r.device_id, pool.device_id)
+        if same is not None:
+            return same
+        la = np.uint64(pool.base) + (row[None, :] + shift[:, None]).astype(_U64) * np.uint64(pool.slot_bytes)
+        return merge_runs(self._remote_addr(rk), la, r.block_len, r.device_id, pool.device_id)
 
 
 def _with_gaps(rk: np.ndarray, s: np.ndarray, gaps: Any, remote_limit: int) -> tuple[np.ndarray, np.ndarray]:

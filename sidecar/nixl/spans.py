@@ -66,7 +66,7 @@ class GapRead:
     """Remote kernel ids read into staging only to merge runs, and their slots ``[layers, g]``."""
 
     remote_ids: np.ndarray  # int64 (g,)
-    slots: np.ndarray  # int64 (layers, g)
+    slots: np.ndarray | SpanSlots  # (layers, g)
 
 
 def plan_gaps(needed: np.ndarray, page_bytes: int, cost: ReadCost | None, budget_blocks: int) -> np.ndarray:
@@ -118,6 +118,32 @@ def plan_span(remote_ids: np.ndarray, page_bytes: int, cost: ReadCost | None, bu
         gap_ids=gaps,
         gap_pos=np.searchsorted(every, gaps).astype(_I64),
     )
+
+
+@dataclass(frozen=True, eq=False)
+class SpanSlots:
+    """A staging span's slots without their ``[layers, n]`` matrix: layer ``l``'s slot of row ``rows[i]`` is
+    ``first + l * width + rows[i]``. Kept compact because every numpy operation over more than ~500
+    elements lets go of the GIL, and getting it back while the other thread (the loop or the poster) runs
+    Python costs up to a switch interval (0.5 ms in the daemon), for each such operation.
+    ``np.asarray`` gives the matrix (``span_slots``)."""
+
+    first: int
+    layers: int
+    width: int
+    rows: np.ndarray  # int64 (n,)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.layers, int(self.rows.size)
+
+    @property
+    def size(self) -> int:
+        return self.layers * int(self.rows.size)
+
+    def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
+        m = span_slots(self.first, self.layers, self.width, self.rows)
+        return m if dtype is None else m.astype(dtype)
 
 
 def span_slots(first_slot: int, layers: int, width: int, pos: np.ndarray) -> np.ndarray:

@@ -10,6 +10,7 @@ import dataclasses
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from sidecar.daemon import conversion as conversion_mod
@@ -832,11 +833,12 @@ def test_scattered_blocks_get_slots_in_remote_order_and_gaps_read_into_staging(c
             assert (await h.reply(p.Done, "a")).ok
             read = h.port.reads[0]
             # every remote id 1..5 in order: block 5 -> row 4, 1 -> row 0, 3 -> row 2; 2 and 4 are gaps
-            first = int(read.slots.min())
-            assert read.slots.tolist() == [[first + 5 * lay + r for r in (4, 0, 2)] for lay in range(LAYERS)]
+            slots = np.asarray(read.slots)
+            first = int(slots.min())
+            assert slots.tolist() == [[first + 5 * lay + r for r in (4, 0, 2)] for lay in range(LAYERS)]
             assert read.gaps.remote_ids.tolist() == [2, 4]
             want_gap_slots = [[first + 5 * lay + r for r in (1, 3)] for lay in range(LAYERS)]
-            assert read.gaps.slots.tolist() == want_gap_slots
+            assert np.asarray(read.gaps.slots).tolist() == want_gap_slots
             assert h.daemon.metrics.gap_bytes_read._value.get() == LAYERS * 2 * PAGE_BYTES
             assert h.daemon.metrics.bytes_pulled._value.get() == LAYERS * 3 * PAGE_BYTES  # the request's own
             ids, shape, index = conversion_calls[0]
@@ -854,9 +856,10 @@ def test_without_gap_coalescing_slots_are_still_in_remote_order(conversion_calls
             h.pull("a", blocks=[5, 1, 3])
             assert (await h.reply(p.Done, "a")).ok
             read = h.port.reads[0]
-            first = int(read.slots.min())
+            slots = np.asarray(read.slots)
+            first = int(slots.min())
             assert read.gaps is None
-            assert read.slots.tolist() == [[first + 3 * lay + r for r in (2, 0, 1)] for lay in range(LAYERS)]
+            assert slots.tolist() == [[first + 3 * lay + r for r in (2, 0, 1)] for lay in range(LAYERS)]
             assert h.daemon.metrics.gap_bytes_read._value.get() == 0
             assert list(conversion_calls[0][2]) == [2, 0, 1] and conversion_calls[0][1][:2] == (LAYERS, 3)
 

@@ -563,6 +563,58 @@ def test_staged_span_in_remote_order_with_gaps_merges_and_lands_exactly(seed):
     check_staged(pool_mem, rmem, remote + span.gap_ids.tolist(), np.concatenate([slots, gap_slots], axis=1))
 
 
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("pad", [0, 256])
+def test_a_compact_span_gives_the_matrix_s_descriptors_and_lands_exactly(seed, pad):
+    """``SpanSlots`` (the daemon's form: no [layers, n] matrix) builds the same descriptors as its matrix,
+    gaps included, and with padded regions (stride > page: the per-layer fallback) too."""
+    from sidecar.nixl.spans import GapRead, ReadCost, SpanSlots, plan_span
+
+    rng = np.random.default_rng(seed)
+    layers = 3
+    geo, pool_mem, rmem = staged_setup(layers=layers, nb_remote=24, slots=layers * 30, pad=pad)
+    remote = rng.choice(24, size=int(rng.integers(1, 12)), replace=False).tolist()
+    cost = ReadCost(descriptor_us=8.0, gbps=PAGE * 3 / 8.0 / 1e3)
+    span = plan_span(np.array(remote), PAGE, cost, budget_blocks=int(rng.integers(0, 6)))
+    first = int(rng.integers(0, 30 * layers - layers * span.width + 1))
+    slots, gap_slots = SpanSlots(first, layers, span.width, span.pos), SpanSlots(first, layers, span.width,
+                                                                                 span.gap_pos)
+    d = geo.staged_descs(remote, slots, gaps=GapRead(span.gap_ids, gap_slots))
+    m = geo.staged_descs(remote, np.asarray(slots), gaps=GapRead(span.gap_ids, np.asarray(gap_slots)))
+    assert np.array_equal(d.local, m.local) and np.array_equal(d.remote, m.remote)
+    assert np.array_equal(d.layer_rows, m.layer_rows)
+    apply(d.local, d.remote, pool_mem, rmem)
+    check_staged(pool_mem, rmem, remote + span.gap_ids.tolist(),
+                 np.concatenate([np.asarray(slots), np.asarray(gap_slots)], axis=1))
+
+
+def test_a_compact_span_is_checked():
+    from sidecar.nixl.spans import GapRead, SpanSlots
+
+    geo, _, _ = staged_setup(slots=3 * 10)  # 30 slots
+    ok = SpanSlots(0, 3, 4, np.array([0, 2]))
+    geo.staged_descs([1, 3], ok)
+    bad = {
+        "outside the span": SpanSlots(0, 3, 4, np.array([0, 4])),
+        "negative row": SpanSlots(4, 3, 4, np.array([-1, 2])),
+        "one row twice": SpanSlots(0, 3, 4, np.array([2, 2])),
+        "past the pool": SpanSlots(20, 3, 4, np.array([0, 2])),
+        "before the pool": SpanSlots(-4, 3, 4, np.array([0, 2])),
+    }
+    for why, slots in bad.items():
+        with pytest.raises(GeometryError, match="slots"):
+            geo.staged_descs([1, 3], slots)
+            pytest.fail(why)
+    with pytest.raises(GeometryError, match="slots"):  # other layer count
+        geo.staged_descs([1, 3], SpanSlots(0, 2, 4, np.array([0, 2])))
+    with pytest.raises(GeometryError, match="gaps.slots"):  # gap rows of another span
+        geo.staged_descs([1, 3], ok, gaps=GapRead(np.array([2]), SpanSlots(4, 3, 4, np.array([1]))))
+    with pytest.raises(GeometryError, match="slots"):  # a gap row that is also a block's row
+        geo.staged_descs([1, 3], ok, gaps=GapRead(np.array([2]), SpanSlots(0, 3, 4, np.array([2]))))
+    with pytest.raises(GeometryError, match="gaps.remote_ids"):
+        geo.staged_descs([1, 3], ok, gaps=GapRead(np.array([99]), SpanSlots(0, 3, 4, np.array([1]))))
+
+
 def test_staged_gaps_are_checked():
     from sidecar.nixl.spans import GapRead
 
