@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu-fastpath.sh STEP...
 #   steps: tests launchtests graphtests daemontests launch graphlaunch sweep convertgraph contiguous defaults
-#          graphsab groupsab headcheck orders groups poll interference profile daemonprofile
+#          graphsab groupsab headcheck ab orders groups poll interference profile daemonprofile
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -74,6 +74,19 @@ for step in "$@"; do
         --warmup 1 --contexts 4096 --concurrency 1,8 --reps 3 --modes staged --orders churn,density-0.25,random \
         --max-batch-tokens 65536 --prefill-pool-factor 4 --staging-factor 2 --budget-s 80 \
         --out "$OUT/e2e-h200-head-orders.json" ;;
+    # HEAD against another tree (AB_OLD: a folder holding that tree's sidecar/ and vllm_glue/, e.g. from
+    # `git archive <commit> sidecar vllm_glue | tar -x -C ab-old`), alternating old and new for AB_ROUNDS rounds: the staged
+    # contiguous cells at the daemon's defaults, each side run from its own folder (python -m puts it first)
+    ab) for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+          for side in old new; do
+            root=$PWD
+            [ "$side" = old ] && root=$(cd "${AB_OLD:?AB_OLD: the other tree}" && pwd)
+            TAIL=5 run "ab-$side-$r" 60 bash -c "cd '$root' && PYTHONPATH='$root:/tmp/site' python3 -m \
+              sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 --warmup 1 --contexts 4096,16384 \
+              --concurrency 1,8 --reps 10 --pairs staged/contiguous --budget-s 45 \
+              --out '$OUT/e2e-h200-ab-$side-$r.json'"
+          done
+        done ;;
     # the daemon's defaults with conversion graphs on and off, one after the other in one call
     graphsab) for g in true false; do
         TAIL=14 run "graphs-$g" 100 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
