@@ -177,3 +177,33 @@ def command_line() -> str:
     if prog in ("e2e.py", "__main__.py"):
         return shlex.join(["python", "-m", "sidecar.bench.e2e", *sys.argv[1:]])
     return shlex.join(sys.argv)
+
+
+def markdown_rows(results: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    """README rows from committed ``bench e2e`` files, one per cell: the medians of the bare read and of
+    kv-sidecar, kv-sidecar's rate, the queue and post stages, and the bit-exact check.
+
+        python -m sidecar.bench.e2e_report bench/results/e2e-h200-c8-c32-compact-2026-12-02.json ..."""
+    rows = [
+        "| file | request × in flight | mode / order | bare ms | kv-sidecar ms (÷ bare) | kv-sidecar GB/s "
+        "| queue p50 / p99 ms | post p50 ms | checked |",
+        "|" + "---|" * 9,
+    ]
+    for name, result in results:
+        for c in result["cells"]:
+            bare, sc = c["bare"]["median_s"] * 1e3, c["sidecar"]["median_s"] * 1e3
+            st = c["sidecar"]["stages_ms"]
+            v = c.get("verified", {}).get("mismatches")
+            check = "bit-exact" if v == 0 else f"{v} mismatches" if v else "unverified"
+            rows.append(
+                f"| {name} | {c['context'] // 1024}k × {c['concurrency']} | {c['mode']} / {c['order']} "
+                f"| {bare:.2f} | {sc:.2f} ({sc / bare:.2f}) | {c['sidecar']['GBps']:.0f} "
+                f"| {st['queue']['p50']:.2f} / {st['queue']['p99']:.2f} | {st['post']['p50']:.2f} | {check} |"
+            )
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    import json
+
+    print(markdown_rows([(Path(f).name, json.loads(Path(f).read_text())) for f in sys.argv[1:]]))

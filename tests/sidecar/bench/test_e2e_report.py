@@ -14,3 +14,22 @@ def test_must_show_arithmetic() -> None:
     assert ms["sidecar_limit_s"] == pytest.approx(1.05 * 0.011 + 8 * 0.2e-3)
     assert ms["sidecar_within_limit"] is True  # 12.6 ms <= 13.15 ms
     assert e2e_report.must_show(cell, peer_gbps=100.0)["nixl_at_least_0.8_peer"] is True
+
+
+def test_markdown_rows_from_a_committed_result():
+    """One row per cell, its numbers from the file (a committed H200 result, so the README's rows trace)."""
+    import json
+    from pathlib import Path
+
+    from sidecar.bench.e2e_report import markdown_rows
+
+    path = Path(__file__).parents[3] / "bench/results/e2e-h200-orders-compact-2026-12-02.json"
+    result = json.loads(path.read_text())
+    lines = markdown_rows([(path.name, result)]).splitlines()
+    assert len(lines) == 2 + len(result["cells"])
+    c = result["cells"][4]  # 4k x 8 quarter density
+    row = lines[2 + 4].split(" | ")
+    assert row[1:3] == ["4k × 8", "staged / density-0.25"]
+    assert row[3] == f"{c['bare']['median_s'] * 1e3:.2f}"
+    assert row[4].startswith(f"{c['sidecar']['median_s'] * 1e3:.2f} (")
+    assert lines[-1].endswith("| bit-exact |")
