@@ -43,6 +43,7 @@ BENCHES = {
     "signal": ("sidecar.bench.completion_signal", "Done's delivery delay, completion socket against ZMQ"),
     "e2e": ("sidecar.bench.e2e", "Pull sent to Done received through the real daemon, against a bare read"),
     "planning": ("sidecar.bench.planning", "CPU time of a read's pairing and descriptors: ids vs pairs"),
+    "gil": ("sidecar.bench.gil", "the planning's numpy alone and beside a thread running Python (GIL waits)"),
     "interference": (
         "sidecar.bench.interference",
         "what conversions cost a decoder's running steps on the same GPU, and the settings that bound it",
