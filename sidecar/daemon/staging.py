@@ -8,6 +8,7 @@ time; when a request with another page size comes and the pool is idle, it is re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,7 @@ from sidecar.daemon.errors import Refused
 from sidecar.daemon.port import TransferPort
 from sidecar.daemon.slots import SlotAllocator
 from sidecar.nixl.geometry import StagingPool
-from sidecar.nixl.spans import GapRead, ReadCost, SpanSlots, plan_span, worth_waiting
+from sidecar.nixl.spans import GapRead, ReadCost, SpanSlots, plan_span, span_saving_us, worth_waiting
 from sidecar.wire import ipc as ipc_mod
 from sidecar.wire.formats import PageFormat
 
@@ -122,7 +123,8 @@ class Staging:
         """Slots for a request's remote kernel blocks in remote-address order (neighbours merge into runs),
         plus the gaps worth reading (``cost``) within ``share`` of the pool. A busy pool: it waits for the
         span's slots when the gaps save more than the reads in flight take to free them
-        (``worth_waiting``), else reads the gaps that fit the free slots now, or none (as ``take``)."""
+        (``worth_waiting``), at most as long as the gaps save; else reads the gaps that fit the free slots
+        now, or none (as ``take``)."""
         n = int(np.asarray(remote_ids).size)
         page = fmt.page_bytes
         span = None
@@ -134,7 +136,11 @@ class Staging:
                 need = layers * span.width
                 first = cut.allocator.take(need)
                 if first is None and worth_waiting(span, layers, page, cost, need - cut.allocator.free):
-                    first = await self._wait_run(cut, need)  # None: re-cut meanwhile, so no gaps
+                    # Never longer than the gaps save: past that, reading without them is cheaper. None:
+                    # not in time, or the pool was re-cut meanwhile; either way no gaps.
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(span_saving_us(span, layers, page, cost) / 1e6):
+                            first = await self._wait_run(cut, need)
                 elif first is None:  # the gaps that fit the free slots now
                     budget = min(int(share * total), cut.allocator.free - own) // layers
                     span = plan_span(remote_ids, page, cost, budget)
