@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+NO_AMX = Path(__file__).resolve().parent / "no_amx"
 CANDIDATES = (REPO / ".interop" / "venv" / "bin" / "python", Path("/work/interop-venv/bin/python"))
 SERVED_NAME = "tiny"
 LEASE_S = 6  # the prefill's kv_lease_duration: short, so a lease test takes seconds (stock default 30)
@@ -83,8 +84,11 @@ def engine_env(side_channel_port: int) -> dict[str, str]:
             "NIXL_LOG_LEVEL": "WARN",
             "UCX_LOG_LEVEL": "error",
             "KV_SIDECAR_SHIM_LOG_LEVEL": "DEBUG",  # the shim's per-load lines in the engine's log
-            # The shim under test is this working tree's, whatever the interop venv has installed.
-            "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+            # The shim under test is this working tree's, whatever the interop venv has installed; no_amx
+            # keeps vLLM's CPU attention off AMX (SIGILL on some VMs that list it: no_amx/sitecustomize.py).
+            "PYTHONPATH": os.pathsep.join([str(REPO), str(NO_AMX), env.get("PYTHONPATH", "")]).rstrip(
+                os.pathsep
+            ),
         }
     )
     return env
