@@ -101,9 +101,12 @@ def plan_span(remote_ids: np.ndarray, page_bytes: int, cost: ReadCost | None, bu
     reading (``plan_gaps``). Repeated ids (never sent by a prefill) keep the request order and no gaps."""
     rk = np.asarray(remote_ids, dtype=_I64)
     n = rk.size
+    none = np.empty(0, _I64)
+    if n and int(rk[-1]) - int(rk[0]) == n - 1 and bool((rk[1:] > rk[:-1]).all()):
+        # back to back already (a fresh prefill's blocks): no sort, which would let go of the GIL
+        return Span(n, np.arange(n, dtype=_I64), none, none)
     order = np.argsort(rk, kind="stable")
     needed = rk[order]
-    none = np.empty(0, _I64)
     if n > 1 and (needed[1:] == needed[:-1]).any():
         return Span(n, np.arange(n, dtype=_I64), none, none)
     gaps = plan_gaps(needed, page_bytes, cost, budget_blocks)

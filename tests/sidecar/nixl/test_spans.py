@@ -187,3 +187,19 @@ def test_worth_waiting_weighs_the_saving_against_freeing_the_missing_slots():
     assert worth_waiting(span, 4, 4096, ReadCost(8.0, 1.4), 0)  # the slots are free, only fragmented
     assert worth_waiting(span, 4, 4096, ReadCost(8.0, 1.4), 2)  # 5.9 µs to free two pages < 8.6 saved
     assert not worth_waiting(span, 4, 4096, ReadCost(8.0, 1.4), 4)  # 11.7 µs > 8.6
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 256])
+def test_back_to_back_ids_are_their_own_span(n):
+    """The shortcut (no sort) gives what the sort would: row i for block i, no gaps."""
+    span = plan_span(np.arange(40, 40 + n), PAGE, ReadCost(8.0, 0.001), 100)
+    assert span.width == n and span.pos.tolist() == list(range(n)) and span.gap_blocks == 0
+
+
+def test_near_misses_of_back_to_back_take_the_sorting_path():
+    swapped = plan_span(np.array([40, 42, 41, 43]), PAGE, None, 0)  # same first, last and count
+    assert swapped.pos.tolist() == [0, 2, 1, 3]
+    repeated = plan_span(np.array([5, 5, 6]), PAGE, None, 0)  # first + n - 1 == last, not increasing
+    assert repeated.pos.tolist() == [0, 1, 2] and repeated.width == 3
+    gap = plan_span(np.array([1, 2, 4]), PAGE, ReadCost(8.0, 1000.0), 10)  # a hole: the gap is read
+    assert gap.gap_ids.tolist() == [3] and gap.pos.tolist() == [0, 1, 3]
