@@ -7,8 +7,8 @@ holds the GIL for that while the loop waits. This times both paths of the same g
 NIXL agent) per request, interleaved call by call so load on the host hits both alike, and checks that they
 give the same descriptors. ``--orders`` picks the request's ids: ``contiguous`` (a fresh engine) or
 ``churned`` (vLLM's free queue after a busy while, ``block_orders.churned``); staging slots are laid out as
-the daemon lays them out, in remote-address order (before 2026-12-02's third session: in request order,
-which left churned descriptors unmerged and overstated their cost). ``--against`` another tree's
+the daemon lays them out: in remote-address order (before 2026-12-02's third session in request order, which
+left churned descriptors unmerged and overstated their cost), and compact, a ``SpanSlots`` (from the fourth). ``--against`` another tree's
 ``geometry.py`` (e.g. main's, before the poster took the pairs) times its pairing and its poster path (from
 the ids) in the same loop: a before/after on one host at one time.
 """
@@ -37,7 +37,7 @@ from sidecar.nixl.geometry import (
     RemoteRegions,
     StagingPool,
 )
-from sidecar.nixl.spans import plan_span, span_slots
+from sidecar.nixl.spans import SpanSlots, plan_span
 from sidecar.wire.formats import AITER_SHUFFLED, STANDARD, PageFormat, negotiate
 
 
@@ -112,8 +112,8 @@ def measure(args: argparse.Namespace, order: str) -> dict[str, Any]:
                                       args.num_blocks, args.layers * n)
     lids, rids = request_ids(order, n, args.num_blocks, args.seed)
     pairs = direct.blocks(lids, rids, tokens)  # what the loop hands the post
-    # the daemon's staging slots: a span in remote-address order (Staging.take_span, no gaps)
-    slots = span_slots(0, args.layers, n, plan_span(pairs.remote, pool.slot_bytes, None, 0).pos)
+    # the daemon's staging slots: a compact span in remote-address order (Staging.take_span, no gaps)
+    slots = SpanSlots(0, args.layers, n, plan_span(pairs.remote, pool.slot_bytes, None, 0).pos)
 
     def table(geo: PairGeometry, mode: str, with_pairs: bool) -> Callable[[], Any]:
         kw = {"pairs": pairs} if with_pairs else {}
@@ -131,7 +131,7 @@ def measure(args: argparse.Namespace, order: str) -> dict[str, Any]:
         o_direct, o_staged = rebuilt(other, direct), rebuilt(other, staged)
         calls["against_loop_pairing"] = lambda: o_direct.blocks(lids, rids, tokens)
         calls["against_poster_staged_from_ids"] = lambda: o_staged.staged_descs(
-            rids, slots, local_block_ids=lids, remote_num_tokens=tokens)
+            rids, np.asarray(slots), local_block_ids=lids, remote_num_tokens=tokens)
         calls["against_poster_direct_from_ids"] = lambda: o_direct.indices(lids, rids, tokens)
     for mode, geo in (("staged", staged), ("direct", direct)):
         want = table(geo, mode, False)()
