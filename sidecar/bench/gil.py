@@ -12,7 +12,6 @@ each (``PairGeometry.staged_descs``), checking both give the same descriptors. M
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import threading
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from sidecar.bench.e2e_report import command_line
+from sidecar.bench.output import emit
 from sidecar.bench.planning import geometries
 from sidecar.daemon.reads import GIL_SWITCH_S
 from sidecar.nixl.spans import SpanSlots, plan_span, span_slots
@@ -112,11 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         "layers": args.layers,
         "runs": [measure(args.layers, int(b), args.reps) for b in args.blocks.split(",")],
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
     return 0
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -16,6 +15,8 @@ import socket
 import sys
 import tempfile
 import time
+
+from sidecar.bench.output import emit
 
 N = 3000
 
@@ -101,11 +102,7 @@ def main() -> int:
             "zmq_ipc_us": zmq_floor(work),
             "unix_seqpacket_us": unix_floor(work),
         }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out, indent=2)
     return 0
 
 

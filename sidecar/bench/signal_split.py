@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import socket
@@ -25,6 +24,7 @@ import time
 import numpy as np
 
 from sidecar.bench import completion_signal as bench
+from sidecar.bench.output import emit
 from sidecar.wire import protocol as p
 from vllm_glue import client as shim_client
 
@@ -115,11 +115,7 @@ def main() -> int:
         "shim_io_thread": {"cpu_ms": round(cpu / 1e6, 1), "runnable_waiting_ms": round(wait / 1e6, 1),
                            "timeslices": wakeups},
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out, indent=2)
     return 0
 
 
