@@ -102,6 +102,15 @@ class Harness:
         job = self.daemon.jobs.get(req_id)
         return job.stage.value if job is not None else None
 
+    async def staging_all_free(self, timeout: float = 2.0) -> None:
+        """Wait until every staging slot is back in the pool (fails the test if one is not in time)."""
+        cut = self.daemon.staging._cut  # noqa: SLF001
+        deadline = time.monotonic() + timeout
+        while cut.allocator.free != cut.allocator.num_slots:
+            taken = cut.allocator.num_slots - cut.allocator.free
+            assert time.monotonic() < deadline, f"{taken} staging slots still taken"
+            await asyncio.sleep(0.002)
+
     async def until_stage(self, req_id: str, stage: str, timeout: float = 2.0) -> None:
         deadline = time.monotonic() + timeout
         while self.job_stage(req_id) != stage:
@@ -924,9 +933,7 @@ def test_a_busy_pool_is_waited_for_only_when_and_while_the_gaps_save_more(gbps, 
             assert (gaps.remote_ids.tolist() if gaps else None) == ([5, 6] if waits else None)
             h.port.land(h.port.reads[1])
             assert (await h.reply(p.Done, "b")).ok
-            cut = h.daemon.staging._cut  # noqa: SLF001
-            while cut.allocator.free != cut.allocator.num_slots:
-                await asyncio.sleep(0.002)
+            await h.staging_all_free()
         finally:
             await h.stop()
 
@@ -949,9 +956,7 @@ def test_a_pull_waiting_for_its_gap_span_can_be_aborted():
             h.port.land(h.port.reads[0])
             assert (await h.reply(p.Done, "a")).ok
             assert len(h.port.reads) == 1  # b never read
-            cut = h.daemon.staging._cut  # noqa: SLF001
-            while cut.allocator.free != cut.allocator.num_slots:
-                await asyncio.sleep(0.002)
+            await h.staging_all_free()
         finally:
             await h.stop()
 
