@@ -200,6 +200,8 @@ class Pipeline:
             if self._staging is None:
                 raise Refused("pull_mode", "staged reads need a staging pool (staging_bytes = 0)")
             staged = await self._take_span(job, fmt, layers, job.pairs.remote)
+            if staged.waited is not None:
+                self._metrics.gap_span_waited(staged.waited)
             pool, slots, job.slots = staged.pool, staged.slots, staged.run
             src = self._staging.source(job.slots, caches.page_format, layers, staged.width)
         converting = bool(job.peer.plan.convert and blocks)

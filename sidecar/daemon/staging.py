@@ -44,6 +44,7 @@ class Staged:
     width: int
     pos: np.ndarray  # int64 (n,): block i's row in the span (the converter's source index)
     gaps: GapRead | None  # blocks read only to merge runs
+    waited: str | None = None  # waited for its gap span: "taken" or "gave_up" (kv_sidecar_gap_span_waits)
 
     @property
     def source_index(self) -> np.ndarray | None:
@@ -127,7 +128,7 @@ class Staging:
         now, or none (as ``take``)."""
         n = int(np.asarray(remote_ids).size)
         page = fmt.page_bytes
-        span = None
+        span, waited = None, None
         if cost is not None and share > 0 and layers > 0 and n > 1:
             cut = self._cut_for(page)
             total, own = cut.allocator.num_slots, layers * n
@@ -141,6 +142,7 @@ class Staging:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(span_saving_us(span, layers, page, cost) / 1e6):
                             first = await self._wait_run(cut, need)
+                    waited = "gave_up" if first is None else "taken"
                 elif first is None:  # the gaps that fit the free slots now
                     budget = min(int(share * total), cut.allocator.free - own) // layers
                     span = plan_span(remote_ids, page, cost, budget)
@@ -149,11 +151,11 @@ class Staging:
                 if first is not None:
                     gaps = GapRead(span.gap_ids, SpanSlots(first, layers, span.width, span.gap_pos))
                     slots = SpanSlots(first, layers, span.width, span.pos)
-                    return Staged(cut.pool, slots, (first, need), span.width, span.pos, gaps)
+                    return Staged(cut.pool, slots, (first, need), span.width, span.pos, gaps, waited)
         if span is None or span.gap_blocks:  # a span without gaps is the plain plan already
             span = plan_span(remote_ids, page, None, 0)
         pool, run = await self.take(fmt, layers, n)
-        return Staged(pool, SpanSlots(run[0], layers, n, span.pos), run, n, span.pos, None)
+        return Staged(pool, SpanSlots(run[0], layers, n, span.pos), run, n, span.pos, None, waited)
 
     def give(self, run: tuple[int, int]) -> None:
         """Give a run back (the job's reads and conversion are over) and wake waiting pulls."""

@@ -20,6 +20,7 @@ from sidecar.ops.errors import StartupError
 OUTCOMES = ("ok", "failed", "refused", "aborted", "expired")
 FP8_REENCODE_KINDS = ("saturated", "nan")
 LAUNCH_PATHS = ("graph", "ordinary")  # a GPU conversion launch replayed from a CUDA graph, or built in Python
+GAP_SPAN_WAIT_OUTCOMES = ("taken", "gave_up")  # a staged pull that waited for its gap span (staging.py)
 STAGES = ("handshake", "queue", "transfer", "convert", "signal", "end_to_end", "delivery")
 # 50 µs .. ~100 s, roughly x2.5 per bucket: signal latencies and multi-second pulls both resolve.
 BUCKETS = (
@@ -56,6 +57,13 @@ class Metrics:
         self.gap_bytes_read = Counter(
             "kv_sidecar_gap_bytes_read",
             "Bytes of gap blocks (other requests' KV) read into staging only to merge descriptors",
+            registry=r,
+        )
+        self.gap_span_waits = Counter(
+            "kv_sidecar_gap_span_waits",
+            "Staged pulls that waited for their gap span's staging slots, by outcome: taken (read with its "
+            "gaps) or gave_up (the wait reached what the gaps save; read without them)",
+            ["outcome"],
             registry=r,
         )
         self.stage_seconds = Histogram(
@@ -121,6 +129,7 @@ class Metrics:
         for kind in FP8_REENCODE_KINDS:
             self.fp8_reencoded.labels(kind=kind)
         self._launches = {path: self.conversion_launches.labels(path=path) for path in LAUNCH_PATHS}
+        self._span_waits = {o: self.gap_span_waits.labels(outcome=o) for o in GAP_SPAN_WAIT_OUTCOMES}
 
     def answered(self, outcome: str, timings: dict[str, float] | None = None) -> None:
         """One Pull answered: count its outcome and observe its stage timings."""
@@ -146,6 +155,10 @@ class Metrics:
     def launched(self, path: str) -> None:
         """One GPU conversion launch, by ``LAUNCH_PATHS`` path."""
         self._launches[path].inc()
+
+    def gap_span_waited(self, outcome: str) -> None:
+        """A staged pull waited for its gap span's slots, by ``GAP_SPAN_WAIT_OUTCOMES`` outcome."""
+        self._span_waits[outcome].inc()
 
     def refused(self, field: str) -> None:
         self.refusals.labels(field=field or "unknown").inc()

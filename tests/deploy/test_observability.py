@@ -156,6 +156,7 @@ def test_registry_has_the_fixed_names():
         "kv_sidecar_requests_total",
         "kv_sidecar_bytes_pulled_total",
         "kv_sidecar_gap_bytes_read_total",
+        "kv_sidecar_gap_span_waits_total",
         "kv_sidecar_stage_seconds_bucket",
         "kv_sidecar_requests_in_flight",
         "kv_sidecar_refusals_total",

@@ -933,6 +933,10 @@ def test_a_busy_pool_is_waited_for_only_when_and_while_the_gaps_save_more(gbps, 
             assert (gaps.remote_ids.tolist() if gaps else None) == ([5, 6] if waits else None)
             h.port.land(h.port.reads[1])
             assert (await h.reply(p.Done, "b")).ok
+            span_waits = h.daemon.metrics.gap_span_waits
+            counted = {o: span_waits.labels(outcome=o)._value.get() for o in ("taken", "gave_up")}
+            gave_up = descriptor_us == 8.0 and gbps == 200.0  # worth waiting, but only for 32 µs
+            assert counted == {"taken": float(waits), "gave_up": float(gave_up)}
             await h.staging_all_free()
         finally:
             await h.stop()
