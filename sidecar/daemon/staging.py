@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,11 +112,20 @@ class Staging:
                 return cut.pool, (first, need)
             # re-cut for another page size while we waited: start over on the new cut
 
-    async def _wait_run(self, cut: _Cut, need: int) -> int | None:
-        """The first slot of ``need`` adjacent slots once some are given back; None if the pool was re-cut."""
+    async def _wait_run(self, cut: _Cut, need: int, timeout_s: float | None = None) -> int | None:
+        """The first slot of ``need`` adjacent slots once some are given back; None if the pool was re-cut
+        or ``timeout_s`` passed. The slots are taken only after a wait returned: a timeout loses none."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         async with self._changed:
             while (first := cut.allocator.take(need)) is None and self._cut is cut:
-                await self._changed.wait()
+                if deadline is None:
+                    await self._changed.wait()
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                with contextlib.suppress(asyncio.TimeoutError):  # not TimeoutError: Python 3.10
+                    await asyncio.wait_for(self._changed.wait(), left)
         return first
 
     async def take_span(
@@ -139,9 +149,8 @@ class Staging:
                 if first is None and worth_waiting(span, layers, page, cost, need - cut.allocator.free):
                     # Never longer than the gaps save: past that, reading without them is cheaper. None:
                     # not in time, or the pool was re-cut meanwhile; either way no gaps.
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(span_saving_us(span, layers, page, cost) / 1e6):
-                            first = await self._wait_run(cut, need)
+                    saving_s = span_saving_us(span, layers, page, cost) / 1e6
+                    first = await self._wait_run(cut, need, saving_s)
                     waited = "gave_up" if first is None else "taken"
                 elif first is None:  # the gaps that fit the free slots now
                     budget = min(int(share * total), cut.allocator.free - own) // layers
