@@ -144,7 +144,8 @@ for step in "$@"; do
         done
         echo "daemon pid ${pid:-none}"
         [ -n "$pid" ] && timeout -k 5 $((${SPY_S:-120} + 20)) /tmp/site/bin/py-spy record --pid "$pid" \
-          --nonblocking --threads --rate 1000 --duration "${SPY_S:-120}" --format raw -o "$OUT/daemon-${SPY_CONTEXT:-4096}-x${SPY_CONC:-8}.txt"
+          --nonblocking --threads --rate 1000 --duration "${SPY_S:-120}" --format raw \
+          -o "$OUT/daemon-${SPY_CONTEXT:-4096}-x${SPY_CONC:-8}.txt"
         wait "$bench"
         tail -n 12 "$OUT/daemonprofile-bench.log"
         gzip -f "$OUT/daemon-${SPY_CONTEXT:-4096}-x${SPY_CONC:-8}.txt"

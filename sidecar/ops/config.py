@@ -210,7 +210,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         float,
         _doc(
             "the most of the staging pool (a fraction) one request's gap blocks may take; a busy pool is "
-            "waited for only when the gaps save more than freeing their slots takes (the cost model)",
+            "waited for only when the gaps save more than freeing their slots takes, and at most as long as "
+            "they save (the cost model: read_descriptor_us, read_gbps)",
             ge=0,
             le=1,
         ),
