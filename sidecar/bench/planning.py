@@ -31,12 +31,12 @@ import numpy as np
 from sidecar.bench.block_orders import churned
 from sidecar.nixl.agent import NixlTransfer
 from sidecar.nixl.geometry import (
-    Descs,
     LocalRegions,
     PairGeometry,
     RemoteRegions,
     StagingPool,
 )
+from sidecar.nixl.runs import Descs
 from sidecar.nixl.spans import SpanSlots, plan_span
 from sidecar.wire.formats import AITER_SHUFFLED, STANDARD, PageFormat, negotiate
 

@@ -47,7 +47,6 @@ from sidecar.nixl.errors import (
 from sidecar.nixl.geometry import (
     BlockPairs,
     DescIndices,
-    Descs,
     GeometryError,
     LocalRegions,
     Mode,
@@ -55,6 +54,7 @@ from sidecar.nixl.geometry import (
     RemoteRegions,
     StagingPool,
 )
+from sidecar.nixl.runs import Descs
 from sidecar.wire import prefill as vllm_wire
 from sidecar.wire.formats import Plan
 

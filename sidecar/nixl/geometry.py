@@ -18,7 +18,8 @@ Two forms of the same tables:
 - explicit form: Nx3 ``(addr, len, dev)`` arrays per request, with adjacent runs merged.
 
 Size: three read modes (direct, staged, plain) over one pair of region tables; one file keeps
-their shared index math in one place. Which block pairs with which is ``pairing.py``'s.
+their shared index math in one place. Which block pairs with which is ``pairing.py``'s; how adjacent copies
+merge into explicit descriptors is ``runs.py``'s.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from sidecar.nixl.pairing import (
     pair_blocks,
     trim_padding,
 )
+from sidecar.nixl.runs import Descs, layer_uniform_runs, merge_runs, shifted_runs
 from sidecar.nixl.spans import SpanSlots
 from sidecar.wire.formats import AITER_SHUFFLED, STANDARD, PageFormat, Plan
 
@@ -268,125 +270,12 @@ class DescIndices:
         return self.local[a:b], self.remote[a:b]
 
 
-@dataclass(frozen=True, eq=False)
-class Descs:
-    """Explicit per-request descriptors (Nx3 uint64), grouped by layer: layer l owns rows
-    [layer_rows[l], layer_rows[l+1])."""
-
-    local: np.ndarray
-    remote: np.ndarray
-    layer_rows: np.ndarray  # (layers + 1,) int64
-
-    @property
-    def count(self) -> int:
-        return int(self.local.shape[0])
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.local[:, 1].sum()) if self.count else 0
-
-    def layer_slice(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        a, b = int(self.layer_rows[start]), int(self.layer_rows[stop])
-        return self.local[a:b], self.remote[a:b]
-
-
 def _table(
     base: np.ndarray, length: np.ndarray, dev: int, stride: np.ndarray, count: np.ndarray
 ) -> np.ndarray:
     t = np.empty((base.size, 5), _U64)
     t[:, 0], t[:, 1], t[:, 2], t[:, 3], t[:, 4] = base, length, dev, stride, count
     return t
-
-
-def merge_runs(
-    remote_addr: np.ndarray, local_addr: np.ndarray, unit: np.ndarray, remote_dev: int, local_dev: int
-) -> Descs:
-    """Explicit descriptors for (groups, n) unit copies of ``unit[g]`` bytes, merging each run that is
-    contiguous on BOTH sides into one descriptor; runs never cross groups (layers)."""
-    g, n = remote_addr.shape
-    if n == 0:
-        empty = np.empty((0, 3), _U64)
-        return Descs(local=empty, remote=empty.copy(), layer_rows=np.zeros(g + 1, _I64))
-    step = unit.astype(_U64)[:, None]
-    cont = (remote_addr[:, 1:] == remote_addr[:, :-1] + step) & (
-        local_addr[:, 1:] == local_addr[:, :-1] + step
-    )
-    start = np.ones((g, n), bool)
-    start[:, 1:] = ~cont
-    first = np.flatnonzero(start.ravel())
-    runs = np.diff(np.append(first, g * n))
-    lens = runs.astype(_U64) * unit.astype(_U64)[first // n]
-    local, remote = np.empty((first.size, 3), _U64), np.empty((first.size, 3), _U64)
-    local[:, 0], local[:, 1], local[:, 2] = local_addr.ravel()[first], lens, local_dev
-    remote[:, 0], remote[:, 1], remote[:, 2] = remote_addr.ravel()[first], lens, remote_dev
-    layer_rows = np.searchsorted(first, np.arange(g + 1, dtype=_I64) * n).astype(_I64)
-    return Descs(local=local, remote=remote, layer_rows=layer_rows)
-
-
-def layer_uniform_runs(
-    remote_base: np.ndarray,
-    stride: np.ndarray,
-    unit: np.ndarray,
-    remote_ids: np.ndarray,
-    slots: np.ndarray,
-    pool_base: int,
-    slot_bytes: int,
-    remote_dev: int,
-    local_dev: int,
-) -> Descs | None:
-    """``merge_runs`` of a staged read (remote block ``remote_ids[i]`` of each layer into ``slots[l, i]``),
-    computed once on the ids instead of on every layer, or None when that does not hold: every layer's
-    slots must be the first layer's shifted (a staging span: layer ``l`` owns its own run of slots), and
-    ``shifted_runs``' conditions."""
-    g, n = slots.shape
-    if n == 0 or g == 0:
-        return None
-    shift = slots[:, 0] - slots[0, 0]
-    if not (slots == slots[0] + shift[:, None]).all():
-        return None
-    return shifted_runs(remote_base, stride, unit, remote_ids, slots[0], shift, pool_base, slot_bytes,
-                        remote_dev, local_dev)
-
-
-def shifted_runs(
-    remote_base: np.ndarray,
-    stride: np.ndarray,
-    unit: np.ndarray,
-    remote_ids: np.ndarray,
-    row: np.ndarray,
-    shift: np.ndarray,
-    pool_base: int,
-    slot_bytes: int,
-    remote_dev: int,
-    local_dev: int,
-) -> Descs | None:
-    """``merge_runs`` of a staged read whose layer ``l`` puts remote block ``remote_ids[i]`` into slot
-    ``row[i] + shift[l]``, from the ids and one row (no per-layer matrix), or None unless every layer's
-    region has one block stride and length. Then runs start at the same ``i`` in every layer, and a
-    layer's descriptors are the first one's moved by the layer's bases."""
-    g, n = shift.size, row.size
-    if n == 0 or g == 0:
-        return None
-    st, u = int(stride[0]), int(unit[0])
-    if (stride != st).any() or (unit != u).any():
-        return None
-    ids = remote_ids.astype(_I64, copy=False)
-    start = np.ones(n, bool)  # slices, not np.diff: a third of its cost on a request's few hundred ids
-    start[1:] = ((ids[1:] - ids[:-1]) * st != u) | ((row[1:] - row[:-1]) * slot_bytes != u)
-    first = np.flatnonzero(start)
-    ends = np.empty(first.size, _I64)
-    ends[:-1], ends[-1] = first[1:], n
-    lens = (ends - first).astype(_U64) * np.uint64(u)
-    runs = first.size
-    remote = np.empty((g, runs, 3), _U64)
-    remote[:, :, 0] = remote_base.astype(_U64)[:, None] + (ids[first] * st).astype(_U64)[None, :]
-    remote[:, :, 1], remote[:, :, 2] = lens, remote_dev
-    local = np.empty((g, runs, 3), _U64)
-    at = row[first].astype(_I64)[None, :] + shift.astype(_I64)[:, None]
-    local[:, :, 0] = np.uint64(pool_base) + at.astype(_U64) * np.uint64(slot_bytes)
-    local[:, :, 1], local[:, :, 2] = lens, local_dev
-    return Descs(local=local.reshape(-1, 3), remote=remote.reshape(-1, 3),
-                 layer_rows=np.arange(g + 1, dtype=_I64) * runs)
 
 
 def check_remote(remote: RemoteRegions, fmt: PageFormat, layers: int) -> None:

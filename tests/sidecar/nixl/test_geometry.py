@@ -23,10 +23,10 @@ from sidecar.nixl.geometry import (
     StagingPool,
     check_remote,
     contiguous_slots,
-    merge_runs,
     regions_per_layer,
 )
 from sidecar.nixl.pairing import kernel_block_ids
+from sidecar.nixl.runs import merge_runs
 from sidecar.wire.formats import AITER_SHUFFLED, STANDARD, PageFormat, Plan, negotiate
 
 H, N, D = 2, 16, 64
@@ -887,7 +887,7 @@ def _staged_case(rng, layers, n, stride_gap, uniform_slots):
 def test_layer_uniform_runs_equal_merge_runs_on_every_staging_span():
     """The staged descriptors computed on the ids once are merge_runs's, row for row, over 600 random spans
     (contiguous, sparse, strided regions, shifted per-layer slot runs); anything else is left to merge_runs."""
-    from sidecar.nixl.geometry import layer_uniform_runs, merge_runs
+    from sidecar.nixl.runs import layer_uniform_runs, merge_runs
 
     rng = np.random.default_rng(12)
     checked = 0
@@ -912,7 +912,7 @@ def test_layer_uniform_runs_equal_merge_runs_on_every_staging_span():
 
 
 def test_layer_uniform_runs_leave_unequal_regions_to_merge_runs():
-    from sidecar.nixl.geometry import layer_uniform_runs
+    from sidecar.nixl.runs import layer_uniform_runs
 
     rng = np.random.default_rng(3)
     base, stride, unit, ids, slots = _staged_case(rng, 3, 8, 0, True)

@@ -8,7 +8,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from sidecar.nixl.geometry import BlockPairs, Descs, GeometryError, PairGeometry, StagingPool
+from sidecar.nixl.geometry import BlockPairs, GeometryError, PairGeometry, StagingPool
+from sidecar.nixl.runs import Descs
 from sidecar.nixl.spans import GapRead
 from tests.sidecar.nixl.test_geometry import HALF, PAGE, LocalMem, N, RemoteMem, plan_of, shuf, std
 
