@@ -42,10 +42,17 @@ class Staged:
     pool: StagingPool
     slots: SpanSlots  # the slot of each (layer, block), compact (np.asarray gives the [layers, n] matrix)
     run: tuple[int, int]  # (first slot, count) to give back
-    width: int
-    pos: np.ndarray  # int64 (n,): block i's row in the span (the converter's source index)
     gaps: GapRead | None  # blocks read only to merge runs
     waited: str | None = None  # waited for its gap span: "taken" or "gave_up" (kv_sidecar_gap_span_waits)
+
+    @property
+    def width(self) -> int:
+        return self.slots.width
+
+    @property
+    def pos(self) -> np.ndarray:
+        """int64 (n,): block i's row in the span (the converter's source index)."""
+        return self.slots.rows
 
     @property
     def source_index(self) -> np.ndarray | None:
@@ -160,11 +167,11 @@ class Staging:
                 if first is not None:
                     gaps = GapRead(span.gap_ids, SpanSlots(first, layers, span.width, span.gap_pos))
                     slots = SpanSlots(first, layers, span.width, span.pos)
-                    return Staged(cut.pool, slots, (first, need), span.width, span.pos, gaps, waited)
+                    return Staged(cut.pool, slots, (first, need), gaps, waited)
         if span is None or span.gap_blocks:  # a span without gaps is the plain plan already
             span = plan_span(remote_ids, page, None, 0)
         pool, run = await self.take(fmt, layers, n)
-        return Staged(pool, SpanSlots(run[0], layers, n, span.pos), run, n, span.pos, None, waited)
+        return Staged(pool, SpanSlots(run[0], layers, n, span.pos), run, None, waited)
 
     def give(self, run: tuple[int, int]) -> None:
         """Give a run back (the job's reads and conversion are over) and wake waiting pulls."""

@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 
 from sidecar.daemon.staging import Staged
-from sidecar.nixl.spans import plan_span
+from sidecar.nixl.spans import SpanSlots, plan_span
 
 
 def _staged(width: int, pos: list[int]) -> Staged:
     p = np.asarray(pos, dtype=np.int64)
-    slots = np.zeros((1, p.size), np.int64)
-    return Staged(pool=None, slots=slots, run=(0, width), width=width, pos=p, gaps=None)
+    return Staged(pool=None, slots=SpanSlots(0, 1, width, p), run=(0, width), gaps=None)
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 5])
