@@ -24,10 +24,11 @@ import numpy as np
 from sidecar.bench.e2e_report import command_line
 from sidecar.bench.output import emit
 from sidecar.bench.planning import geometries
-from sidecar.daemon.reads import GIL_SWITCH_S
 from sidecar.nixl.spans import SpanSlots, plan_span, span_slots
+from sidecar.ops.config import Config
 
 CPYTHON_SWITCH_S = 0.005
+GIL_SWITCH_S = Config().gil_switch_interval_us / 1e6  # the daemon's default
 
 
 class Spinner:

@@ -35,7 +35,7 @@ from sidecar.daemon.peers import Peers
 from sidecar.daemon.pipeline import Pipeline
 from sidecar.daemon.polling import Poller
 from sidecar.daemon.port import TransferPort
-from sidecar.daemon.reads import GIL_SWITCH_S, Reads
+from sidecar.daemon.reads import Reads
 from sidecar.daemon.registration import Registrations
 from sidecar.daemon.router import Router
 from sidecar.daemon.staging import Staging
@@ -161,7 +161,7 @@ class Daemon:
         for coro in loops:
             self._spawn(coro)
         self._switch_interval = sys.getswitchinterval()  # given back at shutdown (in-process daemons, tests)
-        sys.setswitchinterval(GIL_SWITCH_S)  # the loop waits at most this for the GIL held by the poster
+        sys.setswitchinterval(cfg.gil_switch_interval_us / 1e6)
         gc.collect()
         gc.freeze()  # startup objects (torch, NIXL) never need scanning again: shorter GC pauses per Done
         sdnotify.ready(f"serving {cfg.socket_endpoint} ({cfg.device})")

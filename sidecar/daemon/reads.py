@@ -37,9 +37,6 @@ log = logging.getLogger("kv_sidecar.reads")
 
 # How long to keep asking NIXL to release a read's transfers before calling its blocks unsafe.
 RELEASE_GIVE_UP_S = 5.0
-# The interpreter's GIL switch interval while the daemon runs (CPython's default is 5 ms): when the poster
-# thread runs Python (building a request's descriptors), the loop gets the GIL back within this, not 5 ms.
-GIL_SWITCH_S = 0.0005
 # How long after sending something on NIXL the progress loop keeps calling in (no progress thread).
 PROGRESS_AFTER_SEND_S = 2.0
 

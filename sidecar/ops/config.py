@@ -296,6 +296,15 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             "GIL and cores from the conversion thread and the prefill: slower, measured)"
         ),
     ] = None
+    gil_switch_interval_us: Annotated[
+        float,
+        _doc(
+            "the interpreter's GIL switch interval while the daemon runs (CPython's default is 5000): how "
+            "long a thread that wants the GIL waits for the one holding it, e.g. the poster thread back from "
+            "NIXL's transfer() while the loop polls, or the loop while the poster builds descriptors",
+            gt=0,
+        ),
+    ] = 500.0
     poll_interval_s: Annotated[
         float,
         _doc(

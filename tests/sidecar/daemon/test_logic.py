@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import sys
 import threading
 import time
 
@@ -988,3 +989,16 @@ def test_layer_groups_auto_reads_a_small_request_in_one_group():
             assert (await h.reply(p.Done, "a")).ok
 
     run(main())
+
+
+def test_the_gil_switch_interval_is_the_configured_one_while_serving_and_given_back_after():
+    before = sys.getswitchinterval()
+
+    async def main():
+        async with started(gil_switch_interval_us=50) as h:
+            assert sys.getswitchinterval() == pytest.approx(50e-6)
+            h.pull("a")
+            assert (await h.reply(p.Done, "a")).ok
+
+    run(main())
+    assert sys.getswitchinterval() == before
