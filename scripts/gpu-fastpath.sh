@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu-fastpath.sh STEP...
 #   steps: tests launchtests graphtests daemontests launch graphlaunch sweep convertgraph contiguous defaults
-#          graphsab groupsab headcheck ab orders groups poll interference profile daemonprofile
+#          graphsab groupsab gilab headcheck ab orders groups poll interference profile daemonprofile
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -89,6 +89,20 @@ for step in "$@"; do
               --out '$OUT/e2e-h200-ab-$side-$r.json'"
           done
         done ;;
+    # the GIL switch interval (gil_switch_interval_us, GIL_VALUES) alternating for GIL_ROUNDS rounds: the staged
+    # contiguous cells and the 4k x 8 scattered ones, each value with its own bare reads in the same run
+    gilab) for r in $(seq 1 "${GIL_ROUNDS:-2}"); do
+        for g in ${GIL_VALUES:-500 50 20}; do
+          TAIL=5 run "gil$g-contiguous-$r" 60 python3 -m sidecar.bench.e2e --prefill-device cuda:0 \
+            --decoder-device cuda:0 --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 \
+            --pairs staged/contiguous --daemon-set gil_switch_interval_us="$g" --budget-s 45 \
+            --out "$OUT/e2e-h200-gil$g-contiguous-$r.json"
+          TAIL=4 run "gil$g-orders-$r" 50 python3 -m sidecar.bench.e2e --prefill-device cuda:0 \
+            --decoder-device cuda:0 --warmup 1 --contexts 4096 --concurrency 8 --reps 3 --modes staged \
+            --orders churn,density-0.25 --max-batch-tokens 65536 --prefill-pool-factor 4 --staging-factor 2 \
+            --daemon-set gil_switch_interval_us="$g" --budget-s 35 --out "$OUT/e2e-h200-gil$g-orders-$r.json"
+        done
+      done ;;
     # the daemon's defaults with conversion graphs on and off, one after the other in one call
     graphsab) for g in true false; do
         TAIL=14 run "graphs-$g" 100 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
