@@ -153,11 +153,11 @@ class Staging:
             if span.gap_blocks:
                 need = layers * span.width
                 first = cut.allocator.take(need)
-                if first is None and worth_waiting(span, layers, page, cost, need - cut.allocator.free):
+                saving_us = 0.0 if first is not None else span_saving_us(span, layers, page, cost)
+                if first is None and worth_waiting(saving_us, page, cost, need - cut.allocator.free):
                     # Never longer than the gaps save: past that, reading without them is cheaper. None:
                     # not in time, or the pool was re-cut meanwhile; either way no gaps.
-                    saving_s = span_saving_us(span, layers, page, cost) / 1e6
-                    first = await self._wait_run(cut, need, saving_s)
+                    first = await self._wait_run(cut, need, saving_us / 1e6)
                     waited = "gave_up" if first is None else "taken"
                 elif first is None:  # the gaps that fit the free slots now
                     budget = min(int(share * total), cut.allocator.free - own) // layers

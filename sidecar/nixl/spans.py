@@ -162,11 +162,11 @@ def span_saving_us(span: Span, layers: int, page_bytes: int, cost: ReadCost) -> 
     return layers * (gaps * cost.descriptor_us - cost.bytes_us(span.gap_blocks * page_bytes))
 
 
-def worth_waiting(span: Span, layers: int, page_bytes: int, cost: ReadCost, missing_slots: int) -> bool:
+def worth_waiting(saving_us: float, page_bytes: int, cost: ReadCost, missing_slots: int) -> bool:
     """Whether to wait for the slots a gap span needs rather than read without gaps now: the reads in
-    flight free ``missing_slots`` pages at about ``cost.gbps``, and the gaps save ``span_saving_us``."""
-    wait_us = cost.bytes_us(max(0, missing_slots) * page_bytes)
-    return span_saving_us(span, layers, page_bytes, cost) > wait_us
+    flight free ``missing_slots`` pages at about ``cost.gbps``, and the gaps save ``saving_us``
+    (``span_saving_us``, which the caller also bounds the wait by)."""
+    return saving_us > cost.bytes_us(max(0, missing_slots) * page_bytes)
 
 
 def count_runs(sorted_ids: np.ndarray) -> int:

@@ -184,9 +184,9 @@ def test_worth_waiting_weighs_the_saving_against_freeing_the_missing_slots():
     assert span.gap_ids.tolist() == [5, 6]
     saving = span_saving_us(span, 4, 4096, ReadCost(8.0, 1.4))
     assert saving == pytest.approx(4 * (8.0 - 2 * 4096 / 1400))
-    assert worth_waiting(span, 4, 4096, ReadCost(8.0, 1.4), 0)  # the slots are free, only fragmented
-    assert worth_waiting(span, 4, 4096, ReadCost(8.0, 1.4), 2)  # 5.9 µs to free two pages < 8.6 saved
-    assert not worth_waiting(span, 4, 4096, ReadCost(8.0, 1.4), 4)  # 11.7 µs > 8.6
+    assert worth_waiting(saving, 4096, ReadCost(8.0, 1.4), 0)  # the slots are free, only fragmented
+    assert worth_waiting(saving, 4096, ReadCost(8.0, 1.4), 2)  # 5.9 µs to free two pages < 8.6 saved
+    assert not worth_waiting(saving, 4096, ReadCost(8.0, 1.4), 4)  # 11.7 µs > 8.6
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 256])
