@@ -17,8 +17,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=$PWD:/tmp/site
 STATUS=()
-E2E=(python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 --warmup 1
-  --daemon-set nixl_num_threads=4)
+ONE_GPU=(python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 --warmup 1)
+E2E=("${ONE_GPU[@]}" --daemon-set nixl_num_threads=4)
+CONTIGUOUS_CELLS=(--contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous)
+# scattered orders draw their blocks from a prefill pool 4 x the batch, into staging 2 x it (room for gaps)
+SCATTERED_POOLS=(--max-batch-tokens 65536 --prefill-pool-factor 4 --staging-factor 2)
 
 # run NAME MAX_S CMD...: CMD's output to $OUT/NAME.log (its tail echoed), bounded by what the call has left.
 run() {
@@ -67,12 +70,10 @@ for step in "$@"; do
     # defaults (about 2 minutes of device time); HEAD_ORDERS=1 adds the scattered orders (about 95 s more)
     headcheck) TAIL=6 run headtests 110 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
         tests/sidecar/convert/test_convert_graphs_gpu.py tests/gpu/test_gpu_slice.py
-      TAIL=8 run headcontiguous 45 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
-        --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous --budget-s 35 \
+      TAIL=8 run headcontiguous 45 "${ONE_GPU[@]}" "${CONTIGUOUS_CELLS[@]}" --budget-s 35 \
         --out "$OUT/e2e-h200-head-contiguous.json"
-      [ -n "${HEAD_ORDERS:-}" ] && TAIL=8 run headorders 95 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
-        --warmup 1 --contexts 4096 --concurrency 1,8 --reps 3 --modes staged --orders churn,density-0.25,random \
-        --max-batch-tokens 65536 --prefill-pool-factor 4 --staging-factor 2 --budget-s 80 \
+      [ -n "${HEAD_ORDERS:-}" ] && TAIL=8 run headorders 95 "${ONE_GPU[@]}" --contexts 4096 --concurrency 1,8 \
+        --reps 3 --modes staged --orders churn,density-0.25,random "${SCATTERED_POOLS[@]}" --budget-s 80 \
         --out "$OUT/e2e-h200-head-orders.json" ;;
     # HEAD against another tree (AB_OLD: a folder holding that tree's sidecar/ and vllm_glue/, e.g. from
     # `git archive <commit> sidecar vllm_glue | tar -x -C ab-old`; not git-ignored, so it travels), old and
@@ -93,14 +94,11 @@ for step in "$@"; do
     # contiguous cells and the 4k x 8 scattered ones, each value with its own bare reads in the same run
     gilab) for r in $(seq 1 "${GIL_ROUNDS:-2}"); do
         for g in ${GIL_VALUES:-500 50 20}; do
-          TAIL=5 run "gil$g-contiguous-$r" 60 python3 -m sidecar.bench.e2e --prefill-device cuda:0 \
-            --decoder-device cuda:0 --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 \
-            --pairs staged/contiguous --daemon-set gil_switch_interval_us="$g" --budget-s 45 \
-            --out "$OUT/e2e-h200-gil$g-contiguous-$r.json"
-          TAIL=4 run "gil$g-orders-$r" 50 python3 -m sidecar.bench.e2e --prefill-device cuda:0 \
-            --decoder-device cuda:0 --warmup 1 --contexts 4096 --concurrency 8 --reps 3 --modes staged \
-            --orders churn,density-0.25 --max-batch-tokens 65536 --prefill-pool-factor 4 --staging-factor 2 \
-            --daemon-set gil_switch_interval_us="$g" --budget-s 35 --out "$OUT/e2e-h200-gil$g-orders-$r.json"
+          TAIL=5 run "gil$g-contiguous-$r" 60 "${ONE_GPU[@]}" "${CONTIGUOUS_CELLS[@]}" \
+            --daemon-set gil_switch_interval_us="$g" --budget-s 45 --out "$OUT/e2e-h200-gil$g-contiguous-$r.json"
+          TAIL=4 run "gil$g-orders-$r" 50 "${ONE_GPU[@]}" --contexts 4096 --concurrency 8 --reps 3 --modes staged \
+            --orders churn,density-0.25 "${SCATTERED_POOLS[@]}" --daemon-set gil_switch_interval_us="$g" \
+            --budget-s 35 --out "$OUT/e2e-h200-gil$g-orders-$r.json"
         done
       done ;;
     # the daemon's defaults with conversion graphs on and off, one after the other in one call
@@ -119,8 +117,7 @@ for step in "$@"; do
     contiguous) TAIL=30 run contiguous 190 "${E2E[@]}" --contexts 4096,16384 --concurrency 1,8 --reps 3 \
       --pairs staged/contiguous,direct/contiguous --budget-s 150 --out "$OUT/e2e-h200-contiguous.json" ;;
     orders) TAIL=30 run orders 160 "${E2E[@]}" --contexts 4096 --concurrency 1,8 --reps 3 --modes staged \
-      --orders churn,density-0.25,random --max-batch-tokens 65536 --prefill-pool-factor 4 --staging-factor 2 \
-      --budget-s 120 --out "$OUT/e2e-h200-orders.json" ;;
+      --orders churn,density-0.25,random "${SCATTERED_POOLS[@]}" --budget-s 120 --out "$OUT/e2e-h200-orders.json" ;;
     # staged only: direct reads of the stand-in's scattered local blocks take 18,432 descriptors per 4k request
     # (0.1-0.2 s each), which ran every step of this sweep past its timeout once.
     groups) for g in ${GROUPS_SWEEP:-1 2 4 9}; do  # the daemon's defaults, layer groups set for both sides
