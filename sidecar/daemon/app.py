@@ -140,7 +140,9 @@ class Daemon:
         log.info("%s", mode_line(self.conversions.limits, gpu=cfg.gpu, platform=_gpu_platform(cfg.gpu)))
         if cfg.staging_bytes:
             dev = 0 if cfg.gpu is None else cfg.gpu
-            self.staging = await asyncio.to_thread(Staging, port, cfg.staging_bytes, cfg.device, dev)
+            self.staging = await asyncio.to_thread(
+                Staging, port, cfg.staging_bytes, cfg.device, dev, self.metrics
+            )
         self._assemble(port)
         if self._bind_socket:
             _raise_fd_limit()

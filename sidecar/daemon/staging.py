@@ -3,13 +3,15 @@
 A staged pull reads whole remote pages into a run of adjacent slots (adjacent slots let NIXL merge
 descriptors), then converts out of place into the decoder's planes. The pool is cut for one page size at a
 time; when a request with another page size comes and the pool is idle, it is re-cut.
+
+Pulls that find no room wait in one queue and are served first come, first served: a pull never takes
+slots while an earlier one waits, so a large request is not starved by smaller ones that keep fitting.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +22,7 @@ from sidecar.daemon.port import TransferPort
 from sidecar.daemon.slots import SlotAllocator
 from sidecar.nixl.geometry import StagingPool
 from sidecar.nixl.spans import GapRead, ReadCost, SpanSlots, plan_span, span_saving_us, worth_waiting
+from sidecar.ops.metrics import Metrics
 from sidecar.wire import ipc as ipc_mod
 from sidecar.wire.formats import PageFormat
 
@@ -33,6 +36,17 @@ class _Cut:
     slot_bytes: int
     pool: StagingPool  # what the port reads into
     allocator: SlotAllocator
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """A pull waiting for ``need`` adjacent slots of ``cut``; ``fallback``: what it asks for once it gives up
+    its gap span (in the same place in the queue). ``fut``: the first slot, or None if the pool was re-cut."""
+
+    cut: _Cut
+    need: int
+    fut: asyncio.Future
+    fallback: int | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,10 +83,13 @@ class Staged:
 class Staging:
     """The daemon's staging pool (``staging_bytes`` of device memory, registered with NIXL)."""
 
-    def __init__(self, port: TransferPort, nbytes: int, device: str, device_id: int) -> None:
+    def __init__(
+        self, port: TransferPort, nbytes: int, device: str, device_id: int, metrics: Metrics | None = None
+    ) -> None:
         import torch
 
         self._port = port
+        self._metrics = metrics
         self.nbytes = nbytes
         self._tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self._device_id = device_id
@@ -80,8 +97,12 @@ class Staging:
         self._registration = port.register([(self._tensor.data_ptr(), nbytes, device_id)], self._mem_type)
         self._cut: _Cut | None = None
         self._views: dict[tuple, Any] = {}  # (first, count, slot bytes, dtype, layers, blocks) -> source view
-        self._changed = asyncio.Condition()
-        self._wakes: set[asyncio.Task] = set()
+        self._queue: deque[_Waiter] = deque()  # pulls waiting for slots, served in order
+
+    @property
+    def waiting(self) -> int:
+        """Pulls waiting for staging slots now."""
+        return sum(not w.fut.done() for w in self._queue)
 
     def _cut_for(self, page_bytes: int) -> _Cut:
         cut = self._cut
@@ -100,6 +121,11 @@ class Staging:
             mem_type=self._mem_type,
         )
         self._cut = _Cut(page_bytes, self._port.staging(self._registration, pool), SlotAllocator(num))
+        while self._queue:  # waiters of the old cut start over on the new one
+            waiter = self._queue.popleft()
+            if not waiter.fut.done():
+                waiter.fut.set_result(None)
+        self._count()
         return self._cut
 
     async def take(self, fmt: PageFormat, layers: int, blocks: int) -> tuple[StagingPool, tuple[int, int]]:
@@ -114,35 +140,76 @@ class Staging:
                     f"the request needs {need} slots of {fmt.page_bytes} bytes, "
                     f"the pool has {cut.allocator.num_slots}",
                 )
-            first = await self._wait_run(cut, need)
+            first, _ = await self._wait_run(cut, need)
             if first is not None:
                 return cut.pool, (first, need)
             # re-cut for another page size while we waited: start over on the new cut
 
-    async def _wait_run(self, cut: _Cut, need: int, timeout_s: float | None = None) -> int | None:
-        """The first slot of ``need`` adjacent slots once some are given back; None if the pool was re-cut
-        or ``timeout_s`` passed. The slots are taken only after a wait returned: a timeout loses none."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        async with self._changed:
-            while (first := cut.allocator.take(need)) is None and self._cut is cut:
-                if deadline is None:
-                    await self._changed.wait()
-                    continue
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                with contextlib.suppress(asyncio.TimeoutError):  # not TimeoutError: Python 3.10
-                    await asyncio.wait_for(self._changed.wait(), left)
-        return first
+    def _take_now(self, cut: _Cut, need: int) -> int | None:
+        """``need`` adjacent slots now, unless another pull waits for slots (it comes first), or None."""
+        return None if self.waiting else cut.allocator.take(need)
+
+    async def _wait_run(
+        self, cut: _Cut, need: int, fallback: int | None = None, give_up_s: float | None = None
+    ) -> tuple[int | None, int]:
+        """(first slot, slots taken): ``need`` adjacent slots, now or in turn behind the pulls already
+        waiting. With ``fallback``, after ``give_up_s`` the pull asks for ``fallback`` slots instead, keeping
+        its place. First is None if the pool was re-cut meanwhile. Cancelled, it takes nothing with it."""
+        first = self._take_now(cut, need)
+        if first is not None:
+            return first, need
+        waiter = _Waiter(cut, need, asyncio.get_running_loop().create_future(), fallback)
+        self._queue.append(waiter)
+        self._count()
+        timer = None
+        if fallback is not None and give_up_s is not None:
+            timer = asyncio.get_running_loop().call_later(max(0.0, give_up_s), self._fall_back, waiter)
+        try:
+            first = await waiter.fut
+        except asyncio.CancelledError:
+            if waiter.fut.done() and not waiter.fut.cancelled() and waiter.fut.result() is not None:
+                self.give((waiter.fut.result(), waiter.need))  # served, but stopped before it could go on
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if waiter in self._queue:
+                self._queue.remove(waiter)
+                self._serve()  # it may have been what held up the pulls behind it
+        return first, waiter.need
+
+    def _count(self) -> None:
+        if self._metrics is not None:
+            self._metrics.staging_waiting.set(self.waiting)
+
+    def _fall_back(self, waiter: _Waiter) -> None:
+        """A waiter's gap span is no longer worth its wait: it asks for its plain slots, in the same place."""
+        if waiter.fallback is not None and not waiter.fut.done():
+            waiter.need, waiter.fallback = waiter.fallback, None
+            self._serve()
+
+    def _serve(self) -> None:
+        """Give slots to the waiting pulls in order, while the first in line fits."""
+        while self._queue:
+            waiter = self._queue[0]
+            if waiter.fut.done():  # cancelled: its task takes it out
+                self._queue.popleft()
+                continue
+            first = waiter.cut.allocator.take(waiter.need) if waiter.cut is self._cut else None
+            if first is None and waiter.cut is self._cut:
+                break
+            self._queue.popleft()
+            waiter.fut.set_result(first)
+        self._count()
 
     async def take_span(
         self, fmt: PageFormat, layers: int, remote_ids: np.ndarray, cost: ReadCost | None, share: float
     ) -> Staged:
         """Slots for a request's remote kernel blocks in remote-address order (neighbours merge into runs),
-        plus the gaps worth reading (``cost``) within ``share`` of the pool. A busy pool: it waits for the
-        span's slots when the gaps save more than the reads in flight take to free them
-        (``worth_waiting``), at most as long as the gaps save; else reads the gaps that fit the free slots
-        now, or none (as ``take``)."""
+        plus the gaps worth reading (``cost``) within ``share`` of the pool. A busy pool: it waits in turn for
+        the span's slots when the gaps save more than the reads in flight take to free them
+        (``worth_waiting``), at most as long as the gaps save, then for its plain slots in the same place;
+        else reads the gaps that fit the free slots now, or none (as ``take``)."""
         n = int(np.asarray(remote_ids).size)
         page = fmt.page_bytes
         span, waited = None, None
@@ -152,14 +219,18 @@ class Staging:
             span = plan_span(remote_ids, page, cost, min(int(share * total), total - own) // layers)
             if span.gap_blocks:
                 need = layers * span.width
-                first = cut.allocator.take(need)
+                first = self._take_now(cut, need)
                 saving_us = 0.0 if first is not None else span_saving_us(span, layers, page, cost)
-                if first is None and worth_waiting(saving_us, page, cost, need - cut.allocator.free):
-                    # Never longer than the gaps save: past that, reading without them is cheaper. None:
-                    # not in time, or the pool was re-cut meanwhile; either way no gaps.
-                    first = await self._wait_run(cut, need, saving_us / 1e6)
-                    waited = "gave_up" if first is None else "taken"
-                elif first is None:  # the gaps that fit the free slots now
+                ahead = sum(w.need for w in self._queue if not w.fut.done())
+                missing = need + ahead - cut.allocator.free
+                if first is None and worth_waiting(saving_us, page, cost, missing):
+                    # Never longer than the gaps save: past that, reading without them is cheaper.
+                    first, need = await self._wait_run(cut, need, own, saving_us / 1e6)
+                    waited = "taken" if need != own else "gave_up"
+                    if first is not None and need == own:  # in turn, without its gaps
+                        plain = SpanSlots(first, layers, n, plan_span(remote_ids, page, None, 0).pos)
+                        return Staged(cut.pool, plain, (first, own), None, waited)
+                elif first is None and not self.waiting:  # the gaps that fit the free slots now
                     budget = min(int(share * total), cut.allocator.free - own) // layers
                     span = plan_span(remote_ids, page, cost, budget)
                     need = layers * span.width
@@ -174,17 +245,10 @@ class Staging:
         return Staged(pool, SpanSlots(run[0], layers, n, span.pos), run, None, waited)
 
     def give(self, run: tuple[int, int]) -> None:
-        """Give a run back (the job's reads and conversion are over) and wake waiting pulls."""
+        """Give a run back (the job's reads and conversion are over) and serve the waiting pulls in order."""
         assert self._cut is not None
         self._cut.allocator.give(*run)
-
-        async def wake() -> None:
-            async with self._changed:
-                self._changed.notify_all()
-
-        task = asyncio.ensure_future(wake())
-        self._wakes.add(task)
-        task.add_done_callback(self._wakes.discard)
+        self._serve()
 
     def source(self, run: tuple[int, int], fmt: PageFormat, layers: int, blocks: int) -> Any:
         """A run's pages as one [layers, blocks, page elements] tensor of the page dtype. Views are kept:

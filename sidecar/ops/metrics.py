@@ -72,6 +72,11 @@ class Metrics:
         self.in_flight = Gauge(
             "kv_sidecar_requests_in_flight", "Pulls accepted and not yet answered", registry=r
         )
+        self.staging_waiting = Gauge(
+            "kv_sidecar_staging_waiting",
+            "Staged pulls waiting in line for staging slots (served first come, first served)",
+            registry=r,
+        )
         self.refusals = Counter(
             "kv_sidecar_refusals", "Refusals by the field that refused", ["field"], registry=r
         )

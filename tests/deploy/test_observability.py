@@ -159,6 +159,7 @@ def test_registry_has_the_fixed_names():
         "kv_sidecar_gap_span_waits_total",
         "kv_sidecar_stage_seconds_bucket",
         "kv_sidecar_requests_in_flight",
+        "kv_sidecar_staging_waiting",
         "kv_sidecar_refusals_total",
         "kv_sidecar_heartbeats_sent_total",
         "kv_sidecar_registered_bytes",

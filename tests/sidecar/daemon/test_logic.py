@@ -585,6 +585,106 @@ def test_a_staged_pull_waits_for_slots_and_goes_on_when_they_are_given_back():
     run(main())
 
 
+async def _posted(h: Harness, count: int, timeout: float = 2.0) -> list[str]:
+    """The remote request ids of the reads posted, once there are ``count`` of them (in post order)."""
+    deadline = time.monotonic() + timeout
+    while len(h.port.reads) < count:
+        assert time.monotonic() < deadline, [r.remote_request_id for r in h.port.reads]
+        await asyncio.sleep(0.002)
+    return [r.remote_request_id for r in h.port.reads]
+
+
+def test_staged_pulls_get_slots_first_come_first_served():
+    """A small pull that would fit does not jump the large pull waiting before it (which small pulls that
+    keep fitting could otherwise starve until its deadline); the gauge says how many wait."""
+
+    async def main():
+        async with started(pull_mode="staged", staging_bytes=LAYERS * 4 * PAGE_BYTES) as h:
+            h.port.auto_land = False
+            waiting = h.daemon.metrics.staging_waiting
+            h.pull("a", blocks=[1, 2])  # half the pool
+            assert await _posted(h, 1) == ["r-a"]
+            h.pull("big", blocks=[3, 4, 5, 6])  # the whole pool: waits for a
+            await h.until_stage("big", "transfer")
+            h.pull("small", blocks=[7])  # fits in the free half, but big came first
+            await h.until_stage("small", "transfer")
+            await asyncio.sleep(0.05)
+            assert len(h.port.reads) == 1 and waiting._value.get() == 2
+            h.port.land(h.port.reads[0])
+            assert (await h.reply(p.Done, "a")).ok
+            assert await _posted(h, 2) == ["r-a", "r-big"]
+            await asyncio.sleep(0.02)
+            assert len(h.port.reads) == 2 and waiting._value.get() == 1  # small: after big
+            h.port.land(h.port.reads[1])
+            assert (await h.reply(p.Done, "big")).ok
+            assert await _posted(h, 3) == ["r-a", "r-big", "r-small"]
+            h.port.land(h.port.reads[2])
+            assert (await h.reply(p.Done, "small")).ok
+            assert waiting._value.get() == 0
+            await h.staging_all_free()
+
+    run(main())
+
+
+@pytest.mark.parametrize("how", ["abort", "deadline"])
+def test_a_pull_stopped_while_in_line_lets_the_ones_behind_it_go(how):
+    async def main():
+        async with started(pull_mode="staged", staging_bytes=LAYERS * 4 * PAGE_BYTES) as h:
+            h.port.auto_land = False
+            h.pull("a", blocks=[1, 2])
+            await _posted(h, 1)
+            h.pull("big", blocks=[3, 4, 5, 6], **({"timeout_s": 0.2} if how == "deadline" else {}))
+            await h.until_stage("big", "transfer")
+            h.pull("small", blocks=[7])
+            await h.until_stage("small", "transfer")
+            if how == "abort":
+                h.send(p.Abort(req_id="big"))
+                assert (await h.reply(p.Aborted, "big")).safe
+            else:
+                done = await h.reply(p.Done, "big")
+                assert not done.ok and done.reason.startswith("deadline"), done
+            assert await _posted(h, 2) == ["r-a", "r-small"]  # a still holds its slots
+            for read in h.port.reads:
+                h.port.land(read)
+            assert (await h.reply(p.Done, "a")).ok and (await h.reply(p.Done, "small")).ok
+            assert h.daemon.metrics.staging_waiting._value.get() == 0
+            await h.staging_all_free()  # the stopped pull took nothing with it
+
+    run(main())
+
+
+def test_a_pull_that_gives_up_its_gap_span_keeps_its_place_in_line():
+    """b waits for a span with gap 5-6 (its gaps save 40 ms at 10 ms a descriptor); c, which would fit,
+    waits behind it. When b's wait reaches what its gaps save, b takes its plain slots first, then c."""
+
+    async def main():
+        h = Harness(pull_mode="staged", staging_bytes=LAYERS * 6 * PAGE_BYTES, gap_pool_share=1.0,
+                    read_descriptor_us=1e4, read_gbps=200.0)
+        await h.start()
+        h.port.auto_land = False
+        try:
+            h.pull("a", blocks=[1, 2, 3])  # half the pool
+            await _posted(h, 1)
+            h.pull("b", blocks=[7, 4])  # its span needs 4 slots a layer, 3 are free
+            await h.until_stage("b", "transfer")
+            h.pull("c", blocks=[0])
+            await h.until_stage("c", "transfer")
+            assert len(h.port.reads) == 1 and h.daemon.metrics.staging_waiting._value.get() == 2
+            assert await _posted(h, 3) == ["r-a", "r-b", "r-c"]  # after b's 40 ms, a still reading
+            assert h.port.reads[1].gaps is None
+            span_waits = h.daemon.metrics.gap_span_waits
+            assert span_waits.labels(outcome="gave_up")._value.get() == 1
+            for read in h.port.reads:
+                h.port.land(read)
+            for req in ("a", "b", "c"):
+                assert (await h.reply(p.Done, req)).ok
+            await h.staging_all_free()
+        finally:
+            await h.stop()
+
+    run(main())
+
+
 def test_staging_slots_a_read_could_not_be_stopped_in_are_never_lent_again(monkeypatch):
     """A staged post that failed midway and whose handles NIXL never releases: the answer says the blocks are
     unsafe, and its staging slots stay out of use (the pool has room for one pull: the next one waits)."""

@@ -1,14 +1,20 @@
-"""``Staged.source_index``: the converter gets a source index only where block i is not staging row i."""
+"""``Staged.source_index``: the converter gets a source index only where block i is not staging row i; the
+pool's line of waiting pulls (first come, first served; a stopped waiter takes nothing with it)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import numpy as np
 import pytest
 
-from sidecar.daemon.staging import Staged
+from sidecar.daemon.staging import Staged, Staging
 from sidecar.nixl.spans import SpanSlots, plan_span
+from sidecar.standins.fake_transfer import FakePort
+from sidecar.wire.formats import PageFormat
+
+FMT = PageFormat(kind="standard", layout="LHBNC", dtype="bfloat16", num_heads=1, block_size=16, head_size=64)
 
 
 def _staged(width: int, pos: list[int]) -> Staged:
@@ -42,3 +48,76 @@ def test_planned_spans_convert_the_same_rows_with_or_without_the_shortcut(seed):
     rows = staged.source_index if staged.source_index is not None else np.arange(ids.size)
     assert rows.tolist() == span.pos.tolist()
     assert (staged.source_index is None) == bool((np.diff(ids) > 0).all())
+
+
+def _pool(slots: int) -> Staging:
+    return Staging(FakePort(), slots * FMT.page_bytes, "cpu", 0)
+
+
+def _free(staging: Staging) -> int:
+    return staging._cut.allocator.free  # noqa: SLF001
+
+
+def test_waiters_are_served_in_arrival_order_while_the_first_fits():
+    async def main():
+        staging = _pool(4)
+        _, whole = await staging.take(FMT, 1, 4)
+        served: list[str] = []
+
+        async def take(name: str, blocks: int) -> tuple[int, int]:
+            _, run = await staging.take(FMT, 1, blocks)
+            served.append(name)
+            return run
+
+        tasks = [asyncio.ensure_future(take(name, n)) for name, n in (("three", 3), ("one", 1), ("two", 2))]
+        await asyncio.sleep(0)
+        assert staging.waiting == 3
+        staging.give(whole)  # three and one fit; two waits for them
+        await asyncio.sleep(0)
+        assert served == ["three", "one"] and staging.waiting == 1
+        staging.give(await tasks[0])
+        assert (await tasks[2])[1] == 2 and served == ["three", "one", "two"]
+        staging.give(await tasks[1])
+        staging.give(await tasks[2])
+        assert _free(staging) == 4 and staging.waiting == 0
+
+    asyncio.run(main())
+
+
+def test_a_waiter_served_but_cancelled_before_it_resumes_gives_its_slots_back():
+    async def main():
+        staging = _pool(4)
+        _, whole = await staging.take(FMT, 1, 4)
+        waiter = asyncio.ensure_future(staging.take(FMT, 1, 2))
+        behind = asyncio.ensure_future(staging.take(FMT, 1, 3))
+        await asyncio.sleep(0)
+        staging.give(whole)  # serves the first waiter at once; it has not resumed yet
+        assert _free(staging) == 2
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        _, run = await behind  # the slots came back and went to the next in line
+        assert run[1] == 3 and _free(staging) == 1
+        staging.give(run)
+        assert _free(staging) == 4 and staging.waiting == 0
+
+    asyncio.run(main())
+
+
+def test_a_pull_arriving_while_others_wait_joins_the_line_even_if_it_fits():
+    async def main():
+        staging = _pool(4)
+        _, half = await staging.take(FMT, 1, 2)
+        big = asyncio.ensure_future(staging.take(FMT, 1, 4))
+        await asyncio.sleep(0)
+        small = asyncio.ensure_future(staging.take(FMT, 1, 1))
+        await asyncio.sleep(0.01)
+        assert not big.done() and not small.done() and _free(staging) == 2
+        staging.give(half)
+        _, run = await big
+        assert not small.done()
+        staging.give(run)
+        staging.give((await small)[1])
+        assert _free(staging) == 4
+
+    asyncio.run(main())
