@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu-fastpath.sh STEP...
 #   steps: tests launchtests graphtests daemontests launch graphlaunch sweep convertgraph contiguous defaults
-#          graphsab groupsab gilab headcheck ab orders groups poll interference profile daemonprofile
+#          graphsab groupsab gilab headcheck ab orders groups poll interference profile daemonprofile map
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -165,6 +165,16 @@ for step in "$@"; do
     interference) TAIL=16 run interference 250 python3 -m sidecar.cli bench interference --source daemon \
       --settings none,mps-cap --cells "4096:0,10,20,50 16384:0,10" --phase-s 4 --budget-s 220 \
       --daemon-set nixl_num_threads=4 --out "$OUT/interference" ;;
+    # the converting read's first question (docs/converting-read.md): does UCX map the prefill's VRAM from its
+    # NIXL metadata (ucp_rkey_ptr), are the mapped pages the prefill's, and what does a gather through the
+    # mapping cost beside a local gather, a device copy and a bare NIXL READ? Then the same with the prefill's
+    # pages from torch's expandable segments (VMM memory: expected not to map without fabric handles).
+    map) TAIL=20 run maptest 90 python3 -m pytest -m gpu -p no:cacheprovider -q -rf tests/gpu/test_gpu_remote_map.py
+      TAIL=40 run map 120 python3 -m sidecar.cli bench map --device cuda:0 --prefill-device cuda:0 \
+        --context 4096 --reps 10 --out "$OUT/map-h200-4k.json"
+      TAIL=12 run mapvmm 90 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m sidecar.cli bench map \
+        --device cuda:0 --prefill-device cuda:0 --context 4096 --reps 5 --orders contiguous \
+        --out "$OUT/map-h200-4k-expandable.json" ;;
     *) STATUS+=("$step: unknown step") ;;
   esac
 done

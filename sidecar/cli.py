@@ -50,6 +50,10 @@ BENCHES = {
     ),
     "break-even": ("sidecar.bench.break_even", "output tokens after which converting pays, from a results file"),
     "soak": ("sidecar.bench.soak", "random faults injected into a live rig: pulls, causes, RSS and fds as JSON"),
+    "map": (
+        "sidecar.bench.remote_map",
+        "map a prefill's KV pages with UCX (ucp_rkey_ptr) and time a read through the mapping against NIXL's",
+    ),
 }
 # What `serve` needs, and where it comes from.
 SERVE_NEEDS = {
