@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import datetime
 import os
 import platform
@@ -108,29 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
     }
     with tempfile.TemporaryDirectory(prefix="kvs-map-") as work:
-        emu = spawn_emulator(
-            [
-                *("--device", args.prefill_device, "--layers", str(args.layers), "--heads", str(args.heads)),
-                *(
-                    "--head-size",
-                    str(args.head_size),
-                    "--block-size",
-                    str(args.block_size),
-                    "--dtype",
-                    args.dtype,
-                ),
-                *(
-                    "--num-blocks",
-                    str(blocks * args.pool_factor + 1),
-                    "--lease",
-                    "600",
-                    "--seed",
-                    str(args.seed),
-                ),
-                *("--control", f"ipc://{work}/emu.sock"),
-            ],
-            180.0,
-        )
+        emu = spawn_emulator(_emulator_args(args, blocks * args.pool_factor + 1, work), 180.0)
         try:
             ready = emu.ready
             reply = prefill.fetch_handshake(ready.side_channel_host, ready.side_channel_port)[(0, 0)]
@@ -163,6 +142,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             emu.stop()
     return out
+
+
+def _emulator_args(args: argparse.Namespace, num_blocks: int, work: str) -> list[str]:
+    opts = {
+        "--device": args.prefill_device,
+        "--layers": args.layers,
+        "--heads": args.heads,
+        "--head-size": args.head_size,
+        "--block-size": args.block_size,
+        "--dtype": args.dtype,
+        "--num-blocks": num_blocks,
+        "--lease": 600,
+        "--seed": args.seed,
+        "--control": f"ipc://{work}/emu.sock",
+    }
+    return [str(part) for option in opts.items() for part in option]
 
 
 @contextlib.contextmanager
@@ -215,22 +210,14 @@ def _map(
         ptr = rkey.ptr(region.addr)
     except UcxError as exc:
         return {"mapped": False, "status": exc.status, "reason": str(exc)}
-    if gpu is None:
-        return {
-            "mapped": True,
-            "pointer": hex(ptr),
-            "note": "host memory mapped (xpmem?); not timed on the CPU",
-        }
     mapped = _device_view(ptr, region.length, gpu)
-    base = ptr + (meta.kv_caches_base_addr[0] - region.addr)
+    offset = meta.kv_caches_base_addr[0] - region.addr  # of layer 0's first page in the mapped region
     out: dict[str, Any] = {"mapped": True, "orders": {}}
     wrong = []
     for order, request in requests.items():
         rows = _rows(meta, request.kernel_block_ids, args.layers)
-        wrong += _check_mapped(mapped, base - ptr, rows, request, fmt, args, gpu)
-        out["orders"][order] = _time_reads(
-            mapped, base - ptr, rows, meta, fmt, region, gpu, prefill_gpu, args
-        )
+        wrong += _check_mapped(mapped, offset, rows, request, fmt, args, gpu)
+        out["orders"][order] = _time_reads(mapped, offset, rows, meta, fmt, order, gpu, prefill_gpu, args)
     out["checked"] = "bit-exact" if not wrong else "MISMATCH"
     out["wrong"] = wrong[:8]
     return out
@@ -257,10 +244,17 @@ class _DeviceMemory:
         }
 
 
-def _device_view(ptr: int, nbytes: int, gpu: int) -> Any:
+def _device_view(ptr: int, nbytes: int, gpu: int | None) -> Any:
+    """The mapped bytes as a uint8 tensor (host memory where UCX mapped it on the CPU, e.g. with xpmem)."""
     import torch
 
+    if gpu is None:
+        return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr)))
     return torch.as_tensor(_DeviceMemory(ptr, nbytes), device=f"cuda:{gpu}")
+
+
+def _dev(gpu: int | None) -> str:
+    return "cpu" if gpu is None else f"cuda:{gpu}"
 
 
 def _pages(memory: Any, offset: int, fmt: PageFormat) -> Any:
@@ -280,7 +274,7 @@ def _check_mapped(
     request: Any,
     fmt: PageFormat,
     args: argparse.Namespace,
-    gpu: int,
+    gpu: int | None,
 ) -> list[list[int]]:
     """Every page of the request read through the mapping, against the emulator's bytes; the wrong ones."""
     import torch
@@ -290,9 +284,9 @@ def _check_mapped(
     pages = _pages(mapped, offset, fmt)
     wrong = []
     for layer in range(args.layers):
-        got = pages.index_select(0, torch.from_numpy(rows[layer]).to(f"cuda:{gpu}")).view(torch.uint8)
+        got = pages.index_select(0, torch.from_numpy(rows[layer]).to(_dev(gpu))).view(torch.uint8)
         want = expected_pages_torch(
-            args.seed, layer, request.kernel_block_ids, request.block_generations, fmt, device=f"cuda:{gpu}"
+            args.seed, layer, request.kernel_block_ids, request.block_generations, fmt, device=_dev(gpu)
         ).view(got.shape)
         bad = (got != want).any(dim=1).nonzero().flatten().tolist()
         wrong += [[layer, request.kernel_block_ids[i]] for i in bad]
@@ -305,15 +299,15 @@ def _time_reads(
     rows: np.ndarray,
     meta: Any,
     fmt: PageFormat,
-    region: Any,
-    gpu: int,
+    order: str,
+    gpu: int | None,
     prefill_gpu: int | None,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     """Median seconds of each way to bring the request's pages here, side by side, and over a copy."""
     import torch
 
-    dev = f"cuda:{gpu}"
+    dev = _dev(gpu)
     index = torch.from_numpy(rows.reshape(-1)).to(dev)
     src = _pages(mapped, offset, fmt)
     local = torch.empty_like(src)  # the prefill's pages as if they were this device's own
@@ -325,11 +319,10 @@ def _time_reads(
         "gather_local": lambda: torch.index_select(local, 0, index, out=dst),
         "copy_local": lambda: dst.copy_(contiguous),
     }
-    times = {name: _cuda_median(fn, args.reps) for name, fn in ways.items()}
-    remote_addr = np.asarray(meta.kv_caches_base_addr[0], dtype=np.uint64) + rows.astype(
-        np.uint64
-    ) * np.uint64(fmt.page_bytes)
-    times["nixl_read"] = _nixl_read_median(meta, remote_addr, dst, fmt, gpu, prefill_gpu, args.reps)
+    times = {name: _median(fn, args.reps, gpu is not None) for name, fn in ways.items()}
+    first_page = np.uint64(meta.kv_caches_base_addr[0])
+    remote_addr = first_page + rows.astype(np.uint64) * np.uint64(fmt.page_bytes)
+    times["nixl_read"] = _nixl_read_median(meta, remote_addr, dst, fmt, order, gpu, prefill_gpu, args.reps)
     nbytes = dst.numel() * dst.element_size()
     return {
         name: {"median_ms": s * 1e3, "request_GBps": nbytes / s / 1e9, "over_copy": times["copy_local"] / s}
@@ -337,10 +330,18 @@ def _time_reads(
     }
 
 
-def _cuda_median(fn: Any, reps: int) -> float:
+def _median(fn: Any, reps: int, cuda: bool) -> float:
+    """Median seconds of ``fn`` after one warm-up call: CUDA events on a GPU, the clock on the CPU."""
     import torch
 
     fn()
+    if not cuda:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
     torch.cuda.synchronize()
     out = []
     for _ in range(reps):
@@ -358,7 +359,8 @@ def _nixl_read_median(
     remote_addr: np.ndarray,
     dst: Any,
     fmt: PageFormat,
-    gpu: int,
+    name: str,
+    gpu: int | None,
     prefill_gpu: int | None,
     reps: int,
 ) -> float:
@@ -370,20 +372,19 @@ def _nixl_read_median(
 
     layers, n = remote_addr.shape
     agent = nixl_agent(
-        f"bench-map-{os.getpid()}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        f"bench-map-{os.getpid()}-{name}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
     )
-    nbytes = dst.numel() * dst.element_size()
-    reg = agent.register_memory([(dst.data_ptr(), nbytes, gpu, "")], "VRAM")
+    local_mem, local_dev = ("DRAM", 0) if gpu is None else ("VRAM", gpu)
+    reg = agent.register_memory(
+        [(dst.data_ptr(), dst.numel() * dst.element_size(), local_dev, "")], local_mem
+    )
     peer = agent.add_remote_agent(meta.agent_metadata)
-    local_addr = np.uint64(dst.data_ptr()) + np.arange(layers * n, dtype=np.uint64).reshape(
-        layers, n
-    ) * np.uint64(fmt.page_bytes)
-    remote_mem = "DRAM" if prefill_gpu is None else "VRAM"
-    descs = merge_runs(remote_addr, local_addr, np.full(layers, fmt.page_bytes), meta.device_id, gpu)
-    local_d, remote_d = (
-        agent.get_xfer_descs(descs.local, "VRAM"),
-        agent.get_xfer_descs(descs.remote, remote_mem),
-    )
+    pages = np.arange(layers * n, dtype=np.uint64).reshape(layers, n)
+    local_addr = np.uint64(dst.data_ptr()) + pages * np.uint64(fmt.page_bytes)
+    unit = np.full(layers, fmt.page_bytes)
+    descs = merge_runs(remote_addr, local_addr, unit, meta.device_id, local_dev)
+    local_d = agent.get_xfer_descs(descs.local, local_mem)
+    remote_d = agent.get_xfer_descs(descs.remote, "DRAM" if prefill_gpu is None else "VRAM")
     times = []
     try:
         for _ in range(reps + 1):
