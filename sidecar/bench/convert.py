@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from sidecar.bench.timing import device_timer
 from sidecar.convert.checks import ConversionJob, check_job
 from sidecar.convert.reference import run_reference
 
@@ -140,43 +141,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="blocks per layer in the cache the request's random ids are drawn from (GPU; the "
                              "CPU uses the request's blocks + 25 %%)")
     parser.add_argument("--check", action="store_true", help="exit 1 unless the must-show ratios hold")
-
-
-# ---- timing ----------------------------------------------------------------------------------------------
-
-def _timer(device: torch.device, warmup: int, reps: int) -> Callable[[Callable[[], None]], float]:
-    """Seconds of ``fn`` after a warm-up: median of CUDA-event times on a GPU, best wall time on the CPU."""
-
-    def cuda_time(fn):
-        # Warm up for at least `warmup` calls and 50 ms, so the clocks have left idle before timing.
-        start = time.perf_counter()
-        done = 0
-        while done < warmup or time.perf_counter() - start < 0.05:
-            fn()
-            torch.cuda.synchronize()
-            done += 1
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
-
-    def cpu_time(fn):
-        # Best of reps: on a small shared host other processes only ever add time (preemption).
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    return cuda_time if device.type == "cuda" else cpu_time
 
 
 # ---- one shape -------------------------------------------------------------------------------------------
@@ -447,7 +411,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     name = device_name(device)
     now = dt.datetime.now(dt.timezone.utc)
-    timer = _timer(device, args.warmup, reps)
+    timer = device_timer(device, args.warmup, reps)
     rows: list[dict] = []
     steps_per_shape = 2 + (len(variants) if variants else 0)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),

@@ -33,6 +33,7 @@ import numpy as np
 
 from sidecar.bench.e2e_common import BenchError, parse_device
 from sidecar.bench.output import emit
+from sidecar.bench.timing import device_timer
 from sidecar.wire.formats import STANDARD, PageFormat
 
 ORDERS = ("contiguous", "random")
@@ -212,7 +213,8 @@ def _map(
         return {"mapped": False, "status": exc.status, "reason": str(exc)}
     mapped = _device_view(ptr, region.length, gpu)
     offset = meta.kv_caches_base_addr[0] - region.addr  # of layer 0's first page in the mapped region
-    out: dict[str, Any] = {"mapped": True, "orders": {}}
+    timing = "median of CUDA events" if gpu is not None else "best wall time"
+    out: dict[str, Any] = {"mapped": True, "timing": f"{timing}; nixl_read: median wall time", "orders": {}}
     wrong = []
     for order, request in requests.items():
         rows = _rows(meta, request.kernel_block_ids, args.layers)
@@ -319,39 +321,16 @@ def _time_reads(
         "gather_local": lambda: torch.index_select(local, 0, index, out=dst),
         "copy_local": lambda: dst.copy_(contiguous),
     }
-    times = {name: _median(fn, args.reps, gpu is not None) for name, fn in ways.items()}
+    timer = device_timer(torch.device(dev), 1, args.reps)
+    times = {name: timer(fn) for name, fn in ways.items()}
     first_page = np.uint64(meta.kv_caches_base_addr[0])
     remote_addr = first_page + rows.astype(np.uint64) * np.uint64(fmt.page_bytes)
     times["nixl_read"] = _nixl_read_median(meta, remote_addr, dst, fmt, order, gpu, prefill_gpu, args.reps)
     nbytes = dst.numel() * dst.element_size()
     return {
-        name: {"median_ms": s * 1e3, "request_GBps": nbytes / s / 1e9, "over_copy": times["copy_local"] / s}
+        name: {"ms": s * 1e3, "request_GBps": nbytes / s / 1e9, "over_copy": times["copy_local"] / s}
         for name, s in times.items()
     }
-
-
-def _median(fn: Any, reps: int, cuda: bool) -> float:
-    """Median seconds of ``fn`` after one warm-up call: CUDA events on a GPU, the clock on the CPU."""
-    import torch
-
-    fn()
-    if not cuda:
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(out)
 
 
 def _nixl_read_median(

@@ -74,4 +74,4 @@ def test_given_a_mapping_every_page_is_checked_and_every_way_timed(tmp_path, mon
     for order in ("contiguous", "random"):
         ways = mapping["orders"][order]
         assert set(ways) == {"gather_mapped", "gather_local", "copy_local", "nixl_read"}
-        assert all(w["median_ms"] > 0 for w in ways.values()) and ways["copy_local"]["over_copy"] == 1.0
+        assert all(w["ms"] > 0 for w in ways.values()) and ways["copy_local"]["over_copy"] == 1.0
