@@ -18,6 +18,7 @@ import glob
 import importlib.util
 import os
 import time
+from collections.abc import Callable
 
 UCS_OK, UCS_INPROGRESS, UCS_ERR_UNREACHABLE = 0, 1, -6
 UCP_FEATURE_RMA = 1 << 1
@@ -120,22 +121,29 @@ class UcpWorker:
         self._endpoints.append(ep)
         return ep
 
-    def progress(self) -> None:
-        self.ucp.ucp.ucp_worker_progress(self._worker)
-
-    def wait(self, call: str, request: int | None, timeout_s: float) -> None:
-        """Progress until ``request`` (a UCP status pointer) completes; raise its failure or a timeout."""
+    def wait(
+        self, call: str, request: int | None, timeout_s: float, on_timeout: Callable[[], None] | None = None
+    ) -> None:
+        """Progress until ``request`` (a UCP status pointer) completes and raise its failure. After
+        ``timeout_s``, ``on_timeout`` must make it end (a forced close fails an endpoint's requests); the
+        request is released only once it has ended, so a late GET never writes into a buffer given up."""
         if request is None:
             return  # completed in place
         if request >= _ERR_PTR_FLOOR:
             self.ucp.check(call, request - (1 << 64))
         deadline = time.monotonic() + timeout_s
         ucp = self.ucp.ucp
+        timed_out = False
         while (status := ucp.ucp_request_check_status(request)) == UCS_INPROGRESS:
-            if time.monotonic() > deadline:
-                raise UcxError(call, UCS_INPROGRESS, f"not complete after {timeout_s:g} s")
+            if not timed_out and time.monotonic() > deadline:
+                timed_out = True
+                if on_timeout is None:
+                    raise UcxError(call, UCS_INPROGRESS, f"not complete after {timeout_s:g} s")
+                on_timeout()
             ucp.ucp_worker_progress(self._worker)
         ucp.ucp_request_free(request)
+        if timed_out:
+            raise UcxError(call, status, f"not complete after {timeout_s:g} s; its endpoint was closed")
         self.ucp.check(call, status)
 
     def close(self) -> None:
@@ -168,6 +176,7 @@ class Endpoint:
         status = worker.ucp.ucp.ucp_ep_create(worker._worker, params, ctypes.byref(self._ep))
         worker.ucp.check("ucp_ep_create", status)
         self._keys: list[RemoteKey] = []
+        self._closing: int | None = None  # the forced close's request, until ``close`` has waited for it
 
     def unpack(self, packed_key: bytes) -> RemoteKey:
         """A region's packed key (``ucp_rkey_pack``'s bytes, e.g. ``nixl_metadata.Region.key``). On a GPU, the
@@ -185,10 +194,13 @@ class Endpoint:
         self, key: RemoteKey, remote_addr: int, local_ptr: int, nbytes: int, timeout_s: float = 10.0
     ) -> None:
         """Read ``nbytes`` at ``remote_addr`` into this process's memory at ``local_ptr`` (host memory: UCX
-        finds the memory type itself), and wait for it."""
+        finds the memory type itself), and wait for it. Not done within ``timeout_s`` (a stalled peer), the
+        endpoint is closed, which ends the read; the endpoint is unusable after that."""
+        if not self._ep:
+            raise UcxError("ucp_get_nbx", -1, "the endpoint is closed")
         ucp = self._worker.ucp.ucp
         request = ucp.ucp_get_nbx(self._ep, local_ptr, nbytes, remote_addr, key._handle, _params())
-        self._worker.wait("ucp_get_nbx", request, timeout_s)
+        self._worker.wait("ucp_get_nbx", request, timeout_s, on_timeout=self._force_close)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Destroy its keys (which unmaps what they mapped), then close the endpoint without flushing: it
@@ -196,12 +208,16 @@ class Endpoint:
         for key in reversed(self._keys):
             key.close()
         self._keys.clear()
+        self._force_close()
+        closing, self._closing = self._closing, None
+        self._worker.wait("ucp_ep_close_nbx", closing, timeout_s)
+
+    def _force_close(self) -> None:
+        """Close the endpoint at once: its outstanding requests fail (``close`` waits for the close)."""
         if self._ep:
-            request = self._worker.ucp.ucp.ucp_ep_close_nbx(
-                self._ep, _params((UCP_EP_CLOSE_FLAG_FORCE << 32) | UCP_OP_ATTR_FIELD_FLAGS)
-            )
+            flags = (UCP_EP_CLOSE_FLAG_FORCE << 32) | UCP_OP_ATTR_FIELD_FLAGS
+            self._closing = self._worker.ucp.ucp.ucp_ep_close_nbx(self._ep, _params(flags))
             self._ep = ctypes.c_void_p()
-            self._worker.wait("ucp_ep_close_nbx", request, timeout_s)
 
 
 class RemoteKey:

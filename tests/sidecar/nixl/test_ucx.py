@@ -4,6 +4,8 @@ memory (host memory without xpmem) ``ptr`` says why; a dead prefill fails a read
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import numpy as np
@@ -115,3 +117,25 @@ def test_a_read_from_a_dead_prefill_fails_instead_of_hanging(emu):
             ep.get(key, meta.kv_caches_base_addr[0], page.ctypes.data, page.nbytes, timeout_s=10.0)
         assert time.monotonic() - started < 10.0
     # closing (force) after the peer died does not hang either: we are here
+
+
+def test_a_read_from_a_stalled_prefill_ends_at_its_timeout_and_closes_the_endpoint(emu, monkeypatch):
+    """Over tcp a read needs the prefill's own progress; a SIGSTOPped prefill makes none. At the timeout the
+    endpoint is closed, which ends the read (it cannot write later into the buffer given up)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # our context only: reads go as active messages the peer serves
+    meta, agent, region = _handshake(emu)
+    page = np.empty(FMT.page_bytes, dtype=np.uint8)
+    with UcpWorker() as worker:
+        ep = worker.connect(agent.connections["UCX"])
+        key = ep.unpack(region.key)
+        ep.get(key, meta.kv_caches_base_addr[0], page.ctypes.data, page.nbytes)  # connected, peer alive
+        os.kill(emu.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(UcxError, match="not complete after 0.5 s"):
+                ep.get(key, meta.kv_caches_base_addr[0], page.ctypes.data, page.nbytes, timeout_s=0.5)
+            assert time.monotonic() - started < 5.0
+            with pytest.raises(UcxError, match="closed"):
+                ep.get(key, meta.kv_caches_base_addr[0], page.ctypes.data, page.nbytes)
+        finally:
+            os.kill(emu.proc.pid, signal.SIGCONT)
