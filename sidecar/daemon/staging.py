@@ -40,10 +40,9 @@ class _Cut:
 
 @dataclass(eq=False)
 class _Waiter:
-    """A pull waiting for ``need`` adjacent slots of ``cut``; ``fallback``: what it asks for once it gives up
-    its gap span (in the same place in the queue). ``fut``: the first slot, or None if the pool was re-cut."""
+    """A pull waiting for ``need`` adjacent slots; ``fallback``: what it asks for once it gives up its gap
+    span (in the same place in the queue). ``fut``: the first slot, or None if the pool was re-cut."""
 
-    cut: _Cut
     need: int
     fut: asyncio.Future
     fallback: int | None = None
@@ -158,7 +157,7 @@ class Staging:
         first = self._take_now(cut, need)
         if first is not None:
             return first, need
-        waiter = _Waiter(cut, need, asyncio.get_running_loop().create_future(), fallback)
+        waiter = _Waiter(need, asyncio.get_running_loop().create_future(), fallback)
         self._queue.append(waiter)
         self._count()
         timer = None
@@ -189,18 +188,22 @@ class Staging:
             self._serve()
 
     def _serve(self) -> None:
-        """Give slots to the waiting pulls in order, while the first in line fits."""
+        """Give slots to the waiting pulls in order, while the first in line fits. (A re-cut empties the line,
+        ``_cut_for``: every waiter waits for the current cut.)"""
         while self._queue:
             waiter = self._queue[0]
-            if waiter.fut.done():  # cancelled: its task takes it out
-                self._queue.popleft()
-                continue
-            first = waiter.cut.allocator.take(waiter.need) if waiter.cut is self._cut else None
-            if first is None and waiter.cut is self._cut:
-                break
+            if not waiter.fut.done():  # done: cancelled, its task takes it out
+                assert self._cut is not None
+                first = self._cut.allocator.take(waiter.need)
+                if first is None:
+                    break
+                waiter.fut.set_result(first)
             self._queue.popleft()
-            waiter.fut.set_result(first)
         self._count()
+
+    def _queued_slots(self) -> int:
+        """Slots the pulls waiting in line ask for."""
+        return sum(w.need for w in self._queue if not w.fut.done())
 
     async def take_span(
         self, fmt: PageFormat, layers: int, remote_ids: np.ndarray, cost: ReadCost | None, share: float
@@ -221,8 +224,7 @@ class Staging:
                 need = layers * span.width
                 first = self._take_now(cut, need)
                 saving_us = 0.0 if first is not None else span_saving_us(span, layers, page, cost)
-                ahead = sum(w.need for w in self._queue if not w.fut.done())
-                missing = need + ahead - cut.allocator.free
+                missing = 0 if first is not None else need + self._queued_slots() - cut.allocator.free
                 if first is None and worth_waiting(saving_us, page, cost, missing):
                     # Never longer than the gaps save: past that, reading without them is cheaper.
                     first, need = await self._wait_run(cut, need, own, saving_us / 1e6)
