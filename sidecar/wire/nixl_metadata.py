@@ -25,7 +25,17 @@ import msgspec
 INTRO = b"nixlSerDes|"
 MEM_TYPES = ("DRAM", "VRAM", "BLK", "OBJ", "FILE")  # nixl_mem_t, in its order (nixl_types.h)
 # ucs_memory_type_t, in its order (UCX 1.2x ucs/memory/memory_type.h): the packed key's memory type.
-UCS_MEMORY_TYPES = ("host", "cuda", "cuda_managed", "rocm", "rocm_managed", "rdma", "ze_host", "ze_device")
+UCS_MEMORY_TYPES = (
+    "host",
+    "cuda",
+    "cuda_managed",
+    "rocm",
+    "rocm_managed",
+    "rdma",
+    "ze_host",
+    "ze_device",
+    "ze_managed",
+)
 
 
 class NixlMetadataError(ValueError):

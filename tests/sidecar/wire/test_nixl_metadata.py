@@ -149,6 +149,9 @@ def test_packed_keys_read_their_memory_type_and_each_domains_key():
     key = struct.pack("<QB", 0b101, 1) + bytes([2]) + b"ab" + bytes([0]) + bytes([255])
     got = read_packed_key(key)
     assert got.mem_type == "cuda" and got.transport_keys == {0: b"ab", 2: b""}
+    # every UCS memory type UCX 1.2x can pack, in its enum's order, the last one included
+    assert read_packed_key(struct.pack("<QB", 0, 3)).mem_type == "rocm"
+    assert read_packed_key(struct.pack("<QB", 0, 8)).mem_type == "ze_managed"
 
 
 @pytest.mark.parametrize(
