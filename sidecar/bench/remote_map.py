@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import datetime
 import os
 import platform
@@ -205,13 +204,14 @@ def _map(
     prefill_gpu: int | None,
     args: argparse.Namespace,
 ) -> dict:
+    from sidecar.nixl.mapping import memory_view
     from sidecar.nixl.ucx import UcxError
 
     try:
         ptr = rkey.ptr(region.addr)
     except UcxError as exc:
         return {"mapped": False, "status": exc.status, "reason": str(exc)}
-    mapped = _device_view(ptr, region.length, gpu)
+    mapped = memory_view(ptr, region.length, gpu)
     offset = meta.kv_caches_base_addr[0] - region.addr  # of layer 0's first page in the mapped region
     timing = "median of CUDA events" if gpu is not None else "best wall time"
     out: dict[str, Any] = {"mapped": True, "timing": f"{timing}; nixl_read: median wall time", "orders": {}}
@@ -231,28 +231,6 @@ def _rows(meta: Any, blocks: list[int], layers: int) -> np.ndarray:
         np.arange(layers, dtype=np.int64)[:, None] * meta.num_blocks
         + np.asarray(blocks, dtype=np.int64)[None, :]
     )
-
-
-class _DeviceMemory:
-    """Memory at a raw device pointer, for ``torch.as_tensor`` (the CUDA array interface)."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "strides": None,
-            "version": 3,
-        }
-
-
-def _device_view(ptr: int, nbytes: int, gpu: int | None) -> Any:
-    """The mapped bytes as a uint8 tensor (host memory where UCX mapped it on the CPU, e.g. with xpmem)."""
-    import torch
-
-    if gpu is None:
-        return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr)))
-    return torch.as_tensor(_DeviceMemory(ptr, nbytes), device=f"cuda:{gpu}")
 
 
 def _dev(gpu: int | None) -> str:

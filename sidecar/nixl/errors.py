@@ -31,6 +31,11 @@ class TransferTimeout(TransferError):
     """A pull did not finish before its deadline."""
 
 
+class MappingUnavailable(TransferError):
+    """A prefill's pages cannot be mapped here (no transport maps them, or their layout does not fit one
+    source tensor): its requests read the usual way (``sidecar.nixl.mapping``)."""
+
+
 class RequestRefused(TransferError):
     """A request's block ids do not fit the checked geometry (out of range, duplicates, too many)."""
 

@@ -1,0 +1,96 @@
+"""``sidecar.nixl.mapping``: which published geometries fit one mapped source tensor (pure, every refusal
+naming its field), and against a real prefill emulator on this host: host memory does not map, and
+``map_pages`` says so as ``MappingUnavailable`` with UCX's reason, leaving nothing open."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from sidecar.nixl.errors import MappingUnavailable
+from sidecar.nixl.geometry import RemoteRegions
+from sidecar.nixl.mapping import MappingLayout, map_pages, mapping_layout
+from sidecar.wire import prefill as wire
+from tests.sidecar.nixl.test_ucx import FMT, LAYERS, emu
+
+__all__ = ["emu"]  # a fixture, used by name
+
+PAGE = 4096
+
+
+def _regions(bases, lens=PAGE, strides=PAGE, blocks=10) -> RemoteRegions:
+    n = len(bases)
+
+    def arr(v):
+        return np.full(n, v, np.int64) if np.isscalar(v) else np.asarray(v, np.int64)
+
+    return RemoteRegions(
+        base=np.asarray(bases, np.uint64), block_len=arr(lens), block_stride=arr(strides), num_blocks=arr(blocks),
+        device_id=0, layout="LBHNC", block_size=16, blocks_per_logical=1, mem_type="VRAM",
+    )
+
+
+def test_evenly_spaced_layers_of_whole_pages_fit_one_tensor():
+    lay = mapping_layout(_regions([1 << 20, (1 << 20) + 50 * PAGE, (1 << 20) + 100 * PAGE]), 3, PAGE, 2)
+    assert lay == MappingLayout(layers=3, blocks=10, page_bytes=PAGE, block_stride=PAGE, layer_stride=50 * PAGE)
+    assert lay.span == 100 * PAGE + 9 * PAGE + PAGE
+    assert lay.layer_span() == 10 * PAGE
+
+
+def test_one_layer_has_no_layer_stride():
+    assert mapping_layout(_regions([1 << 20]), 1, PAGE, 2).layer_stride == 0
+
+
+@pytest.mark.parametrize(
+    ("regions", "layers", "field"),
+    [
+        (_regions([1 << 20, 2 << 20]), 1, "kv_caches_base_addr"),  # two regions for one layer (split K/V)
+        (_regions([1 << 20, 2 << 20, 4 << 20]), 3, "kv_caches_base_addr"),  # not evenly spaced
+        (_regions([2 << 20, 1 << 20]), 2, "kv_caches_base_addr"),  # descending
+        (_regions([1 << 20, 2 << 20], lens=[PAGE, PAGE // 2], strides=PAGE), 2, "block_lens"),
+        (_regions([1 << 20, 2 << 20], strides=[PAGE, 2 * PAGE]), 2, "block_strides"),
+        (_regions([1 << 20, 2 << 20], blocks=[10, 11]), 2, "region_num_blocks"),
+        (_regions([1 << 20, 2 << 20], lens=PAGE // 2, strides=PAGE), 2, "block_lens"),  # half pages
+        (_regions([1 << 20, (1 << 20) + 3]), 2, "kv_caches_base_addr"),  # not whole elements apart
+        (_regions([1 << 20, 2 << 20], strides=PAGE + 1), 2, "block_strides"),
+    ],
+)
+def test_geometries_that_do_not_fit_are_refused_naming_the_field(regions, layers, field):
+    with pytest.raises(MappingUnavailable) as info:
+        mapping_layout(regions, layers, PAGE, 2)
+    assert info.value.field == field
+
+
+def test_metadata_that_is_not_nixls_is_refused_naming_its_entry():
+    lay = mapping_layout(_regions([1 << 20]), 1, PAGE, 2)
+    with pytest.raises(MappingUnavailable) as info:
+        map_pages(b"not nixl metadata", _regions([1 << 20]), lay, None)
+    assert info.value.field == "intro"
+
+
+def test_host_memory_of_a_real_prefill_does_not_map_and_says_why(emu):
+    meta = wire.fetch_handshake(emu.ready.side_channel_host, emu.ready.side_channel_port)[(0, 0)].metadata
+    regions = RemoteRegions.from_metadata(meta, default_mem_type="DRAM")
+    lay = mapping_layout(regions, LAYERS, FMT.page_bytes, FMT.elem_bytes)
+    with pytest.raises(MappingUnavailable) as info:
+        map_pages(meta.agent_metadata, regions, lay, None)
+    assert info.value.field == "ucp_rkey_ptr"
+    assert "unreachable" in info.value.reason.lower()
+
+
+def test_a_prefill_without_ucx_is_refused_naming_agent_metadata(emu, monkeypatch):
+    from sidecar.wire import nixl_metadata
+
+    meta = wire.fetch_handshake(emu.ready.side_channel_host, emu.ready.side_channel_port)[(0, 0)].metadata
+    real = nixl_metadata.read_agent_metadata(meta.agent_metadata)
+    monkeypatch.setattr(
+        nixl_metadata, "read_agent_metadata",
+        lambda _b: types.SimpleNamespace(connections={"GDS": b""}, sections=real.sections),
+    )
+    regions = RemoteRegions.from_metadata(meta, default_mem_type="DRAM")
+    lay = mapping_layout(regions, LAYERS, FMT.page_bytes, FMT.elem_bytes)
+    with pytest.raises(MappingUnavailable) as info:
+        map_pages(meta.agent_metadata, regions, lay, None)
+    assert info.value.field == "agent_metadata"
