@@ -30,6 +30,7 @@ from sidecar.daemon.caches import CacheRegistry
 from sidecar.daemon.conversion import Conversions
 from sidecar.daemon.heartbeats import Heartbeats
 from sidecar.daemon.jobs import SHUTTING_DOWN, Ending, JobTable, Outcome, Session
+from sidecar.daemon.mapped import MappedReads
 from sidecar.daemon.leases import Leases, LeaseTracker
 from sidecar.daemon.peers import Peers
 from sidecar.daemon.pipeline import Pipeline
@@ -228,6 +229,7 @@ class Daemon:
             reads=reads,
             staging=self.staging,
             conversions=self.conversions,
+            mapped=MappedReads(port, reads.on_poster, self.conversions, self.metrics),
             send=self.router.send,
             metrics=self.metrics,
             spawn=self._spawn,

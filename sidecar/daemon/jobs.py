@@ -105,6 +105,7 @@ class Job:
     pairs: Any = None  # geometry.BlockPairs: the checked kernel blocks read (local: what gets converted)
     slots: tuple[int, int] | None = None  # staging: (first slot, count)
     gap_bytes: int = 0  # staging: bytes of gap blocks read only to merge descriptors (not the request's)
+    mapped_bytes: int = 0  # mapped: bytes the conversion read through the mapping (it has no read)
     conversion: Any = None  # conversion.JobConversion
 
     @property

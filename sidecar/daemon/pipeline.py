@@ -1,9 +1,11 @@
 """A Pull's path: queue → handshake → lease check → read (converting groups as they land) → Done.
+With ``pull_mode = "mapped"`` and a prefill whose pages map, the read is the conversion itself
+(``mapped.py``).
 
 ``Pipeline._path`` is the whole happy path in one short function; everything that can go wrong raises
 (``Refused``, ``Failed``) or cancels the job's task (deadline, Abort, shutdown), and ``_run`` turns that into
 the one answer every accepted Pull gets. Before answering, ``_quiesce`` makes sure nothing can still write
-into the job's blocks, and that a prefill whose blocks we will not read is told so.
+into the job's blocks (or, mapped, read the prefill's), and that the prefill is told it may free them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from sidecar.daemon.conversion import Conversions
 from sidecar.daemon.errors import Failed, PeerLost, Refused, reason_of
 from sidecar.daemon.jobs import SHUTTING_DOWN, Ending, Job, JobTable, Outcome, Session, Stage
 from sidecar.daemon.leases import Leases
+from sidecar.daemon.mapped import MappedReads
 from sidecar.daemon.peers import Peers
 from sidecar.daemon.port import PeerSet, PeerTarget, ReadMode
 from sidecar.daemon.read_plan import gap_cost, layer_groups_for
@@ -50,6 +53,7 @@ class Pipeline:
         reads: Reads,
         staging: Staging | None,
         conversions: Conversions,
+        mapped: MappedReads,
         send: Callable[[list[bytes], p.ToShim], None],
         metrics: Metrics,
         spawn: Callable[[Any], asyncio.Task],
@@ -63,6 +67,7 @@ class Pipeline:
         self._reads = reads
         self._staging = staging
         self._conversions = conversions
+        self._mapped = mapped
         self._send = send
         self._metrics = metrics
         self._spawn = spawn
@@ -157,7 +162,13 @@ class Pipeline:
                 "no heartbeat in time); not reading blocks the prefill may have reused"
             )
         job.enter(Stage.TRANSFER)
-        converting = await self._post(job, caches, self._mode(job.peer.plan.convert), cfg.layer_groups)
+        mode = self._mode(job.peer.plan.convert)
+        if mode == "mapped":
+            source = await self._mapped.source(job)
+            if source is not None:
+                return await self._convert_mapped(job, caches, source)
+            mode = self._usual_mode()
+        converting = await self._post(job, caches, mode, cfg.layer_groups)
         posted = time.monotonic()
         job.timings["post"] = posted - job.stage_started
         await self._reads.wait(job)  # layer groups convert as they land, while later ones still read
@@ -185,13 +196,31 @@ class Pipeline:
         if not convert:
             return "plain"
         mode = self._config().pull_mode
-        if mode == "auto":
-            return "staged" if self._staging is not None else "direct"
-        return mode
+        return self._usual_mode() if mode == "auto" else mode
+
+    def _usual_mode(self) -> ReadMode:
+        """``auto``'s choice, and where a mapped read is not possible: staged when there is a pool."""
+        return "staged" if self._staging is not None else "direct"
+
+    async def _convert_mapped(self, job: Job, caches: Caches, source: Any) -> Ending:
+        """The mapped path's read: the conversion out of the prefill's mapped pages (``mapped.py``); the
+        prefill is notified by ``_quiesce``, once the conversion has ended."""
+        job.pairs = self._reads.blocks(job, "mapped")
+        self._metrics.read_mode("mapped")
+        job.enter(Stage.CONVERT)
+        await self._mapped.convert(job, source, len(caches.layers))
+        rid = job.msg.remote_request_id
+        if time.monotonic() >= self._leases.vouched_until(rid):
+            raise Failed(
+                f"lease: the conversion of {rid!r} ended after its lease could have lapsed; its bytes "
+                "cannot be trusted"
+            )
+        return Ending(Outcome.OK)
 
     async def _post(self, job: Job, caches: Caches, mode: ReadMode, layer_groups: int) -> bool:
         """Take staging slots if staged, prepare the conversion, post the reads; True if it converts."""
         job.pairs = self._reads.blocks(job, mode)
+        self._metrics.read_mode(mode)
         pool = slots = src = staged = None
         layers, blocks = len(caches.layers), job.pairs.count
         fmt = job.peer.plan.remote
@@ -262,10 +291,15 @@ class Pipeline:
         """Make sure nothing can still write into the job's blocks; tell the prefill what we will not read."""
         safe = True
         rid = job.msg.remote_request_id
+        # first: a mapped conversion reads the prefill's blocks until its event, so it must end before the
+        # prefill is told it may reuse them (staged and direct ones read only our own memory)
+        await self._conversions.settle(job)
         if job.read is not None:
             safe = await self._reads.stop(job)
         elif job.peer is not None:
-            self._peers.notify(job.peer, rid)  # read never posted: still let the prefill free the blocks
+            # no read posted (a mapped pull, or one stopped before its post): still let the prefill free the
+            # blocks, right after the answer (which need not wait for NIXL's send)
+            asyncio.get_running_loop().call_soon(self._peers.notify, job.peer, rid)
         elif job.peer_entries:
             # stopped during the handshakes, or after they ended but before this job resumed from them
             for entry in job.peer_entries:
@@ -274,7 +308,6 @@ class Pipeline:
             # the prefill holds the blocks for its lease: handshake (or reuse one) just to notify
             for target in _targets(job, refuse=False):
                 self._peers.notify_unread(target, self._caches.current, rid)
-        await self._conversions.settle(job)
         return safe
 
     def _stopped_while_queued(self, job: Job) -> bool:
@@ -321,9 +354,10 @@ class Pipeline:
                 f"refused:{ending.field}", logging.INFO, "pull %s refused: %s", job.req_id, ending.reason
             )
         self._metrics.answered(ending.outcome.value)
-        if ending.outcome is Outcome.OK and job.read is not None:
+        if ending.outcome is Outcome.OK and (job.read is not None or job.mapped_bytes):
             # the read's bytes include gap blocks (other requests' KV): counted on their own
-            self._metrics.bytes_pulled.inc(getattr(job.read, "nbytes", 0) - job.gap_bytes)
+            nbytes = job.mapped_bytes if job.read is None else getattr(job.read, "nbytes", 0)
+            self._metrics.bytes_pulled.inc(nbytes - job.gap_bytes)
             self._metrics.gap_bytes_read.inc(job.gap_bytes)
         if job.abort_envelope is not None:
             self._send(

@@ -31,7 +31,7 @@ from sidecar.nixl.admission import RemoteFormatRule
 from sidecar.nixl.geometry import BlockPairs, LocalRegions, StagingPool
 from sidecar.wire.formats import PageFormat
 
-ReadMode = Literal["direct", "staged", "plain"]
+ReadMode = Literal["direct", "staged", "plain", "mapped"]
 
 
 class PeerTarget(msgspec.Struct, frozen=True):
@@ -94,6 +94,13 @@ class TransferPort(Protocol):
         ...
 
     def remove_peer(self, peer: Any) -> None: ...
+
+    def map_pages(self, peer: Any, dtype: Any) -> Any:
+        """One prefill rank's pages mapped into this process (the mapped read mode): ``[layers,
+        blocks, page]`` of ``dtype``, row ``b`` its kernel block ``b``. Mapped once per peer and
+        unmapped when the peer is removed; ``MappingUnavailable`` says why not (remembered: asked
+        again, raised again at once). Runs on the poster thread (its CUDA context)."""
+        ...
 
     # -- one request's reads
     def blocks(

@@ -142,6 +142,8 @@ class Peer:
     prep_seconds: dict[str, float] = field(default_factory=dict)  # mode -> one-time prep_xfer_dlist cost
     source: Any = None  # tp.SourceSlice when the prefill runs at another TP (we read a head slice), else None
     notif_count: int = 1  # the n of "id:n" this rank expects (decoder ranks reading it)
+    agent_metadata: bytes = b""  # its NIXL agent metadata (UCX worker address, region keys): for mapping
+    mapping: Any = None  # mapping.MappedPages once mapped, or the MappingUnavailable that said why not
 
     @property
     def key(self) -> tuple[str, int]:
@@ -383,6 +385,7 @@ class NixlTransfer:
             regions=regions,
             source=source,
             notif_count=notif_count,
+            agent_metadata=agent_metadata,
         )
         self._peers[key] = peer
         return peer
@@ -390,6 +393,12 @@ class NixlTransfer:
     @_locked
     def remove_peer(self, peer: Peer) -> None:
         self._peers.pop(peer.key, None)
+        mapping, peer.mapping = peer.mapping, None
+        if hasattr(mapping, "close"):
+            try:
+                mapping.close()  # waits for this process's kernels first: one may still read through it
+            except Exception as exc:  # noqa: BLE001 - best effort on teardown
+                log.warning("unmapping %s: %s", peer.agent_name, exc)
         for handle in peer.remote_handles.values():
             try:
                 self.agent.release_dlist_handle(handle)

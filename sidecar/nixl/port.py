@@ -13,8 +13,9 @@ from sidecar.daemon.port import Admission, PeerTarget, ReadMode
 from sidecar.nixl import tp
 from sidecar.nixl.admission import admit_remote, resolve_remote_format
 from sidecar.nixl.agent import NixlTransfer, Peer, ReadOp, TransferSettings
-from sidecar.nixl.errors import RemoteRefused, TransferError
-from sidecar.nixl.geometry import BlockPairs, LocalRegions, StagingPool
+from sidecar.nixl.errors import MappingUnavailable, RemoteRefused, TransferError
+from sidecar.nixl.geometry import BlockPairs, LocalRegions, StagingPool, regions_per_layer
+from sidecar.nixl.mapping import map_pages, mapping_layout
 from sidecar.wire import prefill as vllm_wire
 
 
@@ -186,6 +187,25 @@ class NixlPort:
 
     def remove_peer(self, peer: Peer) -> None:
         self.agent.remove_peer(peer)
+
+    def map_pages(self, peer: Peer, dtype: Any) -> Any:
+        if isinstance(peer.mapping, MappingUnavailable):
+            raise peer.mapping
+        if peer.mapping is None:
+            fmt = peer.plan.remote
+            try:
+                if peer.source is not None:
+                    raise MappingUnavailable(
+                        "a head slice of a prefill rank at another TP is read, not mapped", "remote_tp_size"
+                    )
+                layers = peer.regions.num_regions // regions_per_layer(fmt)
+                layout = mapping_layout(peer.regions, layers, fmt.page_bytes, fmt.elem_bytes)
+                device = self.agent.settings.cuda_device
+                peer.mapping = map_pages(peer.agent_metadata, peer.regions, layout, device)
+            except MappingUnavailable as exc:
+                peer.mapping = exc
+                raise
+        return peer.mapping.source(dtype)
 
     def blocks(
         self,

@@ -48,7 +48,7 @@ RELOADABLE = frozenset(
     }
 )
 
-PullMode = Literal["direct", "staged", "auto"]
+PullMode = Literal["direct", "staged", "auto", "mapped"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 
 
@@ -166,7 +166,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         PullMode,
         _doc(
             "direct: half pages straight into the K/V planes, converted in place; staged: whole pages into a "
-            "staging pool, converted out of place; auto: staged when the pool has room, else direct"
+            "staging pool, converted out of place; auto: staged when the pool has room, else direct; mapped: "
+            "the conversion kernel reads the prefill's pages through a mapping of its memory (one GPU node, "
+            "NVIDIA; docs/converting-read.md), and a prefill whose pages do not map is read as auto reads"
         ),
     ] = "direct"
     staging_bytes: Annotated[

@@ -20,6 +20,8 @@ from sidecar.ops.errors import StartupError
 OUTCOMES = ("ok", "failed", "refused", "aborted", "expired")
 FP8_REENCODE_KINDS = ("saturated", "nan")
 LAUNCH_PATHS = ("graph", "ordinary")  # a GPU conversion launch replayed from a CUDA graph, or built in Python
+READ_MODES = ("direct", "staged", "mapped", "plain")  # how a Pull's pages came (daemon/port.py ReadMode)
+MAPPING_OUTCOMES = ("mapped", "unavailable")  # a prefill rank's pages mapped here, or not (daemon/mapped.py)
 GAP_SPAN_WAIT_OUTCOMES = ("taken", "gave_up")  # a staged pull that waited for its gap span (staging.py)
 STAGES = ("handshake", "queue", "transfer", "convert", "signal", "end_to_end", "delivery")
 # 50 µs .. ~100 s, roughly x2.5 per bucket: signal latencies and multi-second pulls both resolve.
@@ -123,6 +125,20 @@ class Metrics:
             ["path"],
             registry=r,
         )
+        self.read_modes = Counter(
+            "kv_sidecar_read_modes",
+            "Pulls by how their pages were read: direct, staged, mapped (the conversion kernel read the "
+            "prefill's memory itself) or plain (no conversion)",
+            ["mode"],
+            registry=r,
+        )
+        self.peer_mappings = Counter(
+            "kv_sidecar_peer_mappings",
+            "Prefill ranks whose pages pull_mode mapped tried to map, by outcome (unavailable: read the "
+            "usual way; the daemon's log says why)",
+            ["outcome"],
+            registry=r,
+        )
         self.build_info = Gauge("kv_sidecar_build_info", "kv-sidecar version", ["version"], registry=r)
         self.build_info.labels(version=__version__).set(1)
         # Pre-create label sets so every series exists (at 0) from the start.
@@ -135,6 +151,9 @@ class Metrics:
             self.fp8_reencoded.labels(kind=kind)
         self._launches = {path: self.conversion_launches.labels(path=path) for path in LAUNCH_PATHS}
         self._span_waits = {o: self.gap_span_waits.labels(outcome=o) for o in GAP_SPAN_WAIT_OUTCOMES}
+        self._read_modes = {m: self.read_modes.labels(mode=m) for m in READ_MODES}
+        for outcome in MAPPING_OUTCOMES:
+            self.peer_mappings.labels(outcome=outcome)
 
     def answered(self, outcome: str, timings: dict[str, float] | None = None) -> None:
         """One Pull answered: count its outcome and observe its stage timings."""
@@ -160,6 +179,10 @@ class Metrics:
     def launched(self, path: str) -> None:
         """One GPU conversion launch, by ``LAUNCH_PATHS`` path."""
         self._launches[path].inc()
+
+    def read_mode(self, mode: str) -> None:
+        """One Pull's read posted (or launched, mapped), by ``READ_MODES`` mode."""
+        self._read_modes[mode].inc()
 
     def gap_span_waited(self, outcome: str) -> None:
         """A staged pull waited for its gap span's slots, by ``GAP_SPAN_WAIT_OUTCOMES`` outcome."""

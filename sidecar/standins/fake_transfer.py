@@ -21,6 +21,7 @@ import numpy as np
 from sidecar.daemon.port import Admission, PeerTarget, ReadMode
 from sidecar.nixl import tp
 from sidecar.nixl.errors import (
+    MappingUnavailable,
     RemoteDisconnected,
     RemoteRefused,
     RequestRefused,
@@ -96,6 +97,8 @@ class FakePort:
         self._lock = threading.RLock()
         self.spent: set[str] = set()
         self.pairings = 0  # blocks() calls: the daemon pairs each job once
+        self.mapped: Any = None  # map_pages' answer: a [layers, blocks, page] tensor; None: nothing maps
+        self.map_calls: list[str] = []  # the thread of each map_pages call
 
     # -- local memory
     def register(self, ranges: Sequence[tuple[int, int, int]], mem_type: str) -> Any:
@@ -151,6 +154,13 @@ class FakePort:
 
     def remove_peer(self, peer: FakePeer) -> None:
         peer.removed = True
+
+    def map_pages(self, peer: FakePeer, dtype: Any) -> Any:
+        """``mapped`` (a test's tensor standing for the prefill's pages), else ``MappingUnavailable``."""
+        self.map_calls.append(threading.current_thread().name)
+        if self.mapped is None:
+            raise MappingUnavailable("the fake prefill maps nothing", "ucp_rkey_ptr")
+        return self.mapped.view(dtype)
 
     # -- reads
     def blocks(

@@ -27,14 +27,23 @@ def _regions(bases, lens=PAGE, strides=PAGE, blocks=10) -> RemoteRegions:
         return np.full(n, v, np.int64) if np.isscalar(v) else np.asarray(v, np.int64)
 
     return RemoteRegions(
-        base=np.asarray(bases, np.uint64), block_len=arr(lens), block_stride=arr(strides), num_blocks=arr(blocks),
-        device_id=0, layout="LBHNC", block_size=16, blocks_per_logical=1, mem_type="VRAM",
+        base=np.asarray(bases, np.uint64),
+        block_len=arr(lens),
+        block_stride=arr(strides),
+        num_blocks=arr(blocks),
+        device_id=0,
+        layout="LBHNC",
+        block_size=16,
+        blocks_per_logical=1,
+        mem_type="VRAM",
     )
 
 
 def test_evenly_spaced_layers_of_whole_pages_fit_one_tensor():
     lay = mapping_layout(_regions([1 << 20, (1 << 20) + 50 * PAGE, (1 << 20) + 100 * PAGE]), 3, PAGE, 2)
-    assert lay == MappingLayout(layers=3, blocks=10, page_bytes=PAGE, block_stride=PAGE, layer_stride=50 * PAGE)
+    assert lay == MappingLayout(
+        layers=3, blocks=10, page_bytes=PAGE, block_stride=PAGE, layer_stride=50 * PAGE
+    )
     assert lay.span == 100 * PAGE + 9 * PAGE + PAGE
     assert lay.layer_span() == 10 * PAGE
 
@@ -86,7 +95,8 @@ def test_a_prefill_without_ucx_is_refused_naming_agent_metadata(emu, monkeypatch
     meta = wire.fetch_handshake(emu.ready.side_channel_host, emu.ready.side_channel_port)[(0, 0)].metadata
     real = nixl_metadata.read_agent_metadata(meta.agent_metadata)
     monkeypatch.setattr(
-        nixl_metadata, "read_agent_metadata",
+        nixl_metadata,
+        "read_agent_metadata",
         lambda _b: types.SimpleNamespace(connections={"GDS": b""}, sections=real.sections),
     )
     regions = RemoteRegions.from_metadata(meta, default_mem_type="DRAM")

@@ -93,7 +93,7 @@ def test_help_covers_every_key_with_its_description():
     docs = {d.name: d for d in c.key_docs()}
     assert set(docs) == set(c.Config.__struct_fields__)
     assert all(d.description for d in docs.values())
-    assert docs["pull_mode"].type == "auto|direct|staged" and docs["nixl_backends"].default == ["UCX"]
+    assert docs["pull_mode"].type == "auto|direct|mapped|staged" and docs["nixl_backends"].default == ["UCX"]
 
 
 def test_reload_splits_live_and_restart_keys():

@@ -1,0 +1,85 @@
+"""The mapped read mode: a request's pages converted straight out of the prefill's memory, mapped here.
+
+A third way beside direct and staged (``docs/converting-read.md``): no NIXL READ and no staging, each byte
+moves once. A prefill rank's registered pages are mapped once per peer (``TransferPort.map_pages``, on the
+poster thread, which holds the CUDA context), and a request's conversion kernel reads them through the
+mapping, its source rows the request's remote block ids. A prefill whose pages do not map (host memory,
+ROCm, VMM memory, a head slice at another TP) is read the way ``auto`` reads; why is logged once per peer
+and counted (``kv_sidecar_peer_mappings``).
+
+The prefill may reuse a request's blocks once told it may; here the kernel reads them until its event, so
+the notification goes out only after the conversion has ended: ``Pipeline._quiesce`` settles a job's
+conversions before it notifies, and a mapped job never has a read for the notification to ride on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from sidecar.daemon.conversion import Conversions
+from sidecar.daemon.jobs import Job
+from sidecar.daemon.port import TransferPort
+from sidecar.nixl.errors import MappingUnavailable
+from sidecar.ops.metrics import Metrics
+
+log = logging.getLogger("kv_sidecar.mapped")
+
+
+class MappedReads:
+    """Which prefill ranks map, and the conversion of a job out of a mapping."""
+
+    def __init__(
+        self,
+        port: TransferPort,
+        on_poster: Callable[..., Any],
+        conversions: Conversions,
+        metrics: Metrics,
+    ) -> None:
+        self._port = port
+        self._on_poster = on_poster  # Reads.on_poster: the port's calls that need the CUDA context
+        self._conversions = conversions
+        self._metrics = metrics
+        # peer -> the mapping of its pages: a future of a [layers, blocks, page] tensor, or of None when they
+        # do not map; a replaced peer (a restarted prefill) is a new object, so it is asked again
+        self._sources: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+    async def source(self, job: Job) -> Any | None:
+        """The job's prefill pages, mapped, in the caches' dtype; None when they do not map (then the job
+        reads the usual way). Asks the port once per prefill rank; jobs arriving meanwhile wait for that."""
+        peers = job.peer.peers
+        if len(peers) != 1:
+            return None  # a prefill at a larger TP: each rank gives a head slice, read the usual way
+        peer = peers[0]
+        found = self._sources.get(peer)
+        if found is None:
+            found = self._sources[peer] = asyncio.ensure_future(self._map(peer, job.caches.k_planes[0].dtype))
+        return found.result() if found.done() else await asyncio.shield(found)
+
+    async def _map(self, peer: Any, dtype: Any) -> Any | None:
+        try:
+            source = await self._on_poster(self._port.map_pages, peer, dtype)
+        except Exception as exc:  # noqa: BLE001 - whatever stops the mapping, the usual read still works
+            why = str(exc) if isinstance(exc, MappingUnavailable) else f"{type(exc).__name__}: {exc}"
+            log.warning(
+                "prefill %s at %s: pages not mapped (%s); its pulls read the usual way",
+                getattr(peer, "engine_id", "?"),
+                getattr(peer, "address", "?"),
+                why,
+            )
+            self._metrics.peer_mappings.labels(outcome="unavailable").inc()
+            return None
+        self._metrics.peer_mappings.labels(outcome="mapped").inc()
+        return source
+
+    async def convert(self, job: Job, source: Any, layers: int) -> None:
+        """Convert the job's blocks (``job.pairs``) out of ``source`` in one launch on the daemon's stream and
+        wait until it has ended; raises ``Failed`` unless every layer was converted."""
+        pairs = job.pairs
+        self._conversions.begin(job, source, job.peer.plan, pairs.remote)
+        self._conversions.convert_group(job, 0, layers)
+        job.mapped_bytes = layers * pairs.count * job.peer.plan.remote.page_bytes
+        await self._conversions.finish(job, layers)

@@ -1,0 +1,197 @@
+"""The mapped read mode in the daemon's logic, on ``FakePort`` (its ``mapped`` tensor stands for the prefill's
+mapped pages, in this process's memory): the conversion reads the request's remote blocks straight from it,
+the prefill is told only after the conversion ended (also when aborted during it), blocks outside the
+request stay as they were, and a prefill whose pages do not map is read the usual way."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import torch
+
+from sidecar.convert import convert_standard_to_shuffled
+from sidecar.wire import protocol as p
+from tests.sidecar.daemon.test_logic import LAYERS, PLANE, B, D, H, Harness, N, blocked_conversion, run
+
+__all__ = ["blocked_conversion"]  # a fixture, used by name
+
+REMOTE_BLOCKS = 12
+CANARY = 0x5A5A
+
+
+def _mapped_pages(seed: int = 7) -> torch.Tensor:
+    """The prefill's standard pages, [layers, blocks, 2 * PLANE] bf16 bit patterns."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-(2**15), 2**15, (LAYERS, REMOTE_BLOCKS, 2 * PLANE), generator=g, dtype=torch.int16)
+    return bits.view(torch.bfloat16)
+
+
+def _planes(h: Harness) -> torch.Tensor:
+    """The decoder's caches as int16 [layers, K/V, blocks, PLANE] (the harness's layout)."""
+    return h.shm.tensor.view(torch.int16).view(LAYERS, 2, B, PLANE)
+
+
+def _pull(h: Harness, req_id: str, local: list[int], remote: list[int]) -> None:
+    h.send(
+        p.Pull(
+            req_id=req_id,
+            remote_engine_id="prefill-0",
+            remote_host="127.0.0.1",
+            remote_port=5600,
+            remote_request_id=f"r-{req_id}",
+            remote_block_ids=remote,
+            local_block_ids=local,
+        )
+    )
+
+
+async def _mapped_harness(**overrides) -> Harness:
+    h = Harness(pull_mode="mapped", **overrides)
+    h.port.mapped = _mapped_pages()
+    await h.start()
+    _planes(h).fill_(CANARY)
+    return h
+
+
+def _expected(pages: torch.Tensor, layer: int, remote: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    m = len(remote)
+    k = torch.zeros(m, PLANE, dtype=torch.bfloat16)
+    v = torch.zeros(m, PLANE, dtype=torch.bfloat16)
+    convert_standard_to_shuffled(
+        k, v, torch.arange(m), num_heads=H, block_size=N, head_size=D, src=pages[layer, remote].contiguous()
+    )
+    return k.view(torch.int16), v.view(torch.int16)
+
+
+def test_a_mapped_pull_converts_the_remote_blocks_and_touches_nothing_else():
+    async def main():
+        h = await _mapped_harness()
+        try:
+            local, remote = [1, 4, 6], [9, 0, 5]
+            _pull(h, "a", local, remote)
+            done = await h.reply(p.Done, "a")
+            assert done.ok, done
+            assert h.port.reads == []  # no NIXL read at all
+            assert h.port.notified == ["r-a"]  # told once, after the conversion
+            assert h.port.map_calls == ["kv-sidecar-post_0"]  # mapped on the poster thread (its context)
+            planes = _planes(h)
+            for layer in range(LAYERS):
+                k, v = _expected(h.port.mapped, layer, remote)
+                assert torch.equal(planes[layer, 0, local], k)
+                assert torch.equal(planes[layer, 1, local], v)
+            others = [b for b in range(B) if b not in local]
+            assert (planes[:, :, others] == CANARY).all()  # nothing outside the request's blocks
+            m = h.daemon.metrics
+            assert m.read_modes.labels(mode="mapped")._value.get() == 1
+            assert m.peer_mappings.labels(outcome="mapped")._value.get() == 1
+            assert m.bytes_pulled._value.get() == LAYERS * len(local) * 2 * PLANE * 2
+            _pull(h, "b", [2], [3])  # the peer's mapping is asked for once
+            assert (await h.reply(p.Done, "b")).ok
+            assert h.port.map_calls == ["kv-sidecar-post_0"]
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+def test_an_abort_during_a_mapped_conversion_notifies_only_after_it_ended(blocked_conversion):
+    gate, started_ = blocked_conversion
+
+    async def main():
+        h = await _mapped_harness()
+        try:
+            _pull(h, "a", [1, 2], [3, 4])
+            while not started_.is_set():
+                await asyncio.sleep(0.002)
+            h.send(p.Abort(req_id="a"))
+            await asyncio.sleep(0.05)
+            # the kernel still reads the prefill's blocks: no notification, no answer yet
+            assert h.port.notified == [] and h.answers("a") == []
+            gate.set()
+            aborted = await h.reply(p.Aborted, "a")
+            assert aborted.safe
+            assert h.port.notified == ["r-a"]
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+def test_a_prefill_whose_pages_do_not_map_is_read_the_usual_way():
+    async def main():
+        h = Harness(pull_mode="mapped")  # the fake maps nothing
+        await h.start()
+        try:
+            for req in ("a", "b"):
+                _pull(h, req, [1, 2], [3, 4])
+                assert (await h.reply(p.Done, req)).ok
+            assert [r.mode for r in h.port.reads] == ["direct", "direct"]  # no staging pool: direct
+            assert len(h.port.map_calls) == 1  # the refusal is remembered for the peer
+            m = h.daemon.metrics
+            assert m.peer_mappings.labels(outcome="unavailable")._value.get() == 1
+            assert m.read_modes.labels(mode="direct")._value.get() == 2
+            assert h.port.notified == ["r-a", "r-b"]
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+def test_a_mapped_pull_with_remote_ids_beyond_the_mapping_fails_and_writes_nothing():
+    async def main():
+        h = await _mapped_harness()
+        h.port.mapped = h.port.mapped[:, :4]  # the prefill's region holds 4 blocks; block 9 is not in it
+        try:
+            _pull(h, "a", [1, 2], [2, 9])
+            done = await h.reply(p.Done, "a")
+            assert not done.ok and "convert" in done.reason, done
+            assert (_planes(h) == CANARY).all()
+            assert h.port.notified == ["r-a"]
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+def test_the_remote_ids_are_the_source_rows(monkeypatch):
+    """The conversion gets the request's remote block ids as source rows of the whole mapping."""
+    from sidecar.daemon import conversion as conversion_mod
+
+    seen = []
+    real = conversion_mod.convert_blocks
+
+    def record(caches, block_ids, fmt, src, layers=None, limits=None, planes=None, src_index=None):
+        seen.append(
+            (np.asarray(block_ids).tolist(), tuple(src.shape), np.asarray(src_index).tolist(), layers)
+        )
+        return real(caches, block_ids, fmt, src, layers, limits, planes, src_index)
+
+    monkeypatch.setattr(conversion_mod, "convert_blocks", record)
+
+    async def main():
+        h = await _mapped_harness()
+        try:
+            _pull(h, "a", [5, 3], [11, 2])
+            assert (await h.reply(p.Done, "a")).ok
+            assert seen == [([5, 3], (LAYERS, REMOTE_BLOCKS, 2 * PLANE), [11, 2], (0, LAYERS))]
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+def test_pulls_arriving_together_map_their_prefill_once():
+    async def main():
+        h = await _mapped_harness()
+        try:
+            for i, req in enumerate("abcd"):
+                _pull(h, req, [i + 1], [i])
+            for req in "abcd":
+                assert (await h.reply(p.Done, req)).ok
+            assert h.port.map_calls == ["kv-sidecar-post_0"]
+            assert h.daemon.metrics.peer_mappings.labels(outcome="mapped")._value.get() == 1
+        finally:
+            await h.stop()
+
+    run(main())
