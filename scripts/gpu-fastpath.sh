@@ -5,6 +5,7 @@
 #   bash scripts/gpu-fastpath.sh STEP...
 #   steps: tests launchtests graphtests daemontests launch graphlaunch sweep convertgraph contiguous defaults
 #          graphsab groupsab gilab headcheck ab orders groups poll interference profile daemonprofile map
+#          mapped
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -175,6 +176,17 @@ for step in "$@"; do
       TAIL=12 run mapvmm 90 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m sidecar.cli bench map \
         --device cuda:0 --prefill-device cuda:0 --context 4096 --reps 5 --orders contiguous \
         --out "$OUT/map-h200-4k-expandable.json" ;;
+    # the mapped read mode (pull_mode = "mapped"): its GPU tests with the slice's, then the issue-12 cells
+    # side by side with staged (contiguous at 1, 8 and 32 in flight) and its scattered orders (25 % density
+    # against its own contiguous rate, churn and random)
+    mapped) TAIL=12 run mappedtests 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
+        tests/gpu/test_gpu_mapped.py tests/gpu/test_gpu_remote_map.py tests/gpu/test_gpu_slice.py
+      TAIL=16 run mappedcontiguous 160 "${ONE_GPU[@]}" --contexts 4096,16384 --concurrency 1,8,32 --reps 10 \
+        --max-batch-tokens 131072 --pairs mapped/contiguous,staged/contiguous --budget-s 140 \
+        --out "$OUT/e2e-h200-mapped-contiguous.json"
+      TAIL=12 run mappedorders 130 "${ONE_GPU[@]}" --contexts 4096 --concurrency 1,8 --reps 3 \
+        --pairs mapped/contiguous,mapped/density-0.25,mapped/churn,mapped/random "${SCATTERED_POOLS[@]}" \
+        --budget-s 110 --out "$OUT/e2e-h200-mapped-orders.json" ;;
     *) STATUS+=("$step: unknown step") ;;
   esac
 done

@@ -78,7 +78,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     a("--contexts", default="4096,16384", help="prompt tokens per request, comma-separated")
     a("--concurrency", default="1,8,32", help="requests pulled at a time, comma-separated")
-    a("--modes", default="direct,staged", help="daemon pull modes, comma-separated")
+    a(
+        "--modes",
+        default="direct,staged",
+        help="daemon pull modes, comma-separated: direct, staged, mapped (the kernel reads the prefill's "
+        "mapped pages; its bare read is the staged one)",
+    )
     a(
         "--orders",
         default="random,contiguous",
@@ -215,12 +220,12 @@ def mode_order_pairs(args: argparse.Namespace) -> list[tuple[str, str]]:
         out = []
         for item in args.pairs.split(","):
             mode, _, order = item.strip().partition("/")
-            if mode not in ("direct", "staged"):
-                raise BenchError(f"--pairs: {item!r} is not mode/order (direct|staged / an order)")
+            if mode not in MODES:
+                raise BenchError(f"--pairs: {item!r} is not mode/order ({'|'.join(MODES)} / an order)")
             block_order(order)
             out.append((mode, order))
         return out
-    modes = choice_list(args.modes, "modes", ("direct", "staged"))
+    modes = choice_list(args.modes, "modes", MODES)
     orders = [v.strip() for v in args.orders.split(",") if v.strip()]
     for order in orders:
         block_order(order)
@@ -228,6 +233,10 @@ def mode_order_pairs(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 ORDERS = ("random", "contiguous", "churn")
+# the daemon's pull modes; a mapped cell's bare read is the staged one (whole pages, runs merged: NIXL's
+# cheapest read of the same pages), since a mapped pull has no NIXL read of its own
+MODES = ("direct", "staged", "mapped")
+BARE_MODE = {"direct": "direct", "staged": "staged", "mapped": "staged"}
 
 
 def block_order(name: str) -> dict[str, Any]:
@@ -328,7 +337,7 @@ def sizing(
     """(kernel blocks of the largest live batch, staging pool bytes) for the cells still to run."""
     live = [c for c in cells if c.skipped is None]
     max_blocks = max((c.concurrency * c.blocks for c in live), default=0)
-    staged = [c for c in live if c.mode == "staged"]
+    staged = [c for c in live if BARE_MODE[c.mode] == "staged"]
     if not staged:
         return max_blocks, 0
     largest_request = max(c.blocks for c in staged) * layers * page
@@ -379,7 +388,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     contexts = int_list(args.contexts, "contexts")
     concurrency = int_list(args.concurrency, "concurrency")
     pairs = mode_order_pairs(args)
-    modes = sorted({m for m, _ in pairs}, key=("direct", "staged").index)
+    modes = sorted({m for m, _ in pairs}, key=MODES.index)
     cells = plan_cells(
         contexts, concurrency, pairs, args.block_size, page, args.layers, args.max_batch_tokens
     )
@@ -639,7 +648,7 @@ def run_cell(
         local = [standin.allocate(len(r.kernel_block_ids)) for r in replies]
         try:
             reqs = [(lo, r.kernel_block_ids, r.num_tokens) for lo, r in zip(local, replies, strict=True)]
-            bare_s = bare.batch(cell.mode, reqs, args.timeout)
+            bare_s = bare.batch(BARE_MODE[cell.mode], reqs, args.timeout)
             pulls = [
                 PullOrder(
                     f"e2e-{next(_REQUEST_IDS)}",

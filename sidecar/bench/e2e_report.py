@@ -181,7 +181,8 @@ def command_line() -> str:
 
 def markdown_rows(results: Sequence[tuple[str, dict[str, Any]]]) -> str:
     """README rows from committed ``bench e2e`` files, one per cell: the medians of the bare read and of
-    kv-sidecar, kv-sidecar's rate, the queue and post stages, and the bit-exact check.
+    kv-sidecar, kv-sidecar's rate, the queue and post stages (– where a mapped pull posted no read), and the bit-exact
+    check.
 
         python -m sidecar.bench.e2e_report bench/results/e2e-h200-c8-c32-compact-2026-12-02.json ..."""
     rows = [
@@ -195,10 +196,11 @@ def markdown_rows(results: Sequence[tuple[str, dict[str, Any]]]) -> str:
             st = c["sidecar"]["stages_ms"]
             v = c.get("verified", {}).get("mismatches")
             check = "bit-exact" if v == 0 else f"{v} mismatches" if v else "unverified"
+            post = f"{st['post']['p50']:.2f}" if "post" in st else "–"  # a mapped pull posts no read
             rows.append(
                 f"| {name} | {c['context'] // 1024}k × {c['concurrency']} | {c['mode']} / {c['order']} "
                 f"| {bare:.2f} | {sc:.2f} ({sc / bare:.2f}) | {c['sidecar']['GBps']:.0f} "
-                f"| {st['queue']['p50']:.2f} / {st['queue']['p99']:.2f} | {st['post']['p50']:.2f} | {check} |"
+                f"| {st['queue']['p50']:.2f} / {st['queue']['p99']:.2f} | {post} | {check} |"
             )
     return "\n".join(rows)
 
