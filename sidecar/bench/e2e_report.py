@@ -192,6 +192,8 @@ def markdown_rows(results: Sequence[tuple[str, dict[str, Any]]]) -> str:
     ]
     for name, result in results:
         for c in result["cells"]:
+            if c.get("skipped"):
+                continue
             bare, sc = c["bare"]["median_s"] * 1e3, c["sidecar"]["median_s"] * 1e3
             st = c["sidecar"]["stages_ms"]
             v = c.get("verified", {}).get("mismatches")
