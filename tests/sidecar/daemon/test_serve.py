@@ -480,6 +480,26 @@ def test_layer_groups_are_each_converted_once_they_land(daemon_factory, emulator
 
 
 @pytest.mark.e2e
+def test_mapped_mode_reads_host_memory_prefills_the_usual_way(daemon_factory, emulator):
+    """pull_mode mapped against a prefill in host memory (UCX maps no host memory here): the real port says
+    why once, and every pull is read staged, bit-exact, with nothing outside its blocks written."""
+    d = daemon_factory("--remotes", remotes_flag(), "--pull-mode", "mapped", "--staging-bytes",
+                       str(64 * STANDARD.page_bytes))
+    d.ready(emulator)
+    for i, local in enumerate(([6, 2, 13], [21, 4])):
+        r = emulator.client.new_request(num_tokens=len(local) * N)
+        done = d.shim.ask(pull_of(r.kv_transfer_params, f"mapped-{i}", local))
+        assert done.ok and "post" in done.timings, done  # a NIXL read was posted
+        d.decoder.check(r, local)
+    assert d.decoder.untouched([b for b in range(B) if b not in (6, 2, 13, 21, 4)])
+    text = d.metrics()
+    assert metric(text, 'kv_sidecar_peer_mappings_total{outcome="unavailable"}') == 1
+    assert metric(text, 'kv_sidecar_peer_mappings_total{outcome="mapped"}') == 0
+    assert metric(text, 'kv_sidecar_read_modes_total{mode="staged"}') == 2
+    assert metric(text, 'kv_sidecar_read_modes_total{mode="mapped"}') == 0
+
+
+@pytest.mark.e2e
 def test_overload_then_sigterm_fails_in_flight_pulls_and_exits(daemon_factory, emulator, silent_prefill):
     d = daemon_factory("--remotes", remotes_flag(), "--max-inflight", "1", "--max-queued", "1",
                        "--shutdown-grace-s", "0.5", "--handshake-timeout-s", "30")
