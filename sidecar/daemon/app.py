@@ -30,8 +30,8 @@ from sidecar.daemon.caches import CacheRegistry
 from sidecar.daemon.conversion import Conversions
 from sidecar.daemon.heartbeats import Heartbeats
 from sidecar.daemon.jobs import SHUTTING_DOWN, Ending, JobTable, Outcome, Session
-from sidecar.daemon.mapped import MappedReads
 from sidecar.daemon.leases import Leases, LeaseTracker
+from sidecar.daemon.mapped import MappedReads
 from sidecar.daemon.peers import Peers
 from sidecar.daemon.pipeline import Pipeline
 from sidecar.daemon.polling import Poller
@@ -112,6 +112,7 @@ class Daemon:
         self.pipeline: Pipeline | None = None
         self.registrations: Registrations | None = None
         self.heartbeats: Heartbeats | None = None
+        self.mapped: MappedReads | None = None
         self._stop = asyncio.Event()
         self._stopping = False
         self._switch_interval: float | None = None
@@ -157,8 +158,9 @@ class Daemon:
             )
             self.health.socket_bound = True
             self._spawn(self.router.receive_loop())
-        assert self.reads is not None and self.heartbeats is not None
+        assert self.reads is not None and self.heartbeats is not None and self.mapped is not None
         loops = [self.poller.loop(), self._tick_loop(), self.heartbeats.renew_loop()]
+        loops.append(self.mapped.release_loop())
         if not cfg.nixl_progress_thread:
             loops.append(self.reads.progress_loop())
         for coro in loops:
@@ -220,6 +222,9 @@ class Daemon:
                 self.router.completions is not None and self.router.completions.bound(identity)
             ),
         )
+        self.mapped = MappedReads(
+            port, reads.on_poster, self.conversions, self.metrics, lambda: self.config.mapping_idle_s
+        )
         self.pipeline = Pipeline(
             config=lambda: self.config,
             jobs=self.jobs,
@@ -229,7 +234,7 @@ class Daemon:
             reads=reads,
             staging=self.staging,
             conversions=self.conversions,
-            mapped=MappedReads(port, reads.on_poster, self.conversions, self.metrics),
+            mapped=self.mapped,
             send=self.router.send,
             metrics=self.metrics,
             spawn=self._spawn,

@@ -10,12 +10,17 @@ and counted (``kv_sidecar_peer_mappings``).
 The prefill may reuse a request's blocks once told it may; here the kernel reads them until its event, so
 the notification goes out only after the conversion has ended: ``Pipeline._quiesce`` settles a job's
 conversions before it notifies, and a mapped job never has a read for the notification to ride on.
+
+A mapping keeps the prefill's GPU memory allocated, even after that prefill exits (measured on the H200: a
+SIGKILLed prefill's pages stayed readable, bit-exact, through the daemon's mapping). So a prefill rank
+without a pull for ``mapping_idle_s`` is let go (``release_loop``); its next pull maps it again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -38,14 +43,18 @@ class MappedReads:
         on_poster: Callable[..., Any],
         conversions: Conversions,
         metrics: Metrics,
+        idle_s: Callable[[], float] = lambda: 60.0,
     ) -> None:
+        """``idle_s``: config ``mapping_idle_s``, read at every pass of ``release_loop``."""
         self._port = port
+        self._idle_s = idle_s
         self._on_poster = on_poster  # Reads.on_poster: the port's calls that need the CUDA context
         self._conversions = conversions
         self._metrics = metrics
         # peer -> the mapping of its pages: a future of a [layers, blocks, page] tensor, or of None when they
         # do not map; a replaced peer (a restarted prefill) is a new object, so it is asked again
         self._sources: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self._last_used: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
 
     async def source(self, job: Job) -> Any | None:
         """The job's prefill pages, mapped, in the caches' dtype; None when they do not map (then the job
@@ -54,6 +63,7 @@ class MappedReads:
         if len(peers) != 1:
             return None  # a prefill at a larger TP: each rank gives a head slice, read the usual way
         peer = peers[0]
+        self._last_used[peer] = time.monotonic()
         found = self._sources.get(peer)
         if found is None:
             found = self._sources[peer] = asyncio.ensure_future(self._map(peer, job.caches.k_planes[0].dtype))
@@ -73,7 +83,33 @@ class MappedReads:
             self._metrics.peer_mappings.labels(outcome="unavailable").inc()
             return None
         self._metrics.peer_mappings.labels(outcome="mapped").inc()
+        self._metrics.mapped_peers.inc()
         return source
+
+    def release_idle(self, now: float) -> int:
+        """Let go the mappings of prefill ranks without a pull for ``mapping_idle_s``; how many. Forgotten
+        here first, on the loop, so no pull can take one after this; a pull that took one before has
+        launched its kernel already (no await between the two), and the port unmaps only once this
+        process's kernels have finished."""
+        idle, released = self._idle_s(), 0
+        for peer, last in list(self._last_used.items()):
+            found = self._sources.get(peer)
+            if now - last <= idle or found is None or not found.done():
+                continue
+            del self._sources[peer], self._last_used[peer]
+            if found.exception() is None and found.result() is not None:
+                released += 1
+                self._metrics.mapped_peers.dec()
+                log.info("prefill %s at %s: pages let go after %.0f s without a pull",
+                         getattr(peer, "engine_id", "?"), getattr(peer, "address", "?"), now - last)
+                self._on_poster(self._port.unmap_pages, peer).add_done_callback(_log_failure)
+        return released
+
+    async def release_loop(self) -> None:
+        """``release_idle`` every quarter of ``mapping_idle_s`` (at most every 5 s)."""
+        while True:
+            await asyncio.sleep(min(5.0, self._idle_s() / 4))
+            self.release_idle(time.monotonic())
 
     async def convert(self, job: Job, source: Any, layers: int) -> None:
         """Convert the job's blocks (``job.pairs``) out of ``source`` in one launch on the daemon's stream and
@@ -83,3 +119,9 @@ class MappedReads:
         self._conversions.convert_group(job, 0, layers)
         job.mapped_bytes = layers * pairs.count * job.peer.plan.remote.page_bytes
         await self._conversions.finish(job, layers)
+
+
+def _log_failure(fut: asyncio.Future) -> None:
+    exc = None if fut.cancelled() else fut.exception()
+    if exc is not None:
+        log.warning("letting a mapping go: %s: %s", type(exc).__name__, exc)

@@ -102,6 +102,11 @@ class TransferPort(Protocol):
         again, raised again at once). Runs on the poster thread (its CUDA context)."""
         ...
 
+    def unmap_pages(self, peer: Any) -> None:
+        """Let ``map_pages``' mapping of ``peer`` go (after this process's kernels have finished); the next
+        ``map_pages`` maps again. Runs on the poster thread."""
+        ...
+
     # -- one request's reads
     def blocks(
         self,

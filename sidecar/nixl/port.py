@@ -15,7 +15,7 @@ from sidecar.nixl.admission import admit_remote, resolve_remote_format
 from sidecar.nixl.agent import NixlTransfer, Peer, ReadOp, TransferSettings
 from sidecar.nixl.errors import MappingUnavailable, RemoteRefused, TransferError
 from sidecar.nixl.geometry import BlockPairs, LocalRegions, StagingPool, regions_per_layer
-from sidecar.nixl.mapping import map_pages, mapping_layout
+from sidecar.nixl.mapping import MappedPages, map_pages, mapping_layout
 from sidecar.wire import prefill as vllm_wire
 
 
@@ -206,6 +206,11 @@ class NixlPort:
                 peer.mapping = exc
                 raise
         return peer.mapping.source(dtype)
+
+    def unmap_pages(self, peer: Peer) -> None:
+        mapping, peer.mapping = peer.mapping, None
+        if isinstance(mapping, MappedPages):
+            mapping.close()
 
     def blocks(
         self,

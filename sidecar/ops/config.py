@@ -45,6 +45,7 @@ RELOADABLE = frozenset(
         "verify_model_identity",
         "handshake_timeout_s",
         "conversion_graphs",
+        "mapping_idle_s",
     }
 )
 
@@ -257,6 +258,15 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     heartbeat_interval_s: Annotated[
         float, _doc("how often in-flight requests' prefill leases are renewed (HB: notifications)", gt=0)
     ] = 5.0
+    mapping_idle_s: Annotated[
+        float,
+        _doc(
+            "pull_mode mapped: a prefill rank's mapped pages are let go after this long without a pull (the "
+            "next pull maps them again, in milliseconds); a mapping keeps the prefill's GPU memory allocated "
+            "even after that prefill exits",
+            gt=0,
+        ),
+    ] = 60.0
     lease_s: Annotated[
         float,
         _doc(

@@ -139,6 +139,12 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.mapped_peers = Gauge(
+            "kv_sidecar_mapped_peers",
+            "Prefill ranks whose pages are mapped now; each mapping keeps that prefill's GPU memory "
+            "allocated, even after it exits, until let go (mapping_idle_s)",
+            registry=r,
+        )
         self.build_info = Gauge("kv_sidecar_build_info", "kv-sidecar version", ["version"], registry=r)
         self.build_info.labels(version=__version__).set(1)
         # Pre-create label sets so every series exists (at 0) from the start.

@@ -99,6 +99,7 @@ class FakePort:
         self.pairings = 0  # blocks() calls: the daemon pairs each job once
         self.mapped: Any = None  # map_pages' answer: a [layers, blocks, page] tensor; None: nothing maps
         self.map_calls: list[str] = []  # the thread of each map_pages call
+        self.unmapped: list[FakePeer] = []  # unmap_pages calls
 
     # -- local memory
     def register(self, ranges: Sequence[tuple[int, int, int]], mem_type: str) -> Any:
@@ -161,6 +162,9 @@ class FakePort:
         if self.mapped is None:
             raise MappingUnavailable("the fake prefill maps nothing", "ucp_rkey_ptr")
         return self.mapped.view(dtype)
+
+    def unmap_pages(self, peer: FakePeer) -> None:
+        self.unmapped.append(peer)
 
     # -- reads
     def blocks(

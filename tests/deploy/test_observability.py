@@ -33,6 +33,8 @@ CLOSED_VALUES = {
     ("kv_sidecar_stage_seconds_sum", "stage"): set(daemon_metrics.STAGES),
     ("kv_sidecar_stage_seconds_count", "stage"): set(daemon_metrics.STAGES),
     ("kv_sidecar_fp8_reencoded_elements_total", "kind"): set(daemon_metrics.FP8_REENCODE_KINDS),
+    ("kv_sidecar_read_modes_total", "mode"): set(daemon_metrics.READ_MODES),
+    ("kv_sidecar_peer_mappings_total", "outcome"): set(daemon_metrics.MAPPING_OUTCOMES),
 }
 
 

@@ -8,7 +8,9 @@ that no request was given still holds its canary. The daemon's metrics say every
 
 from __future__ import annotations
 
+import json
 import re
+import time
 import urllib.request
 
 import pytest
@@ -16,18 +18,23 @@ import torch
 
 from sidecar.bench.e2e_roles import DeviceStandin, start_daemon
 from sidecar.bench.ucx_logs import ucx_env
+from sidecar.standins.emulator_control import spawn_emulator
 from tests.gpu.test_gpu_slice import (
     DEVICE,
     GPU,
     LAYERS,
+    MAX_TOKENS,
     REMOTE,
     REQUESTS,
+    SEED,
     SHAPE,
     _free_port,
     emulator,
+    mismatches,
     pull_round,
     work,
 )
+from vllm_glue.orders import PullOrder, parse_remote
 
 pytestmark = [
     pytest.mark.gpu,
@@ -100,3 +107,73 @@ def test_mapped_pulls_convert_from_the_prefills_vram_and_touch_nothing_else(work
             standin.close()
     finally:
         daemon.stop()
+
+
+def _spawn_prefill(work, name: str, num_blocks: int):
+    args = [
+        *("--device", DEVICE, "--layers", str(LAYERS), "--heads", str(SHAPE.heads), "--head-size"),
+        *(str(SHAPE.head_size), "--block-size", str(SHAPE.block_size), "--num-blocks", str(num_blocks)),
+        *("--seed", str(SEED), "--lease", "600", "--control", f"ipc://{work}/{name}.sock"),
+    ]
+    return spawn_emulator(args, 180.0, ucx_env(work, name, "info", cuda=True))
+
+
+def test_a_killed_prefill_is_answered_and_the_next_one_is_mapped_afresh(work) -> None:
+    """SIGKILL a prefill whose pages the daemon has mapped: a pull of a request it had prefilled is answered
+    (what the driver does with the dead process's memory is recorded, not assumed), the daemon stays
+    healthy, and a new prefill is mapped and read bit-exact."""
+    name = "daemon-mapped-restart"
+    metrics_port = _free_port()
+    first = _spawn_prefill(work, "prefill-a", 8192)  # 2 GiB of pages: visible in the device's free memory
+    daemon = start_daemon(
+        work,
+        name,
+        remote_fmt=REMOTE,
+        gpu=GPU,
+        mode="mapped",
+        staging_bytes=0,
+        env=ucx_env(work, name, "info", cuda=True),
+        log_path=work / f"{name}.log",
+        settings={"metrics_port": str(metrics_port)},
+    )
+    second = None
+    seen: dict[str, object] = {}
+    try:
+        standin = DeviceStandin(
+            daemon.socket,
+            SHAPE,
+            device=DEVICE,
+            compat_factors=dict(first.ready.compat_factors),
+            pull_timeout_s=60.0,
+        )
+        try:
+            assert standin.register(), standin.worker.client.status_reason
+            pull_round(standin, first, f"{name}-a", seed=21)
+            left = first.client.new_request(num_tokens=MAX_TOKENS)  # prefilled, then its prefill dies
+            free_before = torch.cuda.mem_get_info(GPU)[0]
+            first.proc.kill()
+            first.proc.wait(30)
+            time.sleep(1.0)
+            seen["freed_gib_at_kill"] = (torch.cuda.mem_get_info(GPU)[0] - free_before) / 2**30
+            local = standin.allocate(len(left.kernel_block_ids))
+            order = PullOrder(
+                "after-kill", parse_remote(left.kv_transfer_params), local, True, time.monotonic_ns()
+            )
+            standin.pull([order])
+            got = standin.wait({"after-kill"}, 60.0)["after-kill"]  # answered, not hung
+            seen["pull_after_kill"] = "ok" if got.ok else f"failed: {got.reason}"
+            if got.ok:
+                torch.cuda.synchronize()
+                seen["bit_exact_after_kill"] = mismatches(standin, left, local) == []
+            second = _spawn_prefill(work, "prefill-b", 2048)
+            pull_round(standin, second, f"{name}-b", seed=22)  # bit-exact, from a fresh mapping
+            mappings = _metrics(metrics_port, "kv_sidecar_peer_mappings_total")
+            assert mappings == {"mapped": 2.0, "unavailable": 0.0}, mappings
+        finally:
+            standin.close()
+    finally:
+        daemon.stop()
+        for emu in (first, second):
+            if emu is not None and emu.proc.poll() is None:
+                emu.stop()
+        print(json.dumps({"killed_prefill": seen}))

@@ -6,6 +6,7 @@ request stay as they were, and a prefill whose pages do not map is read the usua
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import torch
@@ -191,6 +192,49 @@ def test_pulls_arriving_together_map_their_prefill_once():
                 assert (await h.reply(p.Done, req)).ok
             assert h.port.map_calls == ["kv-sidecar-post_0"]
             assert h.daemon.metrics.peer_mappings.labels(outcome="mapped")._value.get() == 1
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+def test_a_prefill_without_pulls_for_mapping_idle_s_is_let_go_and_mapped_again_later():
+    async def main():
+        h = Harness(pull_mode="mapped", mapping_idle_s=30.0)
+        h.port.mapped = _mapped_pages()
+        await h.start()
+        try:
+            _pull(h, "a", [1], [2])
+            assert (await h.reply(p.Done, "a")).ok
+            mapped, m = h.daemon.mapped, h.daemon.metrics
+            assert m.mapped_peers._value.get() == 1
+            now = time.monotonic()
+            assert mapped.release_idle(now + 29) == 0  # used within mapping_idle_s: kept
+            assert mapped.release_idle(now + 31) == 1
+            await asyncio.sleep(0.02)  # unmapped on the poster thread
+            assert h.port.unmapped == h.port.peers[:1] and m.mapped_peers._value.get() == 0
+            _pull(h, "b", [3], [4])
+            assert (await h.reply(p.Done, "b")).ok
+            assert len(h.port.map_calls) == 2 and m.mapped_peers._value.get() == 1
+        finally:
+            await h.stop()
+
+    run(main())
+
+
+def test_an_unmappable_prefill_is_asked_again_after_mapping_idle_s_and_nothing_is_unmapped():
+    async def main():
+        h = Harness(pull_mode="mapped", mapping_idle_s=30.0)
+        await h.start()
+        try:
+            _pull(h, "a", [1], [2])
+            assert (await h.reply(p.Done, "a")).ok
+            assert h.daemon.mapped.release_idle(time.monotonic() + 31) == 0
+            h.port.mapped = _mapped_pages()  # it maps now (say, a reconfigured prefill)
+            _pull(h, "b", [3], [4])
+            assert (await h.reply(p.Done, "b")).ok
+            assert len(h.port.map_calls) == 2 and h.port.unmapped == []
+            assert h.daemon.metrics.read_modes.labels(mode="mapped")._value.get() == 1
         finally:
             await h.stop()
 
