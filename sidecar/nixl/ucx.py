@@ -8,7 +8,7 @@ So this opens a small UCP context of its own on the UCX the nixl wheel ships, th
 API only. Each parameter struct is passed as a zeroed buffer with its field mask first (``ucp.h``, UCX 1.2x),
 so fields we leave unset keep UCX's defaults.
 
-Used by ``kv-sidecar bench map``; the daemon does not use it (docs/converting-read.md says why not yet).
+Used by the mapped read mode (``sidecar.nixl.mapping``) and ``kv-sidecar bench map``.
 """
 
 from __future__ import annotations
