@@ -8,6 +8,7 @@ that no request was given still holds its canary. The daemon's metrics say every
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -56,10 +57,11 @@ def _gauge(port: int, name: str) -> float:
     return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
 
-def test_mapped_pulls_convert_from_the_prefills_vram_and_touch_nothing_else(work, emulator) -> None:
-    """Two rounds of pulls, a pause past mapping_idle_s (the mapping is let go), a third round (mapped
-    again): every round bit-exact, and no block outside the rounds' ever written."""
-    name = "daemon-mapped"
+@contextlib.contextmanager
+def mapped_daemon(work, name: str, factors: dict, **settings: str):
+    """A ``kv-sidecar serve --gpu 0`` in pull_mode mapped (``settings``: more config keys, raw TOML values)
+    and the decoder stand-in registered with it: yields (stand-in, metrics port); both stopped on the way
+    out."""
     metrics_port = _free_port()
     daemon = start_daemon(
         work,
@@ -70,53 +72,57 @@ def test_mapped_pulls_convert_from_the_prefills_vram_and_touch_nothing_else(work
         staging_bytes=0,
         env=ucx_env(work, name, "info", cuda=True),
         log_path=work / f"{name}.log",
-        settings={"metrics_port": str(metrics_port), "mapping_idle_s": "1.0"},
+        settings={"metrics_port": str(metrics_port), **settings},
     )
     try:
         standin = DeviceStandin(
-            daemon.socket,
-            SHAPE,
-            device=DEVICE,
-            compat_factors=dict(emulator.ready.compat_factors),
-            pull_timeout_s=120.0,
+            daemon.socket, SHAPE, device=DEVICE, compat_factors=factors, pull_timeout_s=60.0
         )
         try:
             assert standin.register(), standin.worker.client.status_reason
-            for layer in range(LAYERS):
-                standin.k_plane(layer).view(torch.int16).fill_(CANARY)
-                standin.v_plane(layer).view(torch.int16).fill_(CANARY)
-            used: set[int] = set()
-            real_allocate = standin.allocate
-
-            def allocate(n: int) -> list[int]:
-                ids = real_allocate(n)
-                used.update(ids)
-                return ids
-
-            standin.allocate = allocate
-            for i, seed in enumerate((11, 12)):
-                pull_round(standin, emulator, f"{name}-{i}", seed=seed)
-            time.sleep(2.0)  # past mapping_idle_s: let go
-            assert _gauge(metrics_port, "kv_sidecar_mapped_peers") == 0
-            pull_round(standin, emulator, f"{name}-2", seed=13)
-            assert _gauge(metrics_port, "kv_sidecar_mapped_peers") == 1
-            torch.cuda.synchronize()
-            others = torch.tensor(sorted(set(range(SHAPE.num_blocks)) - used), device=DEVICE)
-            assert others.numel() > 0
-            for layer in range(LAYERS):
-                for plane in (standin.k_plane(layer), standin.v_plane(layer)):
-                    assert bool((plane.view(torch.int16).index_select(0, others) == CANARY).all()), layer
-            modes = _metrics(metrics_port, "kv_sidecar_read_modes_total")
-            assert modes["mapped"] == 3 * REQUESTS and modes["direct"] == 0, modes
-            mappings = _metrics(metrics_port, "kv_sidecar_peer_mappings_total")
-            # at least once more after the pause (also between rounds, if one's checks outlast the idle time)
-            assert mappings["mapped"] >= 2 and mappings["unavailable"] == 0, mappings
-            launches = _metrics(metrics_port, "kv_sidecar_conversion_launches_total")
-            assert launches["graph"] > 0, launches  # out of place: replayed from CUDA graphs
+            yield standin, metrics_port
         finally:
             standin.close()
     finally:
         daemon.stop()
+
+
+def test_mapped_pulls_convert_from_the_prefills_vram_and_touch_nothing_else(work, emulator) -> None:
+    """Two rounds of pulls, a pause past mapping_idle_s (the mapping is let go), a third round (mapped
+    again): every round bit-exact, and no block outside the rounds' ever written."""
+    name = "daemon-mapped"
+    factors = dict(emulator.ready.compat_factors)
+    with mapped_daemon(work, name, factors, mapping_idle_s="1.0") as (standin, metrics_port):
+        for layer in range(LAYERS):
+            standin.k_plane(layer).view(torch.int16).fill_(CANARY)
+            standin.v_plane(layer).view(torch.int16).fill_(CANARY)
+        used: set[int] = set()
+        real_allocate = standin.allocate
+
+        def allocate(n: int) -> list[int]:
+            ids = real_allocate(n)
+            used.update(ids)
+            return ids
+
+        standin.allocate = allocate
+        for i, seed in enumerate((11, 12)):
+            pull_round(standin, emulator, f"{name}-{i}", seed=seed)
+        time.sleep(2.0)  # past mapping_idle_s: let go
+        assert _gauge(metrics_port, "kv_sidecar_mapped_peers") == 0
+        pull_round(standin, emulator, f"{name}-2", seed=13)  # mapped again (counted below)
+        torch.cuda.synchronize()
+        others = torch.tensor(sorted(set(range(SHAPE.num_blocks)) - used), device=DEVICE)
+        assert others.numel() > 0
+        for layer in range(LAYERS):
+            for plane in (standin.k_plane(layer), standin.v_plane(layer)):
+                assert bool((plane.view(torch.int16).index_select(0, others) == CANARY).all()), layer
+        modes = _metrics(metrics_port, "kv_sidecar_read_modes_total")
+        assert modes["mapped"] == 3 * REQUESTS and modes["direct"] == 0, modes
+        mappings = _metrics(metrics_port, "kv_sidecar_peer_mappings_total")
+        # at least once more after the pause (also between rounds, if one's checks outlast the idle time)
+        assert mappings["mapped"] >= 2 and mappings["unavailable"] == 0, mappings
+        launches = _metrics(metrics_port, "kv_sidecar_conversion_launches_total")
+        assert launches["graph"] > 0, launches  # out of place: replayed from CUDA graphs
 
 
 def _spawn_prefill(work, name: str, num_blocks: int):
@@ -133,31 +139,11 @@ def test_a_killed_prefill_is_answered_and_the_next_one_is_mapped_afresh(work) ->
     (what the driver does with the dead process's memory is recorded, not assumed), the daemon stays
     healthy, and a new prefill is mapped and read bit-exact."""
     name = "daemon-mapped-restart"
-    metrics_port = _free_port()
     first = _spawn_prefill(work, "prefill-a", 8192)  # 2 GiB of pages: visible in the device's free memory
-    daemon = start_daemon(
-        work,
-        name,
-        remote_fmt=REMOTE,
-        gpu=GPU,
-        mode="mapped",
-        staging_bytes=0,
-        env=ucx_env(work, name, "info", cuda=True),
-        log_path=work / f"{name}.log",
-        settings={"metrics_port": str(metrics_port)},
-    )
     second = None
     seen: dict[str, object] = {}
     try:
-        standin = DeviceStandin(
-            daemon.socket,
-            SHAPE,
-            device=DEVICE,
-            compat_factors=dict(first.ready.compat_factors),
-            pull_timeout_s=60.0,
-        )
-        try:
-            assert standin.register(), standin.worker.client.status_reason
+        with mapped_daemon(work, name, dict(first.ready.compat_factors)) as (standin, metrics_port):
             pull_round(standin, first, f"{name}-a", seed=21)
             left = first.client.new_request(num_tokens=MAX_TOKENS)  # prefilled, then its prefill dies
             free_before = torch.cuda.mem_get_info(GPU)[0]
@@ -179,10 +165,7 @@ def test_a_killed_prefill_is_answered_and_the_next_one_is_mapped_afresh(work) ->
             pull_round(standin, second, f"{name}-b", seed=22)  # bit-exact, from a fresh mapping
             mappings = _metrics(metrics_port, "kv_sidecar_peer_mappings_total")
             assert mappings == {"mapped": 2.0, "unavailable": 0.0}, mappings
-        finally:
-            standin.close()
     finally:
-        daemon.stop()
         for emu in (first, second):
             if emu is not None and emu.proc.poll() is None:
                 emu.stop()

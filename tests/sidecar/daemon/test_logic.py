@@ -71,7 +71,10 @@ class Harness:
     def send(self, msg: object, who: bytes = b"shim") -> None:
         self.daemon.router.dispatch([who], msg, time.monotonic())
 
-    def pull(self, req_id: str, blocks: list[int] | None = None, **kw) -> None:
+    def pull(
+        self, req_id: str, blocks: list[int] | None = None, remote: list[int] | None = None, **kw
+    ) -> None:
+        """A Pull of ``blocks`` (local ids) from ``remote`` (default: the same ids)."""
         blocks = [1, 2, 3] if blocks is None else blocks
         self.send(
             p.Pull(
@@ -80,7 +83,7 @@ class Harness:
                 remote_host="127.0.0.1",
                 remote_port=5600,
                 remote_request_id=f"r-{req_id}",
-                remote_block_ids=blocks,
+                remote_block_ids=blocks if remote is None else remote,
                 local_block_ids=blocks,
                 **kw,
             )

@@ -6,6 +6,7 @@ request stay as they were, and a prefill whose pages do not map is read the usua
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import numpy as np
@@ -33,26 +34,18 @@ def _planes(h: Harness) -> torch.Tensor:
     return h.shm.tensor.view(torch.int16).view(LAYERS, 2, B, PLANE)
 
 
-def _pull(h: Harness, req_id: str, local: list[int], remote: list[int]) -> None:
-    h.send(
-        p.Pull(
-            req_id=req_id,
-            remote_engine_id="prefill-0",
-            remote_host="127.0.0.1",
-            remote_port=5600,
-            remote_request_id=f"r-{req_id}",
-            remote_block_ids=remote,
-            local_block_ids=local,
-        )
-    )
-
-
-async def _mapped_harness(**overrides) -> Harness:
+@contextlib.asynccontextmanager
+async def mapped_started(maps: bool = True, **overrides):
+    """A started Harness in pull_mode mapped whose fake prefill's pages map (``_mapped_pages``) unless
+    ``maps`` is False, every plane painted with the canary; stopped on the way out."""
     h = Harness(pull_mode="mapped", **overrides)
-    h.port.mapped = _mapped_pages()
+    h.port.mapped = _mapped_pages() if maps else None
     await h.start()
     _planes(h).fill_(CANARY)
-    return h
+    try:
+        yield h
+    finally:
+        await h.stop()
 
 
 def _expected(pages: torch.Tensor, layer: int, remote: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,10 +60,9 @@ def _expected(pages: torch.Tensor, layer: int, remote: list[int]) -> tuple[torch
 
 def test_a_mapped_pull_converts_the_remote_blocks_and_touches_nothing_else():
     async def main():
-        h = await _mapped_harness()
-        try:
+        async with mapped_started() as h:
             local, remote = [1, 4, 6], [9, 0, 5]
-            _pull(h, "a", local, remote)
+            h.pull("a", local, remote=remote)
             done = await h.reply(p.Done, "a")
             assert done.ok, done
             assert h.port.reads == []  # no NIXL read at all
@@ -87,11 +79,9 @@ def test_a_mapped_pull_converts_the_remote_blocks_and_touches_nothing_else():
             assert m.read_modes.labels(mode="mapped")._value.get() == 1
             assert m.peer_mappings.labels(outcome="mapped")._value.get() == 1
             assert m.bytes_pulled._value.get() == LAYERS * len(local) * 2 * PLANE * 2
-            _pull(h, "b", [2], [3])  # the peer's mapping is asked for once
+            h.pull("b", [2], remote=[3])  # the peer's mapping is asked for once
             assert (await h.reply(p.Done, "b")).ok
             assert h.port.map_calls == ["kv-sidecar-post_0"]
-        finally:
-            await h.stop()
 
     run(main())
 
@@ -100,9 +90,8 @@ def test_an_abort_during_a_mapped_conversion_notifies_only_after_it_ended(blocke
     gate, started_ = blocked_conversion
 
     async def main():
-        h = await _mapped_harness()
-        try:
-            _pull(h, "a", [1, 2], [3, 4])
+        async with mapped_started() as h:
+            h.pull("a", [1, 2], remote=[3, 4])
             while not started_.is_set():
                 await asyncio.sleep(0.002)
             h.send(p.Abort(req_id="a"))
@@ -113,19 +102,15 @@ def test_an_abort_during_a_mapped_conversion_notifies_only_after_it_ended(blocke
             aborted = await h.reply(p.Aborted, "a")
             assert aborted.safe
             assert h.port.notified == ["r-a"]
-        finally:
-            await h.stop()
 
     run(main())
 
 
 def test_a_prefill_whose_pages_do_not_map_is_read_the_usual_way():
     async def main():
-        h = Harness(pull_mode="mapped")  # the fake maps nothing
-        await h.start()
-        try:
+        async with mapped_started(maps=False) as h:
             for req in ("a", "b"):
-                _pull(h, req, [1, 2], [3, 4])
+                h.pull(req, [1, 2], remote=[3, 4])
                 assert (await h.reply(p.Done, req)).ok
             assert [r.mode for r in h.port.reads] == ["direct", "direct"]  # no staging pool: direct
             assert len(h.port.map_calls) == 1  # the refusal is remembered for the peer
@@ -133,24 +118,19 @@ def test_a_prefill_whose_pages_do_not_map_is_read_the_usual_way():
             assert m.peer_mappings.labels(outcome="unavailable")._value.get() == 1
             assert m.read_modes.labels(mode="direct")._value.get() == 2
             assert h.port.notified == ["r-a", "r-b"]
-        finally:
-            await h.stop()
 
     run(main())
 
 
 def test_a_mapped_pull_with_remote_ids_beyond_the_mapping_fails_and_writes_nothing():
     async def main():
-        h = await _mapped_harness()
-        h.port.mapped = h.port.mapped[:, :4]  # the prefill's region holds 4 blocks; block 9 is not in it
-        try:
-            _pull(h, "a", [1, 2], [2, 9])
+        async with mapped_started() as h:
+            h.port.mapped = h.port.mapped[:, :4]  # the prefill's region holds 4 blocks; block 9 is not in it
+            h.pull("a", [1, 2], remote=[2, 9])
             done = await h.reply(p.Done, "a")
             assert not done.ok and "convert" in done.reason, done
             assert (_planes(h) == CANARY).all()
             assert h.port.notified == ["r-a"]
-        finally:
-            await h.stop()
 
     run(main())
 
@@ -171,40 +151,31 @@ def test_the_remote_ids_are_the_source_rows(monkeypatch):
     monkeypatch.setattr(conversion_mod, "convert_blocks", record)
 
     async def main():
-        h = await _mapped_harness()
-        try:
-            _pull(h, "a", [5, 3], [11, 2])
+        async with mapped_started() as h:
+            h.pull("a", [5, 3], remote=[11, 2])
             assert (await h.reply(p.Done, "a")).ok
             assert seen == [([5, 3], (LAYERS, REMOTE_BLOCKS, 2 * PLANE), [11, 2], (0, LAYERS))]
-        finally:
-            await h.stop()
 
     run(main())
 
 
 def test_pulls_arriving_together_map_their_prefill_once():
     async def main():
-        h = await _mapped_harness()
-        try:
+        async with mapped_started() as h:
             for i, req in enumerate("abcd"):
-                _pull(h, req, [i + 1], [i])
+                h.pull(req, [i + 1], remote=[i])
             for req in "abcd":
                 assert (await h.reply(p.Done, req)).ok
             assert h.port.map_calls == ["kv-sidecar-post_0"]
             assert h.daemon.metrics.peer_mappings.labels(outcome="mapped")._value.get() == 1
-        finally:
-            await h.stop()
 
     run(main())
 
 
 def test_a_prefill_without_pulls_for_mapping_idle_s_is_let_go_and_mapped_again_later():
     async def main():
-        h = Harness(pull_mode="mapped", mapping_idle_s=30.0)
-        h.port.mapped = _mapped_pages()
-        await h.start()
-        try:
-            _pull(h, "a", [1], [2])
+        async with mapped_started(mapping_idle_s=30.0) as h:
+            h.pull("a", [1], remote=[2])
             assert (await h.reply(p.Done, "a")).ok
             mapped, m = h.daemon.mapped, h.daemon.metrics
             assert m.mapped_peers._value.get() == 1
@@ -213,29 +184,23 @@ def test_a_prefill_without_pulls_for_mapping_idle_s_is_let_go_and_mapped_again_l
             assert mapped.release_idle(now + 31) == 1
             await asyncio.sleep(0.02)  # unmapped on the poster thread
             assert h.port.unmapped == h.port.peers[:1] and m.mapped_peers._value.get() == 0
-            _pull(h, "b", [3], [4])
+            h.pull("b", [3], remote=[4])
             assert (await h.reply(p.Done, "b")).ok
             assert len(h.port.map_calls) == 2 and m.mapped_peers._value.get() == 1
-        finally:
-            await h.stop()
 
     run(main())
 
 
 def test_an_unmappable_prefill_is_asked_again_after_mapping_idle_s_and_nothing_is_unmapped():
     async def main():
-        h = Harness(pull_mode="mapped", mapping_idle_s=30.0)
-        await h.start()
-        try:
-            _pull(h, "a", [1], [2])
+        async with mapped_started(maps=False, mapping_idle_s=30.0) as h:
+            h.pull("a", [1], remote=[2])
             assert (await h.reply(p.Done, "a")).ok
             assert h.daemon.mapped.release_idle(time.monotonic() + 31) == 0
             h.port.mapped = _mapped_pages()  # it maps now (say, a reconfigured prefill)
-            _pull(h, "b", [3], [4])
+            h.pull("b", [3], remote=[4])
             assert (await h.reply(p.Done, "b")).ok
             assert len(h.port.map_calls) == 2 and h.port.unmapped == []
             assert h.daemon.metrics.read_modes.labels(mode="mapped")._value.get() == 1
-        finally:
-            await h.stop()
 
     run(main())
