@@ -83,8 +83,12 @@ class MappedReads:
             self._metrics.peer_mappings.labels(outcome="unavailable").inc()
             return None
         self._metrics.peer_mappings.labels(outcome="mapped").inc()
-        self._metrics.mapped_peers.inc()
+        self._metrics.mapped_peers.set(self._held() + 1)  # this one's future is not done yet
         return source
+
+    def _held(self) -> int:
+        """Peers whose pages are mapped (a peer dropped meanwhile is counted until it is let go)."""
+        return sum(1 for found in list(self._sources.values()) if _mapped(found))
 
     def release_idle(self, now: float) -> int:
         """Let go the mappings of prefill ranks without a pull for ``mapping_idle_s``; how many. Forgotten
@@ -97,12 +101,16 @@ class MappedReads:
             if now - last <= idle or found is None or not found.done():
                 continue
             del self._sources[peer], self._last_used[peer]
-            if found.exception() is None and found.result() is not None:
+            if _mapped(found):
                 released += 1
-                self._metrics.mapped_peers.dec()
-                log.info("prefill %s at %s: pages let go after %.0f s without a pull",
-                         getattr(peer, "engine_id", "?"), getattr(peer, "address", "?"), now - last)
+                log.info(
+                    "prefill %s at %s: pages let go after %.0f s without a pull",
+                    getattr(peer, "engine_id", "?"),
+                    getattr(peer, "address", "?"),
+                    now - last,
+                )
                 self._on_poster(self._port.unmap_pages, peer).add_done_callback(_log_failure)
+        self._metrics.mapped_peers.set(self._held())
         return released
 
     async def release_loop(self) -> None:
@@ -119,6 +127,11 @@ class MappedReads:
         self._conversions.convert_group(job, 0, layers)
         job.mapped_bytes = layers * pairs.count * job.peer.plan.remote.page_bytes
         await self._conversions.finish(job, layers)
+
+
+def _mapped(found: asyncio.Future) -> bool:
+    """Whether a mapping's future ended with pages (not None, not failed, not cancelled)."""
+    return found.done() and not found.cancelled() and found.exception() is None and found.result() is not None
 
 
 def _log_failure(fut: asyncio.Future) -> None:
