@@ -98,18 +98,17 @@ class MappedReads:
         idle, released = self._idle_s(), 0
         for peer, last in list(self._last_used.items()):
             found = self._sources.get(peer)
-            if now - last <= idle or found is None or not found.done():
-                continue
+            if now - last <= idle or found is None or not _mapped(found):
+                continue  # in use, being mapped, or not mappable (kept: the same peer never maps later)
             del self._sources[peer], self._last_used[peer]
-            if _mapped(found):
-                released += 1
-                log.info(
-                    "prefill %s at %s: pages let go after %.0f s without a pull",
-                    getattr(peer, "engine_id", "?"),
-                    getattr(peer, "address", "?"),
-                    now - last,
-                )
-                self._on_poster(self._port.unmap_pages, peer).add_done_callback(_log_failure)
+            released += 1
+            log.info(
+                "prefill %s at %s: pages let go after %.0f s without a pull",
+                getattr(peer, "engine_id", "?"),
+                getattr(peer, "address", "?"),
+                now - last,
+            )
+            self._on_poster(self._port.unmap_pages, peer).add_done_callback(_log_failure)
         self._metrics.mapped_peers.set(self._held())
         return released
 
