@@ -104,3 +104,82 @@ def test_a_prefill_without_ucx_is_refused_naming_agent_metadata(emu, monkeypatch
     with pytest.raises(MappingUnavailable) as info:
         map_pages(meta.agent_metadata, regions, lay, None)
     assert info.value.field == "agent_metadata"
+
+
+# -- NixlPort.map_pages / unmap_pages: what it refuses and remembers (the port's logic, no NIXL agent) -------
+
+
+class _Closable:
+    def __init__(self) -> None:
+        self.closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
+
+    def source(self, dtype):
+        return ("source", dtype)
+
+
+def _port_and_peer(**peer_fields):
+    from sidecar.nixl.port import NixlPort
+    from sidecar.wire.formats import STANDARD, PageFormat
+
+    port = NixlPort.__new__(NixlPort)  # the mapping calls read only the agent's settings
+    port.agent = types.SimpleNamespace(settings=types.SimpleNamespace(cuda_device=None))
+    fmt = PageFormat(
+        kind=STANDARD, layout="LBHNC", dtype="bfloat16", num_heads=2, block_size=16, head_size=64
+    )
+    bases = [(1 << 20) + i * 64 * fmt.page_bytes for i in range(3)]
+    fields = dict(plan=types.SimpleNamespace(remote=fmt), source=None, mapping=None, agent_metadata=b"x")
+    fields.update(peer_fields)
+    peer = types.SimpleNamespace(
+        regions=_regions(bases, lens=fmt.page_bytes, strides=fmt.page_bytes), **fields
+    )
+    return port, peer
+
+
+def test_the_port_refuses_a_head_slice_naming_remote_tp_size_and_remembers_it(monkeypatch):
+    import sidecar.nixl.port as port_mod
+
+    calls = []
+    monkeypatch.setattr(port_mod, "map_pages", lambda *a: calls.append(a))
+    port, peer = _port_and_peer(source=object())
+    with pytest.raises(MappingUnavailable) as first:
+        port.map_pages(peer, "bf16")
+    assert first.value.field == "remote_tp_size" and peer.mapping is first.value
+    with pytest.raises(MappingUnavailable) as again:
+        port.map_pages(peer, "bf16")
+    assert again.value is first.value and calls == []  # remembered: never tried to map
+
+
+def test_the_port_maps_once_then_answers_from_the_mapping_and_unmaps_it(monkeypatch):
+    import sidecar.nixl.port as port_mod
+
+    made = []
+
+    def fake_map(metadata, regions, layout, device):
+        made.append((metadata, layout.layers, device))
+        return mapped
+
+    mapped = _Closable()
+    monkeypatch.setattr(port_mod, "map_pages", fake_map)
+    monkeypatch.setattr(port_mod, "MappedPages", _Closable)
+    port, peer = _port_and_peer()
+    assert port.map_pages(peer, "bf16") == ("source", "bf16")
+    assert port.map_pages(peer, "fp16") == ("source", "fp16")
+    assert made == [(b"x", 3, None)]
+    port.unmap_pages(peer)
+    assert mapped.closed == 1 and peer.mapping is None
+    port.unmap_pages(peer)  # nothing held: nothing to do
+    assert mapped.closed == 1
+
+
+def test_the_port_passes_a_layout_refusal_on_and_remembers_it():
+    port, peer = _port_and_peer()
+    page = peer.plan.remote.page_bytes
+    peer.regions = _regions([1 << 20, 2 << 20, 4 << 20], lens=page, strides=page)  # layers not evenly spaced
+    with pytest.raises(MappingUnavailable) as info:
+        port.map_pages(peer, "bf16")
+    assert info.value.field == "kv_caches_base_addr" and peer.mapping is info.value
+    port.unmap_pages(peer)  # a refusal is not a mapping: nothing closed, and it is forgotten
+    assert peer.mapping is None
