@@ -28,6 +28,7 @@ from typing import Any
 from sidecar.daemon.conversion import Conversions
 from sidecar.daemon.jobs import Job
 from sidecar.daemon.port import TransferPort
+from sidecar.daemon.reads import log_poster_failure
 from sidecar.nixl.errors import MappingUnavailable
 from sidecar.ops.metrics import Metrics
 
@@ -43,7 +44,7 @@ class MappedReads:
         on_poster: Callable[..., Any],
         conversions: Conversions,
         metrics: Metrics,
-        idle_s: Callable[[], float] = lambda: 60.0,
+        idle_s: Callable[[], float],
     ) -> None:
         """``idle_s``: config ``mapping_idle_s``, read at every pass of ``release_loop``."""
         self._port = port
@@ -108,7 +109,7 @@ class MappedReads:
                 getattr(peer, "address", "?"),
                 now - last,
             )
-            self._on_poster(self._port.unmap_pages, peer).add_done_callback(_log_failure)
+            self._on_poster(self._port.unmap_pages, peer).add_done_callback(log_poster_failure)
         self._metrics.mapped_peers.set(self._held())
         return released
 
@@ -132,8 +133,3 @@ def _mapped(found: asyncio.Future) -> bool:
     """Whether a mapping's future ended with pages (not None, not failed, not cancelled)."""
     return found.done() and not found.cancelled() and found.exception() is None and found.result() is not None
 
-
-def _log_failure(fut: asyncio.Future) -> None:
-    exc = None if fut.cancelled() else fut.exception()
-    if exc is not None:
-        log.warning("letting a mapping go: %s: %s", type(exc).__name__, exc)

@@ -225,7 +225,7 @@ class Reads:
                 self._release_now(job.req_id, read)
             then()
             return
-        fut.add_done_callback(_log_failure)
+        fut.add_done_callback(log_poster_failure)
         fut.add_done_callback(lambda _: then())
 
     def _release_now(self, req_id: str, read: Any) -> None:
@@ -288,7 +288,7 @@ class Reads:
                 self._port.notify_read(read)
                 return
         try:
-            self.on_poster(self._port.notify_read, read).add_done_callback(_log_failure)
+            self.on_poster(self._port.notify_read, read).add_done_callback(log_poster_failure)
         except RuntimeError:  # the poster is closed (shutdown): nothing else is in the transport now
             self._port.notify_read(read)
 
@@ -310,7 +310,8 @@ class Reads:
                 log.debug("progress: %s", exc)
 
 
-def _log_failure(fut: asyncio.Future) -> None:
+def log_poster_failure(fut: asyncio.Future) -> None:
+    """A done-callback for poster-thread calls nobody waits for (release, notify, unmap): log a failure."""
     exc = None if fut.cancelled() else fut.exception()
     if exc is not None:
-        log.warning("poster thread (release, notify): %s: %s", type(exc).__name__, exc)
+        log.warning("poster thread (release, notify, unmap): %s: %s", type(exc).__name__, exc)

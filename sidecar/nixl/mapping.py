@@ -41,7 +41,9 @@ class MappingLayout:
         """Bytes from the first layer's base to the end of the last layer's last page."""
         return (self.layers - 1) * self.layer_stride + (self.blocks - 1) * self.block_stride + self.page_bytes
 
+    @property
     def layer_span(self) -> int:
+        """Bytes of one layer's pages, from its base."""
         return (self.blocks - 1) * self.block_stride + self.page_bytes
 
 
@@ -174,7 +176,7 @@ def map_pages(
         first = None
         for layer in range(layout.layers):
             base = int(regions.base[layer])
-            _, region = agent.region_at(base, layout.layer_span())
+            _, region = agent.region_at(base, layout.layer_span)
             key = keys.get(region.key)
             if key is None:
                 key = keys[region.key] = ep.unpack(region.key)

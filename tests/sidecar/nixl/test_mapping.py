@@ -45,7 +45,7 @@ def test_evenly_spaced_layers_of_whole_pages_fit_one_tensor():
         layers=3, blocks=10, page_bytes=PAGE, block_stride=PAGE, layer_stride=50 * PAGE
     )
     assert lay.span == 100 * PAGE + 9 * PAGE + PAGE
-    assert lay.layer_span() == 10 * PAGE
+    assert lay.layer_span == 10 * PAGE
 
 
 def test_one_layer_has_no_layer_stride():
