@@ -15,6 +15,7 @@ import torch
 from sidecar.convert import convert_standard_to_shuffled
 from sidecar.wire import protocol as p
 from tests.sidecar.daemon.test_logic import LAYERS, PLANE, B, D, H, Harness, N, blocked_conversion, run
+from tests.sidecar.daemon.test_logic_tp import until
 
 __all__ = ["blocked_conversion"]  # a fixture, used by name
 
@@ -66,7 +67,7 @@ def test_a_mapped_pull_converts_the_remote_blocks_and_touches_nothing_else():
             done = await h.reply(p.Done, "a")
             assert done.ok, done
             assert h.port.reads == []  # no NIXL read at all
-            assert h.port.notified == ["r-a"]  # told once, after the conversion
+            await until(lambda: h.port.notified == ["r-a"])  # told once, after the conversion
             assert h.port.map_calls == ["kv-sidecar-post_0"]  # mapped on the poster thread (its context)
             planes = _planes(h)
             for layer in range(LAYERS):
@@ -101,7 +102,7 @@ def test_an_abort_during_a_mapped_conversion_notifies_only_after_it_ended(blocke
             gate.set()
             aborted = await h.reply(p.Aborted, "a")
             assert aborted.safe
-            assert h.port.notified == ["r-a"]
+            await until(lambda: h.port.notified == ["r-a"])  # right after the answer (a loop turn later)
 
     run(main())
 
@@ -130,7 +131,7 @@ def test_a_mapped_pull_with_remote_ids_beyond_the_mapping_fails_and_writes_nothi
             done = await h.reply(p.Done, "a")
             assert not done.ok and "convert" in done.reason, done
             assert (_planes(h) == CANARY).all()
-            assert h.port.notified == ["r-a"]
+            await until(lambda: h.port.notified == ["r-a"])
 
     run(main())
 
@@ -204,5 +205,27 @@ def test_an_unmappable_prefill_is_not_asked_again_nor_unmapped_after_mapping_idl
             assert (await h.reply(p.Done, "b")).ok
             assert len(h.port.map_calls) == 1 and h.port.unmapped == []
             assert h.daemon.metrics.peer_mappings.labels(outcome="unavailable")._value.get() == 1
+
+    run(main())
+
+
+def test_a_pull_from_an_admitted_prefill_starts_its_conversion_in_its_first_step(blocked_conversion):
+    """Once the prefill is admitted and mapped, a Pull's job goes from its first step to its conversion
+    without another loop turn: none for a handshake that is already through."""
+    gate, started_ = blocked_conversion
+
+    async def main():
+        async with mapped_started() as h:
+            gate.set()
+            h.pull("a", [1], remote=[2])  # handshakes and maps the prefill
+            assert (await h.reply(p.Done, "a")).ok
+            gate.clear()
+            started_.clear()
+            h.pull("b", [3], remote=[4])
+            await asyncio.sleep(0)  # the job's first step
+            assert h.job_stage("b") == "convert"
+            assert "handshake" in h.daemon.jobs.get("b").timings  # went through it, without a wait
+            gate.set()
+            assert (await h.reply(p.Done, "b")).ok
 
     run(main())
