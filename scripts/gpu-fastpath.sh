@@ -140,12 +140,12 @@ for step in "$@"; do
       done ;;
     # py-spy attached by pid to the daemon of a staged contiguous run (--subprocesses never reached it), for
     # its whole life (at most SPY_S seconds; idle samples are not kept, so the bare reads' phase adds little):
-    # raw stacks per thread in $OUT/daemon-<tokens>-x<in flight>.txt.gz (SPY_CONTEXT 4096, SPY_CONC 8 by
-    # default); scripts/pyspy-summary.py turns them into the shares the README quotes
+    # raw stacks per thread in $OUT/daemon-<tokens>-x<in flight>.txt.gz (SPY_CONTEXT 4096, SPY_CONC 8,
+    # SPY_PAIRS staged/contiguous by default); scripts/pyspy-summary.py turns them into the shares the README quotes
     daemonprofile) (
         python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 --warmup 1 \
           --contexts "${SPY_CONTEXT:-4096}" --concurrency "${SPY_CONC:-8}" --reps "${SPY_REPS:-400}" \
-          --pairs staged/contiguous --budget-s "${SPY_BENCH_S:-150}" \
+          --pairs "${SPY_PAIRS:-staged/contiguous}" --budget-s "${SPY_BENCH_S:-150}" \
           --out "$OUT/e2e-h200-daemonprofile.json" >"$OUT/daemonprofile-bench.log" 2>&1 &
         bench=$!
         pid=""
@@ -155,7 +155,7 @@ for step in "$@"; do
           sleep 0.5
         done
         echo "daemon pid ${pid:-none}"
-        [ -n "$pid" ] && timeout -k 5 $((${SPY_S:-120} + 20)) /tmp/site/bin/py-spy record --pid "$pid" \
+        [ -n "$pid" ] && timeout -k 5 $((${SPY_S:-120} + 20)) "${PY_SPY:-/tmp/site/bin/py-spy}" record --pid "$pid" \
           --nonblocking --threads --rate 1000 --duration "${SPY_S:-120}" --format raw \
           -o "$OUT/daemon-${SPY_CONTEXT:-4096}-x${SPY_CONC:-8}.txt"
         wait "$bench"
