@@ -136,7 +136,9 @@ class Conversions:
         conv: JobConversion | None = job.conversion
         if conv is None or job.caches is None:
             return
-        src = None if conv.src is None else conv.src[first:last]
+        src = conv.src
+        if src is not None and (first, last) != (0, src.shape[0]):
+            src = src[first:last]  # a layer group (a whole source, mapped pages above all, is used as it is)
         loop = asyncio.get_running_loop()
         try:
             if self._stream is None:
