@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -49,9 +50,10 @@ class Caches:
             return True
         return self.owner_session is not None and self.owner_session.same_shim(session)
 
-    @property
+    @functools.cached_property
     def max_blocks(self) -> int:
-        """The most block ids one request can name: every kernel block of one region."""
+        """The most block ids one request can name: every kernel block of one region (fixed at registration:
+        asked once per Pull)."""
         return int(self.regions.num_blocks.max())
 
 
