@@ -181,8 +181,8 @@ def command_line() -> str:
 
 def markdown_rows(results: Sequence[tuple[str, dict[str, Any]]]) -> str:
     """README rows from committed ``bench e2e`` files, one per cell: the medians of the bare read and of
-    kv-sidecar, kv-sidecar's rate, the queue and post stages (– where a mapped pull posted no read), and the bit-exact
-    check.
+    kv-sidecar, kv-sidecar's rate, the queue and post stages (– where a mapped pull posted no read), and the
+    bit-exact check.
 
         python -m sidecar.bench.e2e_report bench/results/e2e-h200-c8-c32-compact-2026-12-02.json ..."""
     rows = [
@@ -207,7 +207,18 @@ def markdown_rows(results: Sequence[tuple[str, dict[str, Any]]]) -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m sidecar.bench.e2e_report FILE...``: README's table rows for ``bench e2e`` result files."""
+    import argparse
     import json
 
-    print(markdown_rows([(Path(f).name, json.loads(Path(f).read_text())) for f in sys.argv[1:]]))
+    parser = argparse.ArgumentParser(
+        prog="python -m sidecar.bench.e2e_report", description="README's table rows for bench e2e results"
+    )
+    parser.add_argument("files", nargs="+", type=Path, help="bench e2e JSON results (bench/results/e2e-*)")
+    args = parser.parse_args(argv)
+    print(markdown_rows([(f.name, json.loads(f.read_text())) for f in args.files]))
+
+
+if __name__ == "__main__":
+    main()

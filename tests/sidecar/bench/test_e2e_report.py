@@ -33,3 +33,20 @@ def test_markdown_rows_from_a_committed_result():
     assert row[3] == f"{c['bare']['median_s'] * 1e3:.2f}"
     assert row[4].startswith(f"{c['sidecar']['median_s'] * 1e3:.2f} (")
     assert lines[-1].endswith("| bit-exact |")
+
+
+def test_the_report_command_prints_rows_and_answers_help(capsys):
+    """``python -m sidecar.bench.e2e_report``: rows for the files named; ``--help`` is help, not a file."""
+    from pathlib import Path
+
+    import pytest
+
+    from sidecar.bench.e2e_report import main
+
+    path = Path(__file__).parents[3] / "bench/results/e2e-h200-orders-compact-2026-12-02.json"
+    main([str(path)])
+    assert f"| {path.name} | 4k × 8 | staged / density-0.25 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    assert "bench e2e JSON results" in capsys.readouterr().out
