@@ -138,10 +138,11 @@ for step in "$@"; do
           --pairs staged/contiguous --budget-s 90 --out "$OUT/e2e-h200-profile-x$c.json"
         gzip -f "$OUT/profile-4k-x$c.txt"
       done ;;
-    # py-spy attached by pid to the daemon of a staged contiguous run (--subprocesses never reached it), for
-    # its whole life (at most SPY_S seconds; idle samples are not kept, so the bare reads' phase adds little):
+    # py-spy attached by pid to the daemon of a bench e2e run (--subprocesses never reached it), for its
+    # whole life (at most SPY_S seconds; idle samples are not kept, so the bare reads' phase adds little):
     # raw stacks per thread in $OUT/daemon-<tokens>-x<in flight>.txt.gz (SPY_CONTEXT 4096, SPY_CONC 8,
-    # SPY_PAIRS staged/contiguous by default); scripts/pyspy-summary.py turns them into the shares the README quotes
+    # SPY_PAIRS staged/contiguous by default; PY_SPY: a py-spy installed apart, as the carried .whl has no
+    # room for its wheel); scripts/pyspy-summary.py turns them into the shares the README quotes
     daemonprofile) (
         python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 --warmup 1 \
           --contexts "${SPY_CONTEXT:-4096}" --concurrency "${SPY_CONC:-8}" --reps "${SPY_REPS:-400}" \
@@ -155,7 +156,8 @@ for step in "$@"; do
           sleep 0.5
         done
         echo "daemon pid ${pid:-none}"
-        [ -n "$pid" ] && timeout -k 5 $((${SPY_S:-120} + 20)) "${PY_SPY:-/tmp/site/bin/py-spy}" record --pid "$pid" \
+        [ -n "$pid" ] && timeout -k 5 $((${SPY_S:-120} + 20)) "${PY_SPY:-/tmp/site/bin/py-spy}" record \
+          --pid "$pid" \
           --nonblocking --threads --rate 1000 --duration "${SPY_S:-120}" --format raw \
           -o "$OUT/daemon-${SPY_CONTEXT:-4096}-x${SPY_CONC:-8}.txt"
         wait "$bench"
