@@ -151,7 +151,7 @@ class Pipeline:
             entry, handshake = self._peers.acquire(target, caches)
             job.peer_entries.append(entry)
             handshakes.append(handshake)
-        job.peer = PeerSet(await _admitted(handshakes))
+        job.peer = PeerSet(_admitted(handshakes) or await self._handshakes(handshakes))
         if not self._leases.check(msg.remote_request_id, time.monotonic()):
             raise Failed(
                 f"lease: cannot vouch for {msg.remote_request_id!r} any more (lease {cfg.lease_s:g} s, "
@@ -179,6 +179,15 @@ class Pipeline:
             job.enter(Stage.CONVERT)  # what is left of the conversion once the last byte has landed
             await self._conversions.finish(job, len(caches.layers))
         return Ending(Outcome.OK)
+
+    @staticmethod
+    async def _handshakes(handshakes: list[asyncio.Task]) -> tuple[Any, ...]:
+        """The admitted peers, once every handshake is through."""
+        gathered = asyncio.gather(*handshakes)
+        # Shielded so an aborted pull leaves shared handshakes running; one that then fails has nobody
+        # awaiting it, so retrieve its outcome here (each handshake's own waiters still see the error).
+        gathered.add_done_callback(_retrieve)
+        return tuple(await asyncio.shield(gathered))
 
     def _hold_caches(self, job: Job) -> Caches:
         caches = self._caches.current
@@ -404,17 +413,12 @@ def _targets(job: Job, refuse: bool = True) -> list[PeerTarget]:
     ]
 
 
-async def _admitted(handshakes: list[asyncio.Task]) -> tuple[Any, ...]:
-    """The admitted peers, once every handshake is through. When all have already succeeded (the usual
-    case: they are cached) it returns without suspending: awaiting finished handshakes would still cost the
-    job a few loop turns behind every queued callback."""
+def _admitted(handshakes: list[asyncio.Task]) -> tuple[Any, ...] | None:
+    """The peers when every handshake has already succeeded (the usual case: they are cached), else None.
+    Awaiting finished handshakes would still cost the job a few loop turns behind every queued callback."""
     if all(h.done() and not h.cancelled() and h.exception() is None for h in handshakes):
         return tuple(h.result() for h in handshakes)
-    gathered = asyncio.gather(*handshakes)
-    # Shielded so an aborted pull leaves shared handshakes running; one that then fails has nobody
-    # awaiting it, so retrieve its outcome here (each handshake's own waiters still see the error).
-    gathered.add_done_callback(_retrieve)
-    return tuple(await asyncio.shield(gathered))
+    return None
 
 
 def _retrieve(fut: asyncio.Future) -> None:
