@@ -84,6 +84,11 @@ def engine_env(side_channel_port: int) -> dict[str, str]:
             "NIXL_LOG_LEVEL": "WARN",
             "UCX_LOG_LEVEL": "error",
             "KV_SIDECAR_SHIM_LOG_LEVEL": "DEBUG",  # the shim's per-load lines in the engine's log
+            # vLLM torch.compiles its sampler's logprob rank count even under --enforce-eager. Inductor's C++
+            # cache and precompiled headers live in one /tmp/torchinductor_<user> for every engine and every
+            # run on the host, and a CI decoder died loading a kernel from it ("'at::vec' has not been
+            # declared"). Eager is the same arithmetic, costs no g++ on 2 cores, and shares nothing.
+            "TORCH_COMPILE_DISABLE": "1",
             # The shim under test is this working tree's, whatever the interop venv has installed; no_amx
             # keeps vLLM's CPU attention off AMX (SIGILL on some VMs that list it: no_amx/sitecustomize.py).
             "PYTHONPATH": os.pathsep.join([str(REPO), str(NO_AMX), env.get("PYTHONPATH", "")]).rstrip(
@@ -206,7 +211,16 @@ class Engine:
         }
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
-        return post_json(f"{self.url}/v1/completions", body, timeout_s)
+        try:
+            return post_json(f"{self.url}/v1/completions", body, timeout_s)
+        except (AssertionError, OSError) as exc:
+            # The cause is in the engine's log, which CI does not keep: put its complaints in the failure.
+            raise AssertionError(f"{exc}\n{self.name} engine's complaints:\n{self.complaints()}") from exc
+
+    def complaints(self, lines: int = 40) -> str:
+        """The last ``lines`` WARNING and ERROR lines of the engine's log (the shim's load failures too)."""
+        found = [line for line in self.log_text().splitlines() if " ERROR " in line or " WARNING " in line]
+        return "\n".join(found[-lines:]) or "(none)"
 
     def metric(self, name: str) -> float | None:
         """First sample of a metric on the engine's /metrics page (None if absent)."""
