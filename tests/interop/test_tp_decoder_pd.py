@@ -16,7 +16,15 @@ from pathlib import Path
 import pytest
 
 from sidecar.standins.demo import sample, scrape
-from tests.interop.conftest import START_TIMEOUT_S, Stack, decoder_config, prefill_config
+from tests.interop.conftest import (
+    START_TIMEOUT_S,
+    TP_HANDSHAKE,
+    TP_LEASE_S,
+    TP_PULL_TIMEOUT_S,
+    Stack,
+    decoder_config,
+    prefill_config,
+)
 from tests.interop.controls import (
     assert_matches_one_engine,
     assert_only_ok,
@@ -28,13 +36,6 @@ from tests.interop.test_pd import PROMPTS, generate, pd
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]
 
-# Three engines and their busy loops on a 2-core CI host: vLLM's prefill EngineCore spins at 100 % of one core
-# while it holds blocks for a remote decoder, and the decoder's workers spin on the other, so the daemons get
-# a few slices a second. A first handshake took 8.6 s here and once over 20 s, so the lease, the handshake and
-# the pull deadline are long: the tests check bytes, outputs and frees, not speed.
-LEASE_S = 120
-PULL_TIMEOUT_S = 90
-HANDSHAKE = ("handshake_timeout_s = 60.0",)
 LOCAL_PAGE_BYTES = 2 * 1 * 128 * 128 * 2  # one decoder rank's page: [1 head, 128 tokens, 2 * 128] bf16
 LAYERS = 2
 
@@ -66,12 +67,12 @@ def dtp(
             python,
             tiny_model,
             work,
-            prefill_config(LEASE_S),
+            prefill_config(TP_LEASE_S),  # TP_*: long deadlines on a 2-core host (conftest.py)
             extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
         )
         for rank in (0, 1):
             (work / f"rank{rank}").mkdir()
-            s.daemons.append(start_daemon(work / f"rank{rank}", CPU_PAGE, LEASE_S, HANDSHAKE))
+            s.daemons.append(start_daemon(work / f"rank{rank}", CPU_PAGE, TP_LEASE_S, TP_HANDSHAKE))
         template = s.daemons[0].socket.replace("rank0", "rank{rank}")
         assert template != s.daemons[0].socket and template.replace("{rank}", "1") == s.daemons[1].socket
         s.decoder = Engine(
@@ -79,7 +80,7 @@ def dtp(
             python,
             tiny_model,
             work,
-            decoder_config(template, LEASE_S, PULL_TIMEOUT_S),
+            decoder_config(template, TP_LEASE_S, TP_PULL_TIMEOUT_S),
             extra_args=("--tensor-parallel-size", "2"),
             extra_env={"VLLM_CPU_OMP_THREADS_BIND": "1|1"},
         )

@@ -15,7 +15,15 @@ import pytest
 
 from sidecar.standins.demo import sample, scrape
 from sidecar.wire import prefill as wire
-from tests.interop.conftest import START_TIMEOUT_S, Stack, decoder_config, prefill_config
+from tests.interop.conftest import (
+    START_TIMEOUT_S,
+    TP_HANDSHAKE,
+    TP_LEASE_S,
+    TP_PULL_TIMEOUT_S,
+    Stack,
+    decoder_config,
+    prefill_config,
+)
 from tests.interop.controls import (
     assert_matches_one_engine,
     assert_only_ok,
@@ -27,13 +35,6 @@ from tests.interop.test_pd import MAX_TOKENS, PROMPTS, generate, pd
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]
 
-# Three engines and their busy loops on a 2-core CI host: vLLM's prefill EngineCore spins at 100 % of one core
-# while it holds blocks for a remote decoder, and the decoder's workers spin on the other, so the daemons get
-# a few slices a second. A first handshake took 8.6 s here and once over 20 s, so the lease, the handshake and
-# the pull deadline are long: the tests check bytes, outputs and frees, not speed.
-LEASE_S = 120
-PULL_TIMEOUT_S = 90
-HANDSHAKE = ("handshake_timeout_s = 60.0",)
 RANK_PAGE = {**CPU_PAGE, "num_heads": 1}  # what one of the two prefill ranks serves: 1 of the 2 KV heads
 RANK_PAGE_BYTES = 2 * 1 * 128 * 128 * 2  # [1 head, 128 tokens, 2 * 128] bf16
 LAYERS = 2
@@ -66,13 +67,17 @@ def tp(
             python,
             tiny_model,
             work,
-            prefill_config(LEASE_S),
+            prefill_config(TP_LEASE_S),  # TP_*: long deadlines on a 2-core host (conftest.py)
             extra_args=("--tensor-parallel-size", "2"),
             extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
         )
-        s.daemon = start_daemon(work, RANK_PAGE, LEASE_S, HANDSHAKE)
+        s.daemon = start_daemon(work, RANK_PAGE, TP_LEASE_S, TP_HANDSHAKE)
         s.decoder = Engine(
-            "decoder-tp1", python, tiny_model, work, decoder_config(s.daemon.socket, LEASE_S, PULL_TIMEOUT_S)
+            "decoder-tp1",
+            python,
+            tiny_model,
+            work,
+            decoder_config(s.daemon.socket, TP_LEASE_S, TP_PULL_TIMEOUT_S),
         )
         s.prefill.wait_ready(START_TIMEOUT_S)
         s.decoder.wait_ready(START_TIMEOUT_S)
