@@ -30,7 +30,7 @@ measurements.
 from __future__ import annotations
 
 import math
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
@@ -67,10 +67,8 @@ def _port(name: str, value: int) -> None:
         raise ValueError(f"{name} must be in 1..65535, got {value}")
 
 
-def _block_ids(name: str, ids: list[int]) -> None:
-    for b in ids:
-        if b < 0:
-            raise ValueError(f"{name} must be >= 0, got {b}")
+# Checked by msgspec's decoder in C: a Python loop over a 16k-token Pull's ids cost ~45 µs on the loop.
+BlockId = Annotated[int, msgspec.Meta(ge=0)]
 
 
 # ------------------------------------------------------------------------------------------ shim → daemon
@@ -162,8 +160,8 @@ class Pull(_Msg):
     remote_host: str
     remote_port: int
     remote_request_id: str
-    remote_block_ids: list[int]
-    local_block_ids: list[int]
+    remote_block_ids: list[BlockId]
+    local_block_ids: list[BlockId]
     timeout_s: float | None = None
     remote_tp_size: int = 1
     remote_registration_generation: int = 0
@@ -177,8 +175,6 @@ class Pull(_Msg):
         _nonempty("remote_host", self.remote_host)
         _port("remote_port", self.remote_port)
         _request_id("remote_request_id", self.remote_request_id)
-        _block_ids("remote_block_ids", self.remote_block_ids)
-        _block_ids("local_block_ids", self.local_block_ids)
         if len(set(self.local_block_ids)) != len(self.local_block_ids):
             raise ValueError("local_block_ids must not repeat a block")
         if self.timeout_s is not None and not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
