@@ -94,7 +94,11 @@ class Daemon:
         self.port: TransferPort | None = None
         self.router = Router(self.metrics)
         self.jobs = JobTable(config.max_inflight, config.max_queued, config.max_timeout_s)
-        self.poller = Poller(lambda: self.config.poll_busy_window_s, lambda: self.config.poll_interval_s)
+        self.poller = Poller(
+            lambda: self.config.poll_busy_window_s,
+            lambda: self.config.poll_interval_s,
+            lambda: self.config.poll_linger_s,
+        )
         self.conversions = Conversions(
             config.gpu,
             limits_for(config.conversion_max_step_delay_us),

@@ -5,7 +5,9 @@ While work is in flight the loop polls pass after pass, yielding to the event lo
 pass instead of up to a timer tick later (uvloop's timers have millisecond resolution). That busy phase costs
 a core while it lasts, so it lasts only ``poll_busy_s`` after the last pass that saw something change; after
 that the loop falls back to a ``poll_interval_s`` timer (a stuck read does not burn a core). With nothing in
-flight it sleeps on an ``asyncio.Event`` that ``wake()`` sets: an idle daemon uses no CPU here.
+flight it keeps passing for ``poll_linger_s`` after the last change (a core that slept lost its caches, and
+the next Pull pays for them on the loop), then sleeps on an ``asyncio.Event`` that ``wake()`` sets: an idle
+daemon uses no CPU here.
 """
 
 from __future__ import annotations
@@ -27,9 +29,15 @@ class Pacer:
     ``None``: nothing in flight, sleep until woken; ``0.0``: poll again after one yield; ``> 0``: a timer.
     """
 
-    def __init__(self, busy_s: Callable[[], float], interval_s: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        busy_s: Callable[[], float],
+        interval_s: Callable[[], float],
+        linger_s: Callable[[], float] = lambda: 0.0,
+    ) -> None:
         self._busy_s = busy_s
         self._interval_s = interval_s
+        self._linger_s = linger_s
         self._last_change = float("-inf")
 
     def woken(self, now: float) -> None:
@@ -40,7 +48,7 @@ class Pacer:
         if changed:
             self._last_change = now
         if not in_flight:
-            return None
+            return 0.0 if now - self._last_change < self._linger_s() else None
         if now - self._last_change < self._busy_s():
             return 0.0
         return self._interval_s()
@@ -49,8 +57,13 @@ class Pacer:
 class Poller:
     """Runs each registered pass until nothing is in flight; ``wake()`` when something new is."""
 
-    def __init__(self, busy_s: Callable[[], float], interval_s: Callable[[], float]) -> None:
-        self._pacer = Pacer(busy_s, interval_s)
+    def __init__(
+        self,
+        busy_s: Callable[[], float],
+        interval_s: Callable[[], float],
+        linger_s: Callable[[], float] = lambda: 0.0,
+    ) -> None:
+        self._pacer = Pacer(busy_s, interval_s, linger_s)
         self._passes: list[Pass] = []
         self._wakeup: asyncio.Event | None = None
         self.passes = 0  # passes run so far (tests and the busy-poll cost)

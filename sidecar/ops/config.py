@@ -308,6 +308,16 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             "GIL and cores from the conversion thread and the prefill: slower, measured)"
         ),
     ] = None
+    poll_linger_s: Annotated[
+        float,
+        _doc(
+            "once nothing is in flight, keep the poll loop passing (no sleep) this long after the last "
+            "change, so a Pull arriving within it finds the loop's core awake with its caches; a core that "
+            "slept between requests runs the loop's first ~0.7 ms of Python 2-3 x slower (measured at 1 in "
+            "flight). Costs up to a core for that long after each burst, nothing once idle; 0: sleep at once",
+            ge=0,
+        ),
+    ] = 0.0
     gil_switch_interval_us: Annotated[
         float,
         _doc(

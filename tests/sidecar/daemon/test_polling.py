@@ -44,6 +44,17 @@ def test_wake_starts_a_busy_window():
     assert pc.after_pass(5.06, changed=False, in_flight=True) == 0.001
 
 
+def test_linger_keeps_passing_after_the_last_change_then_sleeps():
+    pc = Pacer(lambda: 0.05, lambda: 0.001, lambda: 0.2)
+    assert pc.after_pass(3.0, changed=False, in_flight=False) is None  # nothing ever happened: asleep
+    assert pc.after_pass(3.0, changed=True, in_flight=False) == 0.0  # the last read landed: stay awake
+    assert pc.after_pass(3.199, changed=False, in_flight=False) == 0.0
+    assert pc.after_pass(3.2, changed=False, in_flight=False) is None  # lingered long enough
+    pc.woken(4.0)  # a new Pull put work in flight, then it ended
+    assert pc.after_pass(4.1, changed=False, in_flight=False) == 0.0
+    assert pc.after_pass(4.3, changed=False, in_flight=False) is None
+
+
 def test_zero_busy_window_is_timer_only():
     pc = pacer(busy=0.0, interval=0.002)
     pc.woken(1.0)
@@ -110,6 +121,31 @@ def test_poller_busy_polls_without_timer_then_sleeps_when_idle():
     elapsed, passes, later = asyncio.run(main())
     assert elapsed < 0.5  # 200 passes, no 1 s timer between them
     assert later == passes
+
+
+def test_poller_lingers_awake_after_the_last_landing_then_sleeps():
+    async def main():
+        poller = Poller(lambda: 10.0, lambda: 1.0, lambda: 0.1)
+        src = Countdown(5)
+        poller.add(src)
+
+        async def body():
+            poller.wake()
+            while src.left:
+                await asyncio.sleep(0)
+            ended = poller.passes
+            await asyncio.sleep(0.03)  # within the linger: still passing with nothing in flight
+            lingering = poller.passes
+            await asyncio.sleep(0.15)  # past it: asleep
+            settled = poller.passes
+            await asyncio.sleep(0.05)
+            return ended, lingering, settled, poller.passes
+
+        return await _run(poller, body)
+
+    ended, lingering, settled, later = asyncio.run(main())
+    assert lingering > ended
+    assert later == settled
 
 
 def test_poller_falls_back_to_the_timer_without_progress():
