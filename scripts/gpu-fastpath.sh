@@ -5,7 +5,7 @@
 #   bash scripts/gpu-fastpath.sh STEP...
 #   steps: tests launchtests graphtests daemontests launch graphlaunch sweep convertgraph contiguous defaults
 #          graphsab groupsab gilab headcheck ab orders groups poll interference profile daemonprofile map
-#          mapped
+#          mapped lingerab convertlead convertsweep
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -189,6 +189,29 @@ for step in "$@"; do
       TAIL=12 run mappedorders 130 "${ONE_GPU[@]}" --contexts 4096 --concurrency 1,8 --reps 3 \
         --pairs mapped/contiguous,mapped/density-0.25,mapped/churn,mapped/random "${SCATTERED_POOLS[@]}" \
         --budget-s 110 --out "$OUT/e2e-h200-mapped-orders.json" ;;
+    # poll_linger_s (LINGER_VALUES) alternating for LINGER_ROUNDS rounds: mapped contiguous pulls at 1 and 8 in
+    # flight (LINGER_CONC), each value with its own bare reads in the same run
+    lingerab) for r in $(seq 1 "${LINGER_ROUNDS:-2}"); do
+        for v in ${LINGER_VALUES:-0 0.05}; do
+          TAIL=5 run "linger$v-$r" 70 "${ONE_GPU[@]}" --contexts 4096,16384 --concurrency "${LINGER_CONC:-1,8}" \
+            --reps 10 --pairs mapped/contiguous --daemon-set poll_linger_s="$v" --budget-s 55 \
+            --out "$OUT/e2e-h200-linger$v-$r.json"
+        done
+      done ;;
+    # the converter beside a copy with the launch hidden from the kernel's events, per call against the copy
+    # per call, on every GPU shape (the larger ones without the byte check: it clones their 8,192-block caches
+    # twice, past the GPU's memory)
+    convertlead) TAIL=24 run convertlead 150 python3 -m sidecar.cli bench convert --device cuda --dtype bfloat16 \
+        --shapes qwen3-8b-4k,qwen3-8b-16k --no-plot --reps 40 --tag h200-lead --out-dir "$OUT" --variant default:
+      TAIL=16 run convertleadshapes 200 python3 -m sidecar.cli bench convert --device cuda --dtype bfloat16 \
+        --shapes qwen3-8b-tp8-4k,l64-h8-n32-d128-4k,llama3.2-1b-d64-16k,l42-h8-n16-d256-4k,l42-h8-n32-d256-4k \
+        --no-verify --no-plot --reps 20 --tag h200-lead-shapes --out-dir "$OUT" --variant default: ;;
+    # out-of-place and in-place launch shapes on the 4k shape, the launch hidden from the events (CONVERT_VARIANTS)
+    convertsweep) TAIL=30 run convertsweep 200 python3 -m sidecar.cli bench convert --device cuda --dtype bfloat16 \
+      --shapes qwen3-8b-4k --no-verify --no-plot --reps 40 --tag h200-lead-sweep --out-dir "$OUT" \
+      ${CONVERT_VARIANTS:---variant default: --variant o4k:oop_elems=4096 --variant o4kw8:oop_elems=4096,oop_warps=8 \
+      --variant w8:oop_warps=8 --variant o1k:oop_elems=1024 --variant e64:in_place_elems_per_thread=64 \
+      --variant e256:in_place_elems_per_thread=256 --variant ev:streaming=true} ;;
     *) STATUS+=("$step: unknown step") ;;
   esac
 done
