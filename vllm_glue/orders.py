@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from sidecar.wire.protocol import BlockId
+
 REQUIRED_REMOTE_KEYS = (
     "remote_block_ids",
     "remote_engine_id",
@@ -27,7 +29,7 @@ class RemoteRef(msgspec.Struct, frozen=True):
     host: str
     port: int
     request_id: str
-    block_ids: list[int]
+    block_ids: list[BlockId]  # checked here, so a bad id fails the load before anything is sent
     tp_size: int = 1
     registration_generation: int = 0
     num_tokens: int | None = None

@@ -201,6 +201,8 @@ def test_parse_remote_names_the_problem() -> None:
         parse_remote({**params(), "remote_engine_id": None})
     with pytest.raises(InvalidParams, match="port"):
         parse_remote(params(remote_port="5600"))
+    with pytest.raises(InvalidParams, match=r"block_ids\[1\]"):
+        parse_remote(params(remote_block_ids=[[7, -3, 9]]))
     assert parse_remote(params(tp_size=None)).tp_size == 1
 
 
