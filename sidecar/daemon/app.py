@@ -34,7 +34,7 @@ from sidecar.daemon.leases import Leases, LeaseTracker
 from sidecar.daemon.mapped import MappedReads
 from sidecar.daemon.peers import Peers
 from sidecar.daemon.pipeline import Pipeline
-from sidecar.daemon.polling import Poller
+from sidecar.daemon.polling import Pacer, Poller
 from sidecar.daemon.port import TransferPort
 from sidecar.daemon.reads import Reads
 from sidecar.daemon.registration import Registrations
@@ -95,9 +95,11 @@ class Daemon:
         self.router = Router(self.metrics)
         self.jobs = JobTable(config.max_inflight, config.max_queued, config.max_timeout_s)
         self.poller = Poller(
-            lambda: self.config.poll_busy_window_s,
-            lambda: self.config.poll_interval_s,
-            lambda: self.config.poll_linger_s,
+            Pacer(
+                lambda: self.config.poll_busy_window_s,
+                lambda: self.config.poll_interval_s,
+                lambda: self.config.poll_linger_s,
+            )
         )
         self.conversions = Conversions(
             config.gpu,

@@ -55,15 +55,11 @@ class Pacer:
 
 
 class Poller:
-    """Runs each registered pass until nothing is in flight; ``wake()`` when something new is."""
+    """Runs each registered pass until nothing is in flight; ``wake()`` when something new is. ``pacer``
+    says how long to wait between passes."""
 
-    def __init__(
-        self,
-        busy_s: Callable[[], float],
-        interval_s: Callable[[], float],
-        linger_s: Callable[[], float] = lambda: 0.0,
-    ) -> None:
-        self._pacer = Pacer(busy_s, interval_s, linger_s)
+    def __init__(self, pacer: Pacer) -> None:
+        self._pacer = pacer
         self._passes: list[Pass] = []
         self._wakeup: asyncio.Event | None = None
         self.passes = 0  # passes run so far (tests and the busy-poll cost)

@@ -102,7 +102,7 @@ async def _run(poller: Poller, body):
 
 def test_poller_busy_polls_without_timer_then_sleeps_when_idle():
     async def main():
-        poller = Poller(lambda: 10.0, lambda: 1.0)  # a timer would take a second per pass
+        poller = Poller(Pacer(lambda: 10.0, lambda: 1.0))  # a timer would take a second per pass
         src = Countdown(200)
         poller.add(src)
 
@@ -125,7 +125,7 @@ def test_poller_busy_polls_without_timer_then_sleeps_when_idle():
 
 def test_poller_lingers_awake_after_the_last_landing_then_sleeps():
     async def main():
-        poller = Poller(lambda: 10.0, lambda: 1.0, lambda: 0.1)
+        poller = Poller(Pacer(lambda: 10.0, lambda: 1.0, lambda: 0.1))
         src = Countdown(5)
         poller.add(src)
 
@@ -150,7 +150,7 @@ def test_poller_lingers_awake_after_the_last_landing_then_sleeps():
 
 def test_poller_falls_back_to_the_timer_without_progress():
     async def main():
-        poller = Poller(lambda: 0.02, lambda: 0.01)
+        poller = Poller(Pacer(lambda: 0.02, lambda: 0.01))
         stuck = Countdown(10**9)
         poller.add(stuck)
 
@@ -169,7 +169,7 @@ def test_poller_falls_back_to_the_timer_without_progress():
 
 def test_a_source_that_raises_does_not_stop_the_loop():
     async def main():
-        poller = Poller(lambda: 0.05, lambda: 0.001)
+        poller = Poller(Pacer(lambda: 0.05, lambda: 0.001))
 
         def broken(now):
             raise RuntimeError("bug")
@@ -293,7 +293,7 @@ def test_gpu_job_waits_on_its_event_through_the_poller():
     """``done`` of a job with a GPU event: the wait ends when the poller sees the event, not before."""
 
     async def main():
-        poller = Poller(lambda: 0.05, lambda: 0.001)
+        poller = Poller(Pacer(lambda: 0.05, lambda: 0.001))
         conv = Conversions(None, wake=poller.wake)
         poller.add(conv.poll)
         event = FakeEvent()
@@ -325,7 +325,7 @@ def test_a_real_cuda_event_is_seen_by_the_poller_only_once_its_work_ended():
     and the loop stays free meanwhile (no thread blocked in synchronize)."""
 
     async def main():
-        poller = Poller(lambda: 0.05, lambda: 0.001)
+        poller = Poller(Pacer(lambda: 0.05, lambda: 0.001))
         conv = Conversions(None, wake=poller.wake)
         poller.add(conv.poll)
         task = asyncio.create_task(poller.loop())
