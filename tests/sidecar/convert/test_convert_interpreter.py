@@ -67,9 +67,9 @@ def _interpreter_loops_over_program_ids() -> bool:
     """Triton 3.6's interpreter cannot take a program id as a ``range`` bound (the persistent form's loop:
     "only 0-dimensional arrays can be converted to Python scalars"); 3.9's can. The compiled persistent
     kernel is checked on a GPU either way (test_convert_triton.py, test_convert_src_index.py)."""
-    import triton
+    from sidecar.convert.triton_kernel import _triton_version
 
-    return tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 9)
+    return _triton_version() >= (3, 9)
 
 
 def test_out_of_place_kernels_in_the_interpreter():
