@@ -4,12 +4,18 @@ reads its one KV head out of the prefill's two-head pages; the prefill expects t
 one from each daemon, before it frees a request.
 
 The decoder's two CPU workers bind their threads by hand (VLLM_CPU_OMP_THREADS_BIND; see test_tp_pd), both
-to core 1, the prefill's to core 0: with both cores taken by the decoder's workers and another job on the host
-(load 15 on 2 cores) a handshake reply took over 5 s and reads stalled past the 30 s pull deadline.
+to the first core, because the prefill's is not ours to pick: vLLM's NixlConnectorWorker on CPU pins its
+thread to the last core of each NUMA node (core 1 here, whatever VLLM_CPU_OMP_THREADS_BIND says), and at TP 1
+that thread is the prefill's EngineCore, whose side-channel listener and its ZMQ I/O thread inherit the pin.
+With the decoder's workers on core 1 too, their sched_yield spin while a load is pending took all of it: the
+listener's I/O thread ran 0 ms in 24 s while they ran 9.7 and 10.7 s (/proc/<tid>/schedstat), connections
+queued un-accepted on the prefill's port, and handshakes took 8-65 s or timed out at 120 s (two CI failures,
+reproduced 2 runs in 3; bench/results/interop-tp-stall-cpu-2026-12-04.json).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +42,8 @@ from tests.interop.test_pd import PROMPTS, generate, pd
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]
 
+# The decoder's workers' core: the lowest this host allows, never the last one vLLM pins the prefill to.
+FIRST_CORE = min(os.sched_getaffinity(0))
 LOCAL_PAGE_BYTES = 2 * 1 * 128 * 128 * 2  # one decoder rank's page: [1 head, 128 tokens, 2 * 128] bf16
 LAYERS = 2
 
@@ -68,7 +76,6 @@ def dtp(
             tiny_model,
             work,
             prefill_config(TP_LEASE_S),  # TP_*: long deadlines on a 2-core host (conftest.py)
-            extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
         )
         for rank in (0, 1):
             (work / f"rank{rank}").mkdir()
@@ -82,7 +89,7 @@ def dtp(
             work,
             decoder_config(template, TP_LEASE_S, TP_PULL_TIMEOUT_S),
             extra_args=("--tensor-parallel-size", "2"),
-            extra_env={"VLLM_CPU_OMP_THREADS_BIND": "1|1"},
+            extra_env={"VLLM_CPU_OMP_THREADS_BIND": f"{FIRST_CORE}|{FIRST_CORE}"},  # not the prefill's
         )
         s.prefill.wait_ready(START_TIMEOUT_S)
         s.decoder.wait_ready(START_TIMEOUT_S)
