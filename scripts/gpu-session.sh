@@ -10,6 +10,7 @@
 #   $OUT gets at most 5 files: the 3 JSON results, summary.txt and logs.tar.gz (every step's log, the UCX
 #   and daemon logs of the benches).
 #
+# First, here: ../shared/tools/gpu-wheels.sh && python3 scripts/slim-wheels.py   (.whl under the 64 MiB carry)
 # On the device machine:  bash scripts/gpu-session.sh          (carry: .whl)
 # Elsewhere:              OUT=/tmp/out PYTHON=.venv/bin/python bash scripts/gpu-session.sh
 #   (without a GPU the GPU steps skip cleanly; the pytest steps still show that the tests skip).
@@ -84,7 +85,7 @@ elif compgen -G ".whl/*.whl" >/dev/null; then
   step install 90 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl
 else
-  skip install "no .whl folder: run ../shared/tools/gpu-wheels.sh here and carry .whl"
+  skip install "no .whl folder: run ../shared/tools/gpu-wheels.sh and scripts/slim-wheels.py here, carry .whl"
 fi
 "$PY" -m sidecar.cli version >>"$LOGS/env.log" 2>&1 && tail -n 12 "$LOGS/env.log"
 
