@@ -43,14 +43,14 @@ run() {
 
 for step in "$@"; do
   case $step in
-    tests) run tests 130 python3 -m pytest -m gpu -p no:cacheprovider -q tests/sidecar/convert \
+    tests) run tests 240 python3 -m pytest -m gpu -p no:cacheprovider -q tests/sidecar/convert \
       tests/sidecar/daemon tests/gpu/test_gpu_slice.py ;;
     launchtests) TAIL=40 run launchtests 100 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
       tests/sidecar/convert/test_convert_launch_gpu.py tests/sidecar/convert/test_convert_src_index.py ;;
     graphtests) TAIL=30 run graphtests 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
       tests/sidecar/convert/test_convert_graphs_gpu.py tests/sidecar/convert/test_convert_launch_gpu.py \
       tests/gpu/test_gpu_slice.py ;;
-    daemontests) TAIL=20 run daemontests 150 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
+    daemontests) TAIL=20 run daemontests 220 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
       tests/sidecar/daemon tests/gpu/test_gpu_slice.py tests/gpu/test_gpu_tp.py ;;
     defaults) TAIL=30 run defaults 160 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
       --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous,direct/contiguous \
