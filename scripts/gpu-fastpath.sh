@@ -141,13 +141,17 @@ for step in "$@"; do
     # py-spy attached by pid to the daemon of a bench e2e run (--subprocesses never reached it), for its
     # whole life (at most SPY_S seconds; idle samples are not kept, so the bare reads' phase adds little):
     # raw stacks per thread in $OUT/daemon-<tokens>-x<in flight>.txt.gz (SPY_CONTEXT 4096, SPY_CONC 8,
-    # SPY_PAIRS staged/contiguous by default; PY_SPY: a py-spy installed apart, as the carried .whl has no
-    # room for its wheel); scripts/pyspy-summary.py turns them into the shares the README quotes
+    # SPY_PAIRS staged/contiguous by default; SPY_RATE samples per second; SPY_NATIVE=1 adds C frames, which
+    # pauses the daemon at each sample: its start then took the whole of a 40 s SPY_BENCH_S once; PY_SPY: a
+    # py-spy installed apart, else the one from py-spy's wheel in .whl, put there by `pip download py-spy
+    # --no-deps -d .whl`); SPY_REPS must leave the pulls inside SPY_S (2000 at 8 in flight ran the bare reads
+    # alone for a minute); scripts/pyspy-summary.py turns them into the shares the README quotes
     daemonprofile) (
         python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 --warmup 1 \
           --contexts "${SPY_CONTEXT:-4096}" --concurrency "${SPY_CONC:-8}" --reps "${SPY_REPS:-400}" \
           --pairs "${SPY_PAIRS:-staged/contiguous}" --budget-s "${SPY_BENCH_S:-150}" \
-          --out "$OUT/e2e-h200-daemonprofile.json" >"$OUT/daemonprofile-bench.log" 2>&1 &
+          --out "$OUT/e2e-h200-daemonprofile-${SPY_CONTEXT:-4096}-x${SPY_CONC:-8}.json" \
+          >"$OUT/daemonprofile-bench-x${SPY_CONC:-8}.log" 2>&1 &
         bench=$!
         pid=""
         for _ in $(seq 1 240); do
@@ -156,12 +160,14 @@ for step in "$@"; do
           sleep 0.5
         done
         echo "daemon pid ${pid:-none}"
+        spy_mode=--nonblocking
+        [ -n "${SPY_NATIVE:-}" ] && spy_mode=--native  # C frames need py-spy to pause the daemon per sample
         [ -n "$pid" ] && timeout -k 5 $((${SPY_S:-120} + 20)) "${PY_SPY:-/tmp/site/bin/py-spy}" record \
           --pid "$pid" \
-          --nonblocking --threads --rate 1000 --duration "${SPY_S:-120}" --format raw \
+          "$spy_mode" --threads --rate "${SPY_RATE:-1000}" --duration "${SPY_S:-120}" --format raw \
           -o "$OUT/daemon-${SPY_CONTEXT:-4096}-x${SPY_CONC:-8}.txt"
         wait "$bench"
-        tail -n 12 "$OUT/daemonprofile-bench.log"
+        tail -n 12 "$OUT/daemonprofile-bench-x${SPY_CONC:-8}.log"
         gzip -f "$OUT/daemon-${SPY_CONTEXT:-4096}-x${SPY_CONC:-8}.txt"
       ) 2>&1 | tail -n 30
       STATUS+=("daemonprofile: done") ;;
