@@ -5,9 +5,9 @@ While work is in flight the loop polls pass after pass, yielding to the event lo
 pass instead of up to a timer tick later (uvloop's timers have millisecond resolution). That busy phase costs
 a core while it lasts, so it lasts only ``poll_busy_s`` after the last pass that saw something change; after
 that the loop falls back to a ``poll_interval_s`` timer (a stuck read does not burn a core). With nothing in
-flight it keeps passing for ``poll_linger_s`` after the last change (a core that slept lost its caches, and
-the next Pull pays for them on the loop), then sleeps on an ``asyncio.Event`` that ``wake()`` sets: an idle
-daemon uses no CPU here.
+flight it keeps passing for ``poll_linger_s`` after the last change (meant for the next Pull to find the
+core awake; on the H200 host it helped in one run and not in another, README), then sleeps on an
+``asyncio.Event`` that ``wake()`` sets: an idle daemon uses no CPU here.
 """
 
 from __future__ import annotations
