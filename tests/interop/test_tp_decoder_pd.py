@@ -42,7 +42,8 @@ from tests.interop.test_pd import PROMPTS, generate, pd
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]
 
-# The decoder's workers' core: the lowest this host allows, never the last one vLLM pins the prefill to.
+# The decoder's workers' core: the lowest this host allows (vLLM pins the prefill to the last; on the 2-core
+# CI host they differ).
 FIRST_CORE = min(os.sched_getaffinity(0))
 LOCAL_PAGE_BYTES = 2 * 1 * 128 * 128 * 2  # one decoder rank's page: [1 head, 128 tokens, 2 * 128] bf16
 LAYERS = 2
