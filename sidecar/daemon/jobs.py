@@ -120,9 +120,9 @@ class Job:
 
     @functools.cached_property
     def id_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """The Pull's (local, remote) block ids as arrays, made once: pairing, staging and the post each took
-        the lists and made their own (``geometry`` checks their dtype and shape as it did the lists')."""
-        arrays = np.asarray(self.msg.local_block_ids), np.asarray(self.msg.remote_block_ids)
+        """The Pull's (local, remote) block ids as int64 arrays, unpacked once for pairing, staging and the
+        post (``geometry`` checks their dtype and shape)."""
+        arrays = p.unpack_block_ids(self.msg.local_block_ids), p.unpack_block_ids(self.msg.remote_block_ids)
         for a in arrays:
             a.flags.writeable = False  # shared by the loop and the poster thread: nobody writes into them
         return arrays

@@ -138,10 +138,10 @@ class Pipeline:
         job.timings["accept"] = time.monotonic() - job.received  # the loop's latency before the job ran
         await self._jobs.wait_turn(job)
         caches = self._hold_caches(job)
-        if max(len(msg.local_block_ids), len(msg.remote_block_ids)) > caches.max_blocks:
+        if max(msg.num_local_blocks, msg.num_remote_blocks) > caches.max_blocks:
             raise Refused(
                 "local_block_ids",
-                f"{len(msg.local_block_ids)} local / {len(msg.remote_block_ids)} remote block ids, "
+                f"{msg.num_local_blocks} local / {msg.num_remote_blocks} remote block ids, "
                 f"the registered caches hold {caches.max_blocks} blocks",
             )
         targets = _targets(job)  # every prefill rank this decoder rank reads (several when its TP is larger)

@@ -47,8 +47,8 @@ def pull(req_id: str) -> p.Pull:
         remote_host="127.0.0.1",
         remote_port=5600,
         remote_request_id=f"{req_id}-remote",
-        remote_block_ids=[1, 2],
-        local_block_ids=[3, 4],
+        remote_block_ids=p.pack_block_ids([1, 2]),
+        local_block_ids=p.pack_block_ids([3, 4]),
         timeout_s=5,
     )
 
@@ -109,7 +109,7 @@ def test_hello_register_pull_done(address: str) -> None:
         t0 = time.monotonic_ns()
         client.send(pull("r1"))
         got = peer.recv()
-        assert isinstance(got, p.Pull) and got.local_block_ids == [3, 4]
+        assert isinstance(got, p.Pull) and p.unpack_block_ids(got.local_block_ids).tolist() == [3, 4]
         peer.send(p.Done(req_id="r1", ok=True, timings={"transfer": 0.002}))
         (ev,) = wait_events(client, 1)
         assert isinstance(ev, Reply) and isinstance(ev.message, p.Done) and ev.message.ok
@@ -297,7 +297,7 @@ def test_an_abort_never_overtakes_its_pull(address: str, tmp_path) -> None:
         assert isinstance(peer.recv(), p.RegisterCaches)
         peer.send_fast(p.Registered(generation=1, registered_bytes=4096, num_layers=1))
         assert client.wait_ready(5)
-        big = list(range(20_000))  # ~60-100 KB of msgpack
+        big = p.pack_block_ids(range(20_000))  # 80 KB
         client.send(p.Pull(**{**msgspec.structs.asdict(pull("big")), "remote_block_ids": big,
                               "local_block_ids": big}))
         direct = client.sent_direct

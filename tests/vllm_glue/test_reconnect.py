@@ -138,7 +138,8 @@ def test_message_queued_for_an_ended_connection_is_never_sent_on_the_next(addres
         assert w.client.wait_ready(5)
         w.client.poll_events()
         pull = p.Pull(req_id="r9", remote_engine_id="e", remote_host="h", remote_port=1,
-                      remote_request_id="x", remote_block_ids=[1], local_block_ids=[2])
+                      remote_request_id="x", remote_block_ids=p.pack_block_ids([1]),
+                      local_block_ids=p.pack_block_ids([2]))
         with w.client._send_lock:  # as if queued by send() just before the drop
             w.client._push.send(_DATA + _EPOCH.pack(old) + p.encode(pull))
         evs: list = []

@@ -86,7 +86,8 @@ def test_foreign_pull_cannot_write_into_decoder_blocks(rig: Rig, hello: bool) ->
         free = rig.decoder._free[: len(reply.kernel_block_ids)]  # blocks the decoder has not handed out
         s.send(p.encode(p.Pull(req_id="foreign-1", remote_engine_id=r.engine_id, remote_host=r.host,
                                remote_port=r.port, remote_request_id=r.request_id,
-                               remote_block_ids=r.block_ids, local_block_ids=free, timeout_s=5.0)))
+                               remote_block_ids=p.pack_block_ids(r.block_ids),
+                               local_block_ids=p.pack_block_ids(free), timeout_s=5.0)))
         assert s.poll(10000), "no answer to the foreign Pull"
         msg = p.decode_to_shim(s.recv_multipart()[-1])
         assert not (isinstance(msg, p.Done) and msg.ok), msg

@@ -83,8 +83,8 @@ class Harness:
                 remote_host="127.0.0.1",
                 remote_port=5600,
                 remote_request_id=f"r-{req_id}",
-                remote_block_ids=blocks if remote is None else remote,
-                local_block_ids=blocks,
+                remote_block_ids=p.pack_block_ids(blocks if remote is None else remote),
+                local_block_ids=p.pack_block_ids(blocks),
                 **kw,
             )
         )
@@ -854,8 +854,8 @@ def test_only_the_shim_that_registered_the_caches_may_pull_abort_or_unregister()
                     remote_host="h",
                     remote_port=1,
                     remote_request_id="r",
-                    remote_block_ids=[0],
-                    local_block_ids=[0],
+                    remote_block_ids=p.pack_block_ids([0]),
+                    local_block_ids=p.pack_block_ids([0]),
                 ),
                 who=b"stranger",
             )
@@ -869,8 +869,8 @@ def test_only_the_shim_that_registered_the_caches_may_pull_abort_or_unregister()
                     remote_host="h",
                     remote_port=1,
                     remote_request_id="r",
-                    remote_block_ids=[0],
-                    local_block_ids=[0],
+                    remote_block_ids=p.pack_block_ids([0]),
+                    local_block_ids=p.pack_block_ids([0]),
                 ),
                 who=b"stranger",
             )

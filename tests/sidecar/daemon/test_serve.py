@@ -138,7 +138,8 @@ class Shim:
 def pull_of(kv: dict, req_id: str, local: list[int], timeout_s: float = 20.0, **kw) -> p.Pull:
     return p.Pull(req_id=req_id, remote_engine_id=kv["remote_engine_id"], remote_host=kv["remote_host"],
                   remote_port=kv["remote_port"], remote_request_id=kv["remote_request_id"],
-                  remote_block_ids=kv["remote_block_ids"][0], local_block_ids=local, timeout_s=timeout_s,
+                  remote_block_ids=p.pack_block_ids(kv["remote_block_ids"][0]),
+                  local_block_ids=p.pack_block_ids(local), timeout_s=timeout_s,
                   remote_registration_generation=kv.get("remote_registration_generation", 0),
                   remote_num_tokens=kv.get("remote_num_tokens"), **kw)
 
@@ -185,7 +186,8 @@ def silent_prefill():
 
 def silent_pull(port: int, req_id: str, timeout_s: float, local=(1, 2)) -> p.Pull:
     return p.Pull(req_id=req_id, remote_engine_id="hung", remote_host="127.0.0.1", remote_port=port,
-                  remote_request_id=f"r-{req_id}", remote_block_ids=[5, 6], local_block_ids=list(local),
+                  remote_request_id=f"r-{req_id}", remote_block_ids=p.pack_block_ids([5, 6]),
+                  local_block_ids=p.pack_block_ids(local),
                   timeout_s=timeout_s)
 
 
@@ -296,7 +298,7 @@ def test_invalid_messages_get_errors_and_the_daemon_keeps_serving(shared, emulat
         err = shim.ask(msgspec.msgpack.encode({"type": "Teleport", "req_id": "x"}))
         assert isinstance(err, p.Error) and err.req_id == "x"
         assert "unknown message type 'Teleport'" in err.reason
-        bad = msgspec.to_builtins(silent_pull(1, "bad-1", 1.0)) | {"remote_port": 0}
+        bad = msgspec.to_builtins(silent_pull(1, "bad-1", 1.0), builtin_types=(bytes,)) | {"remote_port": 0}
         err = shim.ask(msgspec.msgpack.encode(bad))
         assert err.in_reply_to == "Pull" and err.req_id == "bad-1" and "remote_port must be in" in err.reason
         err = shim.ask(p.Hello(protocol_version=99, package_version="x"))

@@ -27,7 +27,8 @@ BUF = IpcBuffer(kind="shm", nbytes=4096, device="cpu", shm=ShmFile(path="/dev/sh
 LAYER = LayerView(name="l0", buffer_index=0, offset_bytes=0, shape=[1, 2, 16, 128],
                   strides=[4096, 2048, 128, 1], dtype="bfloat16")
 PULL = p.Pull(req_id="r", remote_engine_id="e", remote_host="h", remote_port=5600, remote_request_id="x",
-              remote_block_ids=[1, 2], local_block_ids=[3, 4], timeout_s=5.0, remote_num_tokens=20)
+              remote_block_ids=p.pack_block_ids([1, 2]),
+              local_block_ids=p.pack_block_ids([3, 4]), timeout_s=5.0, remote_num_tokens=20)
 VALID: list[msgspec.Struct] = [
     p.Hello(protocol_version=p.PROTOCOL_VERSION, package_version="1", worker_rank=0, tp_size=2, pid=3),
     p.RegisterCaches(buffers=[BUF], layers=[LAYER], page_format=FMT, compat_factors={"model": "m"}),

@@ -1,7 +1,10 @@
 """Round trips of every shim↔daemon message and every way a frame is rejected."""
 
 import msgspec
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sidecar.wire import protocol as p
 from sidecar.wire.formats import PageFormat
@@ -16,7 +19,8 @@ LAYER = LayerView(name="model.layers.0.attn", buffer_index=0, offset_bytes=0, sh
 
 def pull(**kw):
     fields = dict(req_id="r1", remote_engine_id="eng", remote_host="127.0.0.1", remote_port=5600,
-                  remote_request_id="cmpl-1-abcd", remote_block_ids=[7, 8, 9], local_block_ids=[4, 3],
+                  remote_request_id="cmpl-1-abcd", remote_block_ids=p.pack_block_ids([7, 8, 9]),
+                  local_block_ids=p.pack_block_ids([4, 3]),
                   timeout_s=5.0)
     fields.update(kw)
     return p.Pull(**fields)
@@ -73,7 +77,7 @@ def enc(obj):
 
 
 def pull_dict(**kw):
-    d = msgspec.to_builtins(pull())
+    d = msgspec.to_builtins(pull(), builtin_types=(bytes,))
     d.update(kw)
     return d
 
@@ -90,10 +94,12 @@ def pull_dict(**kw):
     (enc(pull_dict(remote_port=0)), "remote_port must be in 1..65535"),
     (enc(pull_dict(remote_port="5600")), "Expected `int`, got `str` - at `$.remote_port`"),
     (enc(pull_dict(remote_request_id="a,b")), "must not contain ','"),
-    (enc(pull_dict(remote_block_ids=[-1, 2, 3])), "Expected `int` >= 0 - at `$.remote_block_ids[0]`"),
-    (enc(pull_dict(local_block_ids=[0, -2])), "Expected `int` >= 0 - at `$.local_block_ids[1]`"),
+    (enc(pull_dict(remote_block_ids=b"\x01\x00\x00")), "remote_block_ids holds 3 bytes, not a whole number"),
+    (enc(pull_dict(local_block_ids=p.pack_block_ids([0]) + b"\x02")), "local_block_ids holds 5 bytes"),
+    (enc(pull_dict(remote_block_ids=[1, 2, 3])), "Expected `bytes`, got `array` - at `$.remote_block_ids`"),
     (enc(pull_dict(remote_num_tokens=-1)), "remote_num_tokens must be >= 0"),
-    (enc(pull_dict(local_block_ids=[2, 2])), "must not repeat"),
+    (enc(pull_dict(local_block_ids=p.pack_block_ids([2, 2]))), "must not repeat a block (block 2 does)"),
+    (enc(pull_dict(local_block_ids=p.pack_block_ids([9, 4, 7, 4]))), "must not repeat a block (block 4 does)"),
     (enc(pull_dict(timeout_s=0)), "timeout_s must be a finite number > 0"),
     (enc(pull_dict(timeout_s=float("inf"))), "timeout_s must be a finite number > 0, got inf"),
     (enc(pull_dict(timeout_s=float("nan"))), "timeout_s must be a finite number > 0, got nan"),
@@ -101,7 +107,7 @@ def pull_dict(**kw):
     (enc(pull_dict(remote_registration_generation=-1)), "remote_registration_generation must be >= 0"),
     (enc({k: v for k, v in pull_dict().items() if k != "req_id"}), "missing required field `req_id`"),
     (enc(pull_dict(lease_started_at_ns=-5)), "lease_started_at_ns must be >= 0"),
-    (enc(pull_dict(timeout_s=None, local_block_ids="1,2")), "Expected `array`, got `str`"),
+    (enc(pull_dict(timeout_s=None, local_block_ids="1,2")), "Expected `bytes`, got `str`"),
     (enc({"type": "Hello", "protocol_version": 1, "package_version": "x", "worker_rank": 2, "tp_size": 2}),
      "worker_rank must be in 0..tp_size-1"),
     (enc({"type": "Abort", "req_id": ""}), "req_id must not be empty"),
@@ -137,15 +143,15 @@ def test_decode_error_is_a_value_error():
 
 def test_protocol_3_carries_requests_on_the_completion_socket():
     """Version 3: Pull, Heartbeat and Abort decode on a bound completion socket; nothing else does."""
-    assert p.PROTOCOL_VERSION == 3
+    assert p.PROTOCOL_VERSION >= 3
     pull = p.Pull(
         req_id="r",
         remote_engine_id="e",
         remote_host="h",
         remote_port=1,
         remote_request_id="rr",
-        remote_block_ids=[1],
-        local_block_ids=[2],
+        remote_block_ids=p.pack_block_ids([1]),
+        local_block_ids=p.pack_block_ids([2]),
         sent_at_ns=123,
     )
     for msg in (pull, p.Heartbeat(targets=[]), p.Abort(req_id="r"), p.BindCompletions(routing_id=b"x")):
@@ -156,8 +162,45 @@ def test_protocol_3_carries_requests_on_the_completion_socket():
     with pytest.raises(p.DecodeError, match="travels daemon→shim"):
         p.decode_on_completions(p.encode(p.Done(req_id="r", ok=True)))
     with pytest.raises(p.DecodeError, match="invalid Pull.*remote_port"):
-        p.decode_on_completions(msgspec.msgpack.encode({**msgspec.to_builtins(pull), "remote_port": 0}))
+        fields = msgspec.to_builtins(pull, builtin_types=(bytes,))
+        p.decode_on_completions(msgspec.msgpack.encode({**fields, "remote_port": 0}))
     with pytest.raises(p.DecodeError, match="malformed"):
         p.decode_on_completions(b"\xc1")
     with pytest.raises(p.DecodeError, match="BindCompletions first"):
         p.decode_bind(p.encode(pull))
+
+
+@given(st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=300))
+def test_block_ids_pack_and_unpack_to_the_same_ids(ids):
+    packed = p.pack_block_ids(ids)
+    assert len(packed) == 4 * len(ids)
+    got = p.unpack_block_ids(packed)
+    assert got.dtype == np.int64 and got.tolist() == ids
+
+
+def test_packed_block_ids_are_little_endian_uint32():
+    """The wire's bytes, written out: a peer on any platform reads the same ids."""
+    assert p.pack_block_ids([1, 0x01020304, 2**32 - 1]) == bytes.fromhex("01000000" "04030201" "ffffffff")
+
+
+@pytest.mark.parametrize(("ids", "needle"), [
+    ([3, -1], "negative"),
+    ([2**32], "greater than maximum"),
+    ([1.5], "float"),
+    (["7"], "str"),
+])
+def test_pack_block_ids_refuses_what_is_not_a_uint32(ids, needle):
+    with pytest.raises(ValueError, match=f"block ids must be integers in 0..2\\*\\*32-1: .*{needle}"):
+        p.pack_block_ids(ids)
+
+
+def test_a_pull_made_with_id_lists_is_refused_at_once():
+    """Protocol 4 packs the ids: a list would otherwise go out as a msgpack array the daemon refuses."""
+    with pytest.raises(TypeError, match="local_block_ids must be bytes from pack_block_ids\\(\\), got list"):
+        pull(local_block_ids=[4, 3])
+
+
+def test_a_pull_counts_its_packed_ids():
+    msg = p.decode_to_daemon(p.encode(pull()))
+    assert (msg.num_remote_blocks, msg.num_local_blocks) == (3, 2)
+    assert p.unpack_block_ids(msg.local_block_ids).tolist() == [4, 3]
