@@ -78,17 +78,17 @@ for step in "$@"; do
         --out "$OUT/e2e-h200-head-orders.json" ;;
     # HEAD against another tree (AB_OLD: a folder holding that tree's sidecar/ and vllm_glue/, e.g. from
     # `git archive <commit> sidecar vllm_glue | tar -x -C ab-old`; not git-ignored, so it travels), old and
-    # new alternating for AB_ROUNDS rounds: the staged contiguous cells at the daemon's defaults, plus
-    # AB_OLD_ARGS / AB_NEW_ARGS for one side's bench; each side runs from its own folder (python -m puts
-    # the working directory first on the path)
-    ab) for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+    # new alternating for AB_ROUNDS rounds: AB_CELLS (default the staged contiguous cells) at the daemon's
+    # defaults, each run under AB_RUN_S, plus AB_OLD_ARGS / AB_NEW_ARGS for one side's bench; each side runs
+    # from its own folder (python -m puts the working directory first on the path)
+    ab) cells=${AB_CELLS:---contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous --budget-s 45}
+        for r in $(seq 1 "${AB_ROUNDS:-2}"); do
           for side in old new; do
             root=$PWD extra=${AB_NEW_ARGS:-}
             [ "$side" = old ] && root=$(cd "${AB_OLD:?AB_OLD: the other tree}" && pwd) extra=${AB_OLD_ARGS:-}
-            TAIL=5 run "ab-$side-$r" 60 bash -c "cd '$root' && PYTHONPATH='$root:/tmp/site' python3 -m \
-              sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 --warmup 1 --contexts 4096,16384 \
-              --concurrency 1,8 --reps 10 --pairs staged/contiguous --budget-s 45 $extra \
-              --out '$OUT/e2e-h200-ab-$side-$r.json'"
+            TAIL=5 run "ab-$side-$r" "${AB_RUN_S:-60}" bash -c "cd '$root' && PYTHONPATH='$root:/tmp/site' \
+              python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 --warmup 1 $cells \
+              $extra --out '$OUT/e2e-h200-ab-$side-$r.json'"
           done
         done ;;
     # the GIL switch interval (gil_switch_interval_us, GIL_VALUES) alternating for GIL_ROUNDS rounds: the staged
