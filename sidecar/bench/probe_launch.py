@@ -203,20 +203,75 @@ def _sub(src: Any, layers: tuple[int, int]) -> Any:
 
 STREAM_STATES = ("idle", "busy", "queued")
 QUEUED_REQUESTS = 8  # "queued": requests launched back to back between synchronisations
+REST_HOW = ("sleep", "spin", "sweep")
+SWEEP_BYTES = 64 << 20  # "sweep": more than the host's last-level cache
+SWEEP_CHUNK = 1 << 20
+
+
+PRIMERS = ("none", "kernel", "query")
+
+
+@dataclass(frozen=True)
+class Rest:
+    """What the thread does between two timed launches: rest ``seconds`` (``how``: see ``rest``), then,
+    unless ``primer`` is "none", touch the GPU (an empty kernel on the launch's stream, or an event query)
+    and spin ``primer_gap_s`` more, as a daemon would that primed the GPU when a Pull came in and launched
+    its conversion after the Pull's checks and pairing."""
+
+    seconds: float = 0.0
+    how: str = "sleep"
+    primer: str = "none"
+    primer_gap_s: float = 0.0
+
+
+def prime(stream: Any, primer: str, event: Any) -> None:
+    if primer == "kernel":
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(1)
+    elif primer == "query":
+        event.query()
+    elif primer != "none":
+        raise ValueError(f"prime: unknown primer {primer!r}; one of {', '.join(PRIMERS)}")
+
+
+def rest(seconds: float, how: str, scratch: np.ndarray | None = None) -> None:
+    """Pass ``seconds`` before a launch: asleep (the core may go idle, as the daemon's loop does waiting for
+    the next Pull), spinning in Python (the core kept busy on a few lines of code), or sweeping ``scratch``
+    (the core kept busy on other data, which pushes the launch's code and data out of its caches)."""
+    end = time.perf_counter() + seconds
+    if how == "sleep":
+        time.sleep(seconds)
+    elif how == "spin":
+        while time.perf_counter() < end:
+            pass
+    elif how == "sweep":
+        assert scratch is not None
+        while time.perf_counter() < end:
+            for lo in range(0, scratch.size, SWEEP_CHUNK):  # read and write every byte, as far as time allows
+                scratch[lo : lo + SWEEP_CHUNK] += 1
+                if time.perf_counter() >= end:
+                    break
+    else:
+        raise ValueError(f"rest: unknown way {how!r}; one of {', '.join(REST_HOW)}")
 
 
 def time_cell(rig: LaunchRig, stream: Any, launch: Launch, mode: str, per_launch: int, state: str, iters: int,
-              warmup: int, busy_cycles: int, rest_s: float = 0.0) -> dict[str, Any]:
+              warmup: int, busy_cycles: int, pause: Rest = Rest()) -> dict[str, Any]:
     """Host time of ``iters`` launches of ``mode``, ``per_launch`` layers each, fresh ids per request.
     ``state``: the stream synchronised before each call ("idle"), a ~1 ms kernel queued just before each
     call ("busy"), or every launch of ``QUEUED_REQUESTS`` requests queued back to back ("queued": each
     call finds the earlier ones' conversions still queued, as the daemon's layer groups and requests do).
-    ``rest_s``: the thread sleeps this long before each call, as the daemon's loop comes to a launch from
-    waiting on a read (its caches no longer hold the launch's code and data)."""
+    ``pause``: what the thread does before each call (``Rest``), as the daemon's loop comes to a launch from
+    waiting for a Pull or a read; with a primer, ``primer_p50_us`` is the primer's own time."""
     cuda = rig.device.type == "cuda"
     groups = layer_groups(rig.shape.layers, per_launch)
-    xs, pending = [], 0
+    xs, primed, pending = [], [], 0
     calls = requests = 0
+    scratch = np.zeros(SWEEP_BYTES, np.uint8) if pause.seconds and pause.how == "sweep" else None
+    priming = cuda and pause.primer != "none"
+    marker = torch.cuda.Event() if priming else None
+    if marker is not None:
+        marker.record(stream)
     while calls < warmup + iters:
         ids, src, index = rig.request(mode)
         if cuda and state == "queued" and requests % QUEUED_REQUESTS == 0:
@@ -233,8 +288,15 @@ def time_cell(rig: LaunchRig, stream: Any, launch: Launch, mode: str, per_launch
                         torch.cuda._sleep(busy_cycles)
                         ahead = torch.cuda.Event()
                         ahead.record(stream)
-            if rest_s:
-                time.sleep(rest_s)
+            if pause.seconds:
+                rest(pause.seconds, pause.how, scratch)
+            if priming:
+                p0 = time.perf_counter()
+                prime(stream, pause.primer, marker)
+                if calls >= warmup:
+                    primed.append(time.perf_counter() - p0)
+                if pause.primer_gap_s:
+                    rest(pause.primer_gap_s, "spin")
             t0 = time.perf_counter()
             launch(rig, stream, ids, _sub(src, layers), layers, index)
             took = time.perf_counter() - t0
@@ -246,6 +308,8 @@ def time_cell(rig: LaunchRig, stream: Any, launch: Launch, mode: str, per_launch
     if cuda:
         stream.synchronize()
     out = quantiles(xs)
+    if primed:
+        out["primer_p50_us"] = quantiles(primed)["p50_us"]
     if state == "busy":
         out["pending_after"] = round(pending / max(1, len(xs)), 3)
     return out
@@ -369,8 +433,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--busy-us", type=float, default=1000.0, help="the kernel queued before each busy call")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rest-us", type=float, default=0.0,
-                   help="host sleep before each timed call (the daemon's loop comes to a launch from "
+                   help="host rest before each timed call (the daemon's loop comes to a launch from "
                    "waiting)")
+    p.add_argument("--rest-how", choices=REST_HOW, default="sleep",
+                   help="how the rest passes: asleep, spinning on a few lines of Python, or sweeping "
+                   f"{SWEEP_BYTES >> 20} MiB (other data through the core's caches)")
+    p.add_argument("--primer", choices=PRIMERS, default="none",
+                   help="after the rest, touch the GPU first (an empty kernel on the stream, or an event "
+                   "query), untimed; its own time is reported as primer_p50_us")
+    p.add_argument("--primer-gap-us", type=float, default=0.0,
+                   help="spin this long between the primer and the timed launch (the Pull's checks)")
     p.add_argument("--nixl", action="store_true",
                    help="load a NIXL agent (UCX, this GPU) with one registered VRAM region first, as the "
                    "daemon has: shows what UCX's CUDA hooks cost a launch")
@@ -426,14 +498,14 @@ def main(argv: list[str] | None = None) -> int:
     states = STREAM_STATES if cuda else ("idle",)
     cells = []
     print(f"{'mode':12s} {'layers/launch':>13s} {'stream':6s} {'path':8s} {'p50 µs':>9s} {'p99 µs':>9s} "
-          f"{'pending':>7s}", flush=True)
+          f"{'pending':>7s} {'primer':>7s}", flush=True)
     warmup = 20 if cuda else 2
     for mode, per, where, (name, launch) in itertools.product(modes, per_launch, states, paths.items()):
-        got = time_cell(rig, stream, launch, mode, per, where, iters, warmup, busy_cycles,
-                        args.rest_us * 1e-6)
+        pause = Rest(args.rest_us * 1e-6, args.rest_how, args.primer, args.primer_gap_us * 1e-6)
+        got = time_cell(rig, stream, launch, mode, per, where, iters, warmup, busy_cycles, pause)
         cells.append({"path": name, "mode": mode, "layers_per_launch": per, "stream": where, **got})
         print(f"{mode:12s} {per:13d} {where:6s} {name:8s} {got['p50_us']:9.1f} {got['p99_us']:9.1f} "
-              f"{got.get('pending_after', ''):>7}", flush=True)
+              f"{got.get('pending_after', ''):>7} {got.get('primer_p50_us', ''):>7}", flush=True)
     verified = {name: {f"{mode}/{per}": verify(rig, stream, launch, mode, per) for mode in modes
                        for per in per_launch} for name, launch in paths.items()}
     print("bit-exact against the torch reference:", json.dumps(verified), flush=True)
@@ -448,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
         "shape": asdict(shape),
         "settings": {"iters": iters, "graph_programs": args.graph_programs, "per_launch": per_launch,
                      "modes": modes, "busy_us": args.busy_us,
-                     "rest_us": args.rest_us, "nixl_agent": agent is not None,
+                     "rest_us": args.rest_us, "rest_how": args.rest_how, "primer": args.primer,
+                     "primer_gap_us": args.primer_gap_us, "nixl_agent": agent is not None,
                      "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
                      "queued_requests": QUEUED_REQUESTS,
                      "gap_density": 1 / GAP_DENSITY, "seed": args.seed},

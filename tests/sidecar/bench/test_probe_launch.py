@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
+import pytest
 import torch
 
 from sidecar.bench import probe_launch as pl
@@ -65,3 +67,29 @@ def test_verify_fails_a_path_that_converts_the_wrong_rows():
     for mode in ("staged", "staged_gaps"):
         assert not pl.verify(rig, None, shifted, mode, 3), mode
         assert pl.verify(rig, None, pl.cpu_new, mode, 3), mode
+
+
+def test_each_way_to_rest_takes_its_time_and_a_sweep_touches_its_scratch():
+    scratch = np.zeros(pl.SWEEP_BYTES, np.uint8)
+    for how in pl.REST_HOW:
+        t0 = time.perf_counter()
+        pl.rest(0.003, how, scratch)
+        assert time.perf_counter() - t0 >= 0.003, how
+    assert scratch[0] > 0  # the sweep wrote into it
+    with pytest.raises(ValueError, match="unknown way 'nap'"):
+        pl.rest(0.001, "nap")
+
+
+def test_a_run_that_rests_by_sweeping_says_so(tmp_path):
+    out = tmp_path / "launch.json"
+    argv = ["--device", "cpu", "--iters", "2", "--modes", "staged", "--rest-us", "300", "--rest-how", "sweep",
+            "--out", str(out)]
+    assert pl.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["all_verified"] is True and report["settings"]["rest_how"] == "sweep"
+
+
+def test_an_unknown_primer_is_refused_and_none_touches_nothing():
+    pl.prime(None, "none", None)
+    with pytest.raises(ValueError, match="unknown primer 'poke'"):
+        pl.prime(None, "poke", None)
