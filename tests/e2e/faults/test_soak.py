@@ -30,5 +30,6 @@ def test_soak_60s(tmp_path) -> None:
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(900)  # the suite's 300 s default would end a 600 s soak before it reports
 def test_soak_10min(tmp_path) -> None:
     check(soak(str(tmp_path), 600.0, seed=5))
