@@ -25,8 +25,8 @@ from sidecar.wire import protocol as p
 
 log = logging.getLogger("kv_sidecar.completions")
 
-# A BindCompletions is < 300 bytes; a Pull of ~6,000 blocks fits. A larger packet is cut here and answered
-# with a decode error (the shim sends those over ZMQ instead).
+# A BindCompletions is < 300 bytes; a Pull of up to ~8,140 blocks fits (packed ids: 8 bytes a block, local
+# and remote). A larger packet is cut here and answered with a decode error (the shim sends those over ZMQ).
 MAX_PACKET = 65536
 READS_PER_WAKE = 64  # packets taken per readable callback before letting other sockets in
 BIND_WITHIN_S = 5.0  # a connection that has not bound by then is closed (idle ones would hold fds)
