@@ -206,8 +206,6 @@ QUEUED_REQUESTS = 8  # "queued": requests launched back to back between synchron
 REST_HOW = ("sleep", "spin", "sweep")
 SWEEP_BYTES = 64 << 20  # "sweep": more than the host's last-level cache
 SWEEP_CHUNK = 1 << 20
-
-
 PRIMERS = ("none", "kernel", "query")
 
 
@@ -225,6 +223,7 @@ class Rest:
 
 
 def prime(stream: Any, primer: str, event: Any) -> None:
+    """Touch the GPU once before a launch (``Rest.primer``)."""
     if primer == "kernel":
         with torch.cuda.stream(stream):
             torch.cuda._sleep(1)

@@ -215,7 +215,8 @@ class Pull(_Msg):
         _packed_ids("remote_block_ids", self.remote_block_ids)
         _packed_ids("local_block_ids", self.local_block_ids)
         local = np.frombuffer(self.local_block_ids, _ID)
-        if local.size > 1 and not (local[1:] > local[:-1]).all():  # increasing ids (the common case) are unique
+        # increasing ids (the common case) are unique: one compare, no sort
+        if local.size > 1 and not (local[1:] > local[:-1]).all():
             s = np.sort(local)
             dup = s[1:][s[1:] == s[:-1]]
             if dup.size:

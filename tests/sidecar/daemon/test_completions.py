@@ -156,7 +156,8 @@ def test_pull_heartbeat_and_abort_over_the_completion_socket_are_served_there(cl
 def test_a_malformed_pull_on_the_completion_socket_gets_an_error_naming_it(client):
     c = client(b"shim-bad-pull")
     assert c.bind(c.hello().completion_socket) == p.CompletionsBound(ok=True)
-    bad = msgspec.msgpack.encode({**msgspec.to_builtins(_pull("bad-1"), builtin_types=(bytes,)), "remote_port": 0})
+    fields = msgspec.to_builtins(_pull("bad-1"), builtin_types=(bytes,))
+    bad = msgspec.msgpack.encode({**fields, "remote_port": 0})
     c.fast.send(bad)
     err = c.recv_fast()
     assert isinstance(err, p.Error) and err.in_reply_to == "Pull" and err.req_id == "bad-1", err
