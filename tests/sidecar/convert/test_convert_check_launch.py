@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 import warnings
 
 import numpy as np
@@ -220,3 +221,42 @@ def test_convert_arrays_writes_what_convert_writes(mode):
         out.append(c.view(torch.int16))
     assert not torch.equal(out[0], base)
     assert torch.equal(out[0], out[1])
+
+
+def _id_verdict(ids: list[int], num_blocks: int) -> str | None:
+    """The id rules in plain Python: the error ``_check_id_values`` must raise, or None."""
+    if ids and (min(ids) < 0 or max(ids) >= num_blocks):
+        bad = min(ids) if min(ids) < 0 else max(ids)
+        return f"block_ids holds {bad}, out of range [0, {num_blocks})"
+    repeated = sorted(i for i in set(ids) if ids.count(i) > 1)
+    return f"block_ids holds duplicates, e.g. {repeated[0]}" if repeated else None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_id_check_takes_increasing_ids_without_a_sort_and_refuses_the_same(seed):
+    """The increasing shortcut (no sort) and the sorted path refuse exactly what the rules refuse, in the same
+    words: increasing, repeated, descending, out of range at either end, empty and single ids."""
+    from sidecar.convert.checks import _check_id_values
+
+    rng = np.random.default_rng(seed)
+    for _ in range(400):
+        n, limit = int(rng.integers(0, 12)), int(rng.integers(1, 16))
+        shape = rng.integers(4)
+        if shape == 0:  # increasing (the shortcut), sometimes past the limit or below 0
+            ids = np.sort(rng.choice(np.arange(-2, limit + 3), min(n, limit + 5), replace=False))
+        elif shape == 1:  # repeats
+            ids = rng.integers(-1, limit + 1, n)
+        elif shape == 2:  # decreasing
+            ids = np.sort(rng.choice(limit + 2, min(n, limit + 2), replace=False))[::-1]
+        else:  # increasing but for one adjacent repeat
+            ids = np.sort(rng.choice(limit, min(n, limit), replace=False))
+            if ids.size:
+                ids = np.insert(ids, int(rng.integers(ids.size)), ids[int(rng.integers(ids.size))])
+                ids.sort()
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        want = _id_verdict(ids.tolist(), limit)
+        if want is None:
+            _check_id_values(ids, limit)
+        else:
+            with pytest.raises(ValueError, match=re.escape(want)):
+                _check_id_values(ids, limit)
