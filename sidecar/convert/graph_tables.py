@@ -34,17 +34,22 @@ def table_layout(b: int, layers: int) -> tuple[int, int, int]:
     return b, starts[1], max(total, ALIGN)
 
 
-def fill(table: np.ndarray, b: int, ids: np.ndarray, rows: np.ndarray, meta: np.ndarray) -> None:
+def fill(table: np.ndarray, b: int, ids: np.ndarray, rows: np.ndarray, meta: np.ndarray | None) -> None:
     """Write one request into a bucket-``b`` table: ``ids`` and ``rows`` (``m <= b`` each) padded with row 0,
-    then ``meta`` [L, 6] (``tables.meta_table``)."""
+    then ``meta`` [L, 6] (``tables.meta_table``); None leaves the meta the table holds (the caller wrote the
+    same one last time)."""
     m = ids.size
     if not 0 < m <= b or rows.size != m:
         raise ValueError(f"{m} ids and {rows.size} source rows do not fit a bucket of {b}")
-    _, meta_at, total = table_layout(b, len(meta))
-    if table.shape != (total,) or meta.shape[1:] != (META_COLUMNS,):
-        raise ValueError(f"the table has shape {table.shape}, a bucket of {b} needs ({total},)")
+    if meta is not None:
+        _, meta_at, total = table_layout(b, len(meta))
+        if table.shape != (total,) or meta.shape[1:] != (META_COLUMNS,):
+            raise ValueError(f"the table has shape {table.shape}, a bucket of {b} needs ({total},)")
+        table[meta_at : meta_at + meta.size] = meta.ravel()
+    elif table.shape[0] < 2 * b:
+        raise ValueError(f"the table has shape {table.shape}, a bucket of {b} needs at least ({2 * b},)")
     table[:m] = ids
-    table[m:b] = ids[0]
     table[b : b + m] = rows
-    table[b + m : 2 * b] = rows[0]
-    table[meta_at : meta_at + meta.size] = meta.ravel()
+    if m < b:
+        table[m:b] = ids[0]
+        table[b + m : 2 * b] = rows[0]

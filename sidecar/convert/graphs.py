@@ -4,7 +4,8 @@ The daemon's staged launch is the same two steps for every request: copy the req
 source rows, meta) to the device, then run ``convert_kernel`` over its (layer, block) pairs. Done in Python
 each time that is 150-420 µs of host time on the H200 host (bench/results/launch-inline-h200-2026-12-02.json).
 Captured once per size bucket and layer count, a launch checks the ids, writes the table into the graph's
-pinned buffer, replays the graph (the copy, then the kernel) and records an event.
+pinned buffer, replays the graph (the copy, then the kernel) and records an event. A source's checks and meta
+table are made once (``_source``), and a table is given a meta only when it holds another one.
 
 Padding: ``graph_tables`` (a request replays the graph of the smallest bucket holding it; the extra rows
 convert the request's first block again, with the same bytes). Buffers: a graph copies from its own pinned
@@ -43,10 +44,22 @@ class _Graph:
     device: torch.Tensor  # int64 on the GPU: the graph copies ``host`` here, the kernel reads it
     graph: Any = None  # torch.cuda.CUDAGraph, once captured
     last: Any = None  # the event recorded after its latest launch (None: never launched)
+    meta: np.ndarray | None = None  # the (read-only, cached) meta table ``host`` holds
+
 
     def free(self) -> bool:
         """Whether the copy of its latest launch has run (the table may be rewritten)."""
         return self.last is None or self.last.query()
+
+
+@dataclass(frozen=True, eq=False)
+class _Source:
+    """One source as launches of one layer range take it, checked once: its rows, whether 16-byte vectors fit
+    it, and the kernel's meta table of those layers reading it."""
+
+    rows: int
+    vectors_fit: bool
+    meta: np.ndarray  # read-only (``MetaCache``): a graph whose table holds this object holds these values
 
 
 class GraphLaunches:
@@ -71,6 +84,8 @@ class GraphLaunches:
         self._chunks = tk.oop_chunks(h, n, d, x_of(p.elem_bytes), tuning)
         self._unused = tk._unused_counts(self.device)
         self._graphs: OrderedDict[tuple[int, int], list[_Graph]] = OrderedDict()
+        self._sources: OrderedDict[tuple, _Source] = OrderedDict()  # by every property the checks read
+        self.max_sources = 64
         self.count = 0  # graphs held
         self.broken: str | None = None  # why capture failed (then every launch goes the ordinary way)
         self.stats = {"replays": 0, "captures": 0, "declined": 0}
@@ -81,16 +96,16 @@ class GraphLaunches:
         """Queue the conversion of layers ``[first, last)`` of blocks ``ids`` from ``src`` ([layers, rows,
         page], rows picked by ``src_index``, else row i) on ``stream``; return the event after it, or None
         when this launch is not taken (nothing queued, nothing written). Bad input raises ValueError."""
-        ps, p = self.planes, self.planes.planes
+        p = self.planes.planes
         first, last = layer_range(p, layers)  # the ordinary launch's checks, in its order (check_launch)
         ids = launch_ids(p, ids)
         m = ids.size
-        view, src_rows, vectors_fit = launch_source(ps.sources, p, src, last - first, m, src_index)
+        source = self._source(src, first, last, m, src_index)
         if src_index is None:
             rows = np.arange(m, dtype=np.int64)
         else:
-            rows = launch_src_rows(src_index, ids, view.shape[1])
-        if self.broken is not None or m == 0 or not (p.aligned16 and vectors_fit):
+            rows = launch_src_rows(src_index, ids, source.rows)
+        if self.broken is not None or m == 0 or not (p.aligned16 and source.vectors_fit):
             self.stats["declined"] += 1
             return None
         key = (last - first, bucket(m))
@@ -98,8 +113,8 @@ class GraphLaunches:
         if entry is None:
             self.stats["declined"] += 1
             return None
-        meta = ps.tables.get(p.rows[first:last], src_rows, self._anchor_ptr, p.elem_bytes)
-        fill(entry.table, key[1], ids, rows, meta)
+        fill(entry.table, key[1], ids, rows, None if entry.meta is source.meta else source.meta)
+        entry.meta = source.meta
         previous = _use_stream(stream)
         try:
             if entry.graph is None:
@@ -113,6 +128,26 @@ class GraphLaunches:
         finally:
             _restore_stream(previous)
         return entry.last
+
+    def _source(self, src: Any, first: int, last: int, m: int, src_index: Any) -> _Source:
+        """``src`` checked (``launch_source``) with its meta table for layers [first, last), both remembered
+        by every property they are computed from (a daemon launches from the same few sources)."""
+        if not isinstance(src, torch.Tensor):
+            raise ValueError(f"src must be a torch.Tensor, got {type(src).__name__}")
+        indexed = src_index is not None
+        rows_for = None if indexed else m  # an unindexed source is checked for its first m rows
+        key = (src.data_ptr(), src.shape, src.stride(), src.dtype, src.device, first, last, rows_for)
+        found = self._sources.get(key)
+        if found is not None:
+            return found
+        ps, p = self.planes, self.planes.planes
+        view, src_rows, fit = launch_source(ps.sources, p, src, last - first, m, src_index)
+        meta = ps.tables.get(p.rows[first:last], src_rows, self._anchor_ptr, p.elem_bytes)
+        found = _Source(rows=view.shape[1], vectors_fit=fit, meta=meta)
+        if len(self._sources) >= self.max_sources:
+            self._sources.popitem(last=False)
+        self._sources[key] = found
+        return found
 
     def _take(self, key: tuple[int, int]) -> _Graph | None:
         """A graph of ``key`` free to rewrite, a new one (not yet captured) if none is, or None."""

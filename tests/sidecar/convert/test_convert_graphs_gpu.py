@@ -91,6 +91,21 @@ def test_replays_convert_each_new_request_like_the_ordinary_launch(h, n, d, inde
                                 "declined": 0}
 
 
+def test_a_graph_taken_by_another_layer_range_or_source_gets_that_ones_meta():
+    """Layer ranges of one length share a graph; a table is given a new meta only when the launch's layers or
+    source differ from its last one, so alternating them must still convert each request from its own."""
+    rig = Rig(8, 16, 128, seed=9)
+    other = Rig._random(tuple(rig.src.shape), torch.Generator(device=DEV).manual_seed(99), rig.src.dtype)
+    plan = [((0, 1), rig.src), ((1, 2), rig.src), ((1, 2), other), ((2, 3), other), ((0, 1), rig.src),
+            ((0, 1), rig.src), ((2, 3), rig.src)]
+    for i, (layers, src) in enumerate(plan):
+        ids = rig.rng.choice(BLOCKS, 7, replace=False).astype(np.int64)
+        rows = rig.rng.choice(src.shape[1], 7, replace=False).astype(np.int64)
+        assert rig.both(ids, src, rows, layers) is not None, f"launch {i}: not taken"
+        rig.assert_same(f"launch {i}: layers {layers}")
+    assert rig.graphs.stats == {"captures": 1, "replays": len(plan) - 1, "declined": 0}
+
+
 def test_a_busy_graph_is_never_rewritten():
     """Launches queued behind a long kernel: each key's graphs are in use, so the third launch of a key is
     declined (per_key 2) and converts nothing; the two taken convert their own requests exactly."""

@@ -92,3 +92,25 @@ def test_fill_refuses_a_table_of_another_bucket():
     with pytest.raises(ValueError, match="a bucket of 8 needs"):
         fill(table, 8, np.arange(3, dtype=np.int64), np.arange(3, dtype=np.int64),
              np.zeros((2, META_COLUMNS), np.int64))
+
+
+def test_fill_without_meta_keeps_the_meta_it_holds_and_rewrites_the_rest():
+    """A launch whose meta its graph's table already holds passes None: only ids and rows change."""
+    rng = np.random.default_rng(2)
+    b, layers = bucket(300), 36
+    table = np.zeros(table_layout(b, layers)[2], dtype=np.int64)
+    first = _request(rng, 300, b, layers)
+    fill(table, b, *first)
+    ids, rows, _ = _request(rng, 290, b, layers)
+    fill(table, b, ids, rows, None)
+    meta_at = table_layout(b, layers)[1]
+    meta = table[meta_at : meta_at + layers * META_COLUMNS].reshape(layers, META_COLUMNS)
+    assert np.array_equal(meta, first[2])
+    assert np.array_equal(table[:290], ids) and (table[290:b] == ids[0]).all()
+    assert np.array_equal(table[b : b + 290], rows) and (table[b + 290 : 2 * b] == rows[0]).all()
+
+
+def test_fill_without_meta_refuses_a_table_too_short_for_the_bucket():
+    table = np.zeros(7, dtype=np.int64)
+    with pytest.raises(ValueError, match="a bucket of 4 needs at least"):
+        fill(table, 4, np.arange(4, dtype=np.int64), np.arange(4, dtype=np.int64), None)
