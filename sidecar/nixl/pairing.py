@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 _I64 = np.int64
+_I64_DTYPE = np.dtype(np.int64)
 
 
 class GeometryError(ValueError):
@@ -25,6 +26,8 @@ class GeometryError(ValueError):
 
 
 def as_ids(values: Sequence[int] | np.ndarray, field: str) -> np.ndarray:
+    if type(values) is np.ndarray and values.dtype is _I64_DTYPE and values.ndim == 1:
+        return values  # the daemon's unpacked ids: nothing to convert or check
     arr = np.asarray(values)
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
         raise GeometryError(field, f"must be a flat list of integers, got {arr.dtype} shape {arr.shape}")
@@ -141,8 +144,13 @@ def check_range(ids: np.ndarray, limit: int, field: str, ordered: bool = False) 
     """Every id in [0, limit); ``ordered``: the ids are strictly increasing (only the ends are looked at)."""
     if not ids.size:
         return
-    lo, hi = (ids[0], ids[-1]) if ordered else (ids.min(), ids.max())
-    if int(lo) < 0 or int(hi) >= limit:
+    if ordered:
+        outside = int(ids[0]) < 0 or int(ids[-1]) >= limit
+    elif ids.dtype is _I64_DTYPE:  # one pass: read as uint64, a negative id is above any limit
+        outside = int(ids.view(np.uint64).max()) >= limit
+    else:
+        outside = int(ids.min()) < 0 or int(ids.max()) >= limit
+    if outside:
         bad = ids[(ids < 0) | (ids >= limit)]
         raise GeometryError(field, f"block id {int(bad[0])} outside [0, {limit})")
 

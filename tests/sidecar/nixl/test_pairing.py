@@ -1,10 +1,12 @@
-"""Pairing helpers (``sidecar.nixl.pairing``): logical to kernel block ids, vLLM's per-group id lists."""
+"""Pairing helpers (``sidecar.nixl.pairing``): logical to kernel block ids, vLLM's per-group id lists, the id
+checks."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from sidecar.nixl.pairing import GeometryError, kernel_block_ids, single_group
+from sidecar.nixl.pairing import GeometryError, as_ids, check_range, kernel_block_ids, single_group
 
 
 def test_kernel_block_ids_expansion():
@@ -21,3 +23,36 @@ def test_single_group():
     with pytest.raises(GeometryError) as e:
         single_group([[1], [2]], "remote_block_ids")
     assert e.value.field == "remote_block_ids"
+
+
+def test_as_ids_returns_int64_arrays_as_they_are_and_converts_or_refuses_the_rest():
+    ids = np.array([3, 1, 2], dtype=np.int64)
+    assert as_ids(ids, "x") is ids  # the daemon's unpacked ids: no copy
+    assert as_ids([3, 1], "x").dtype == np.int64
+    assert as_ids(np.array([3, 1], dtype=np.uint32), "x").tolist() == [3, 1]
+    for bad in (np.array([[1, 2]], dtype=np.int64), np.array([1.0]), ["a"]):
+        with pytest.raises(GeometryError, match="must be a flat list of integers"):
+            as_ids(bad, "x")
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+def test_check_range_refuses_exactly_the_ids_outside_and_names_one(dtype):
+    """The unordered check (one uint64 pass for int64 ids, min and max otherwise) against the rule itself,
+    on ids near both ends, the int64 extremes included."""
+    rng = np.random.default_rng(3)
+    info = np.iinfo(dtype)
+    for _ in range(2000):
+        limit = int(rng.integers(1, 40))
+        pool = np.array([info.min, -(2**31), -2, -1, 0, 1, limit - 1, limit, limit + 1, 2**31 - 1, info.max],
+                        dtype=np.int64)
+        pool = pool[(pool >= info.min) & (pool <= info.max)]
+        ids = np.concatenate([rng.integers(0, limit, int(rng.integers(0, 6))),
+                              rng.choice(pool, int(rng.integers(0, 3)))])
+        ids = rng.permutation(ids).astype(dtype)
+        outside = [int(i) for i in ids if not 0 <= i < limit]
+        if not outside:
+            check_range(ids, limit, "remote_block_ids")
+            continue
+        with pytest.raises(GeometryError, match=f"remote_block_ids: block id {outside[0]} outside") as e:
+            check_range(ids, limit, "remote_block_ids")
+        assert e.value.field == "remote_block_ids"
