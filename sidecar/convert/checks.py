@@ -473,12 +473,15 @@ def _remembered(memo: SourceMemo, planes: Planes, src: torch.Tensor, layers: int
 
 def _check_source_rows(rows: np.ndarray, available: int) -> None:
     """Every source row in [0, available) (repeats allowed: reads never conflict)."""
-    if rows.size:
+    if not rows.size:
+        return
+    if rows.dtype == np.int64:  # one pass: read as uint64, a negative row is above any count
+        inside = int(rows.view(np.uint64).max()) < available
+    else:
+        inside = int(rows.min()) >= 0 and int(rows.max()) < available
+    if not inside:
         lo, hi = int(rows.min()), int(rows.max())
-        if lo < 0 or hi >= available:
-            raise ValueError(
-                f"src_index holds {lo if lo < 0 else hi}, out of range [0, {available}) source rows"
-            )
+        raise ValueError(f"src_index holds {lo if lo < 0 else hi}, out of range [0, {available}) source rows")
 
 
 def layer_range(planes: Planes, layers: tuple[int, int] | None) -> tuple[int, int]:

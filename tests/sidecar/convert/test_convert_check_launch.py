@@ -260,3 +260,26 @@ def test_id_check_takes_increasing_ids_without_a_sort_and_refuses_the_same(seed)
         else:
             with pytest.raises(ValueError, match=re.escape(want)):
                 _check_id_values(ids, limit)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+def test_source_row_check_refuses_exactly_the_rows_outside(dtype):
+    """The one-pass check of int64 rows (and min / max for others) against the rule, the extremes included;
+    the error names the lowest row when one is negative, else the highest."""
+    from sidecar.convert.checks import _check_source_rows
+
+    rng = np.random.default_rng(5)
+    info = np.iinfo(dtype)
+    for _ in range(2000):
+        available = int(rng.integers(1, 40))
+        edges = np.array([info.min, -2, -1, 0, available - 1, available, available + 1, info.max],
+                         dtype=np.int64)
+        rows = np.concatenate([rng.integers(0, available, int(rng.integers(0, 6))),
+                               rng.choice(edges, int(rng.integers(0, 3)))]).astype(dtype)
+        lo, hi = (int(rows.min()), int(rows.max())) if rows.size else (0, 0)
+        if not rows.size or (lo >= 0 and hi < available):
+            _check_source_rows(rows, available)
+            continue
+        bad = lo if lo < 0 else hi
+        with pytest.raises(ValueError, match=re.escape(f"src_index holds {bad}, out of range")):
+            _check_source_rows(rows, available)
