@@ -48,7 +48,8 @@ _FAST_DATA = b"\x02"  # the same, for a message that may travel on the completio
 _EPOCH = struct.Struct("!Q")
 _UP = getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", zmq.EVENT_CONNECTED)
 _FAST_TYPES = (p.Pull, p.Heartbeat, p.Abort)
-# Larger packets go over ZMQ: the daemon reads at most this much of one (a Pull of ~6,000 blocks fits).
+# Larger packets go over ZMQ: the daemon reads at most this much of one (a Pull of ~8,140 blocks fits:
+# packed ids take 8 bytes a block).
 _FAST_MAX = 65536
 
 
