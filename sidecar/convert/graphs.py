@@ -46,7 +46,6 @@ class _Graph:
     last: Any = None  # the event recorded after its latest launch (None: never launched)
     meta: np.ndarray | None = None  # the (read-only, cached) meta table ``host`` holds
 
-
     def free(self) -> bool:
         """Whether the copy of its latest launch has run (the table may be rewritten)."""
         return self.last is None or self.last.query()
