@@ -193,6 +193,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from sidecar.daemon import app
     from sidecar.daemon.errors import Refused
 
+    if cfg.loop_pieces:  # a benchmark's diagnostic: thread CPU of the loop's pieces
+        from sidecar.ops import pieces
+
+        pieces.install(cfg.loop_pieces)
+
     def reload() -> Any:
         return config_mod.load(args.config, overrides=overrides)
 

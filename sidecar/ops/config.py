@@ -339,6 +339,14 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     shutdown_grace_s: Annotated[
         float, _doc("on SIGTERM/SIGINT, how long in-flight requests may finish before they are failed", ge=0)
     ] = 10.0
+    loop_pieces: Annotated[
+        str,
+        _doc(
+            "a benchmark's diagnostic: a file to write the event loop's thread CPU per call of its pieces to "
+            "(receipt, pairing, launch and its parts, answer, notify, poll; sidecar/ops/pieces.py), every "
+            "2 s and at exit. Each timed call costs a few µs more; read at start only; \"\": off"
+        ),
+    ] = ""
     log_json: Annotated[bool, _doc("log one JSON object per line instead of text")] = False
     log_level: Annotated[LogLevel, _doc("DEBUG, INFO, WARNING or ERROR")] = "INFO"
 

@@ -1,0 +1,68 @@
+"""The loop's pieces (``ops/pieces.py``): every named function exists, wrapping times each call and keeps
+what the function returns or raises, and the samples are written as p50 / p90 / n."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from sidecar.ops import pieces
+
+
+@pytest.mark.parametrize(("piece", "target"), sorted(pieces.PIECES.items()))
+def test_every_piece_names_a_function_that_exists(piece, target):
+    """A renamed function must fail here, not leave the piece silently untimed."""
+    owner, name, fn = pieces.resolve(target)
+    assert callable(fn) and getattr(owner, name) is fn, piece
+
+
+def test_a_missing_function_is_an_error():
+    with pytest.raises(AttributeError):
+        pieces.resolve("sidecar.daemon.reads:Reads.no_such_method")
+
+
+class _Work:
+    def spin(self, seconds: float) -> str:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+        return "done"
+
+    def fail(self) -> None:
+        raise ValueError("boom")
+
+
+def test_wrapped_calls_are_timed_and_behave_as_before(tmp_path, monkeypatch):
+    timing = pieces.Pieces(str(tmp_path / "p.json"))
+    monkeypatch.setattr(_Work, "spin", timing.wrap("spin", _Work.spin))
+    monkeypatch.setattr(_Work, "fail", timing.wrap("fail", _Work.fail))
+    work = _Work()
+    assert [work.spin(0.002) for _ in range(5)] == ["done"] * 5
+    with pytest.raises(ValueError, match="boom"):
+        work.fail()
+    timing.dump()
+    got = json.loads((tmp_path / "p.json").read_text())
+    assert got["spin"]["n"] == 5 and got["fail"]["n"] == 1
+    assert 2000 <= got["spin"]["p50_us"] < 50_000  # 2 ms of thread CPU spun, measured as thread CPU
+    assert got["spin"]["p90_us"] >= got["spin"]["p50_us"]
+
+
+def test_samples_are_written_while_running_and_only_the_latest_are_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(pieces, "DUMP_EVERY_S", 0.0)
+    monkeypatch.setattr(pieces, "KEEP", 5)
+    timing = pieces.Pieces(str(tmp_path / "p.json"))
+    for i in range(8):
+        timing.add("x", (i + 1) * 1e-6)
+    got = json.loads((tmp_path / "p.json").read_text())["x"]
+    assert got == {"p50_us": 6.0, "p90_us": 7.0, "n": 5, "calls": 8}  # samples 4..8 us: the first 3 dropped
+
+
+def test_a_file_that_cannot_be_written_never_fails_a_timed_call(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(pieces, "DUMP_EVERY_S", 0.0)
+    timing = pieces.Pieces(str(tmp_path / "no-such-dir" / "p.json"))
+    timed = timing.wrap("f", lambda: 42)
+    assert [timed() for _ in range(3)] == [42, 42, 42]
+    assert timing.calls["f"] == 3
+    assert sum("cannot write" in r.message for r in caplog.records) == 1
