@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from sidecar.wire.block_ids import increasing, repeat_in_sorted, within
+
 CONVERTIBLE = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2,
                torch.uint8, torch.int8)
 BASE = {2: torch.int16, 1: torch.uint8}  # what a permutation moves: the bits of one element
@@ -117,18 +119,16 @@ def _check_id_values(ids: np.ndarray, num_blocks: int) -> None:
     if not ids.size:
         return
     # Strictly increasing ids (a decoder's fresh blocks usually are) are unique and bounded by their ends:
-    # one compare instead of a sort. Otherwise one sort finds the range and any duplicate (cheaper than
-    # torch ops).
-    increasing = ids.size < 2 or bool((ids[1:] > ids[:-1]).all())
-    ordered = ids if increasing else np.sort(ids)
+    # one compare instead of a sort. Otherwise one sort finds the range and any duplicate.
+    inc = increasing(ids)
+    ordered = ids if inc else np.sort(ids)
     lo, hi = int(ordered[0]), int(ordered[-1])
     if lo < 0 or hi >= num_blocks:
         bad = lo if lo < 0 else hi
         raise ValueError(f"block_ids holds {bad}, out of range [0, {num_blocks})")
-    if not increasing:
-        same = np.flatnonzero(ordered[1:] == ordered[:-1])
-        if same.size:
-            raise ValueError(f"block_ids holds duplicates, e.g. {int(ordered[same[0]])}")
+    dup = None if inc else repeat_in_sorted(ordered)
+    if dup is not None:
+        raise ValueError(f"block_ids holds duplicates, e.g. {dup}")
 
 
 def _id_array(name: str, values: object) -> np.ndarray:
@@ -473,13 +473,7 @@ def _remembered(memo: SourceMemo, planes: Planes, src: torch.Tensor, layers: int
 
 def _check_source_rows(rows: np.ndarray, available: int) -> None:
     """Every source row in [0, available) (repeats allowed: reads never conflict)."""
-    if not rows.size:
-        return
-    if rows.dtype == np.int64:  # one pass: read as uint64, a negative row is above any count
-        inside = int(rows.view(np.uint64).max()) < available
-    else:
-        inside = int(rows.min()) >= 0 and int(rows.max()) < available
-    if not inside:
+    if not within(rows, available):
         lo, hi = int(rows.min()), int(rows.max())
         raise ValueError(f"src_index holds {lo if lo < 0 else hi}, out of range [0, {available}) source rows")
 

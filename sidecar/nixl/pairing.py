@@ -12,8 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from sidecar.wire.block_ids import increasing, repeat_in_sorted, within
+
 _I64 = np.int64
-_I64_DTYPE = np.dtype(np.int64)
+_I64_DTYPE = np.dtype(np.int64)  # as_ids' fast path: the daemon's unpacked ids
 
 
 class GeometryError(ValueError):
@@ -135,22 +137,12 @@ def trim_padding(
     return local_ids, remote_ids[:used]
 
 
-def increasing(ids: np.ndarray) -> bool:
-    """Strictly increasing (contiguous ids and slots are): then unique, and bounded by the first and last."""
-    return ids.size < 2 or bool((ids[1:] > ids[:-1]).all())  # slices: a third of np.diff's cost
-
-
 def check_range(ids: np.ndarray, limit: int, field: str, ordered: bool = False) -> None:
     """Every id in [0, limit); ``ordered``: the ids are strictly increasing (only the ends are looked at)."""
     if not ids.size:
         return
-    if ordered:
-        outside = int(ids[0]) < 0 or int(ids[-1]) >= limit
-    elif ids.dtype is _I64_DTYPE:  # one pass: read as uint64, a negative id is above any limit
-        outside = int(ids.view(np.uint64).max()) >= limit
-    else:
-        outside = int(ids.min()) < 0 or int(ids.max()) >= limit
-    if outside:
+    inside = (int(ids[0]) >= 0 and int(ids[-1]) < limit) if ordered else within(ids, limit)
+    if not inside:
         bad = ids[(ids < 0) | (ids >= limit)]
         raise GeometryError(field, f"block id {int(bad[0])} outside [0, {limit})")
 
@@ -159,7 +151,6 @@ def check_unique(ids: np.ndarray, field: str, ordered: bool | None = None) -> No
     """No id twice; ``ordered``: whether the ids are strictly increasing, when the caller knows."""
     if increasing(ids) if ordered is None else ordered:
         return
-    s = np.sort(ids)
-    dup = s[1:][s[1:] == s[:-1]]
-    if dup.size:
-        raise GeometryError(field, f"block id {int(dup[0])} appears twice; two reads would land in one block")
+    dup = repeat_in_sorted(np.sort(ids))
+    if dup is not None:
+        raise GeometryError(field, f"block id {dup} appears twice; two reads would land in one block")

@@ -43,6 +43,7 @@ from typing import Annotated, Any, Union
 import msgspec
 import numpy as np
 
+from sidecar.wire.block_ids import increasing, repeat_in_sorted
 from sidecar.wire.formats import PageFormat
 from sidecar.wire.ipc import IpcBuffer, LayerView
 
@@ -215,12 +216,10 @@ class Pull(_Msg):
         _packed_ids("remote_block_ids", self.remote_block_ids)
         _packed_ids("local_block_ids", self.local_block_ids)
         local = np.frombuffer(self.local_block_ids, _ID)
-        # increasing ids (the common case) are unique: one compare, no sort
-        if local.size > 1 and not (local[1:] > local[:-1]).all():
-            s = np.sort(local)
-            dup = s[1:][s[1:] == s[:-1]]
-            if dup.size:
-                raise ValueError(f"local_block_ids must not repeat a block (block {int(dup[0])} does)")
+        if not increasing(local):  # increasing ids (the common case) are unique: one compare, no sort
+            dup = repeat_in_sorted(np.sort(local))
+            if dup is not None:
+                raise ValueError(f"local_block_ids must not repeat a block (block {dup} does)")
         if self.timeout_s is not None and not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ValueError(f"timeout_s must be a finite number > 0, got {self.timeout_s}")
         if self.remote_num_tokens is not None and self.remote_num_tokens < 0:
