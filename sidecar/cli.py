@@ -44,6 +44,10 @@ BENCHES = {
     "e2e": ("sidecar.bench.e2e", "Pull sent to Done received through the real daemon, against a bare read"),
     "planning": ("sidecar.bench.planning", "CPU time of a read's pairing and descriptors: ids vs pairs"),
     "gil": ("sidecar.bench.gil", "the planning's numpy alone and beside a thread running Python (GIL waits)"),
+    "loop": (
+        "sidecar.bench.loop_cost",
+        "the daemon loop's CPU per mapped pull on the CPU twin, back to back and after idling",
+    ),
     "interference": (
         "sidecar.bench.interference",
         "what conversions cost a decoder's running steps on the same GPU, and the settings that bound it",

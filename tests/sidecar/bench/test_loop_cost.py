@@ -1,0 +1,47 @@
+"""The loop bench: every cell's pulls answered OK and timed, its calls counted; a refused pull is reported."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+
+from sidecar.bench import loop_cost
+from sidecar.wire import protocol as p
+
+
+def test_every_cell_is_timed_with_its_pulls_answered_ok(capsys, tmp_path):
+    out_file = tmp_path / "loop.json"
+    args = ["--blocks", "16", "--bursts-of", "1,3", "--idle-ms", "0,1", "--bursts", "6"]
+    args += ["--out", str(out_file)]
+    assert loop_cost.main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert json.loads(out_file.read_text()) == out
+    assert [(c["burst"], c["idle_ms"]) for c in out["cells"]] == [(1, 0.0), (1, 1.0), (3, 0.0), (3, 1.0)]
+    for c in out["cells"]:
+        assert c["failed"] == 0 and c["first_failure"] is None, c
+        assert c["bursts"] == 6
+        assert 0 < c["cpu_us_per_pull_p50"] <= c["cpu_us_per_pull_p90"]
+        # a pull is hundreds of Python calls (decode, pairing, hand-off, answer); none of the bench's own
+        assert 100 < c["calls_per_pull"] < 5000, c
+
+
+def test_a_refused_pull_counts_as_failed():
+    async def run() -> list[str]:
+        rig = loop_cost.Rig(64)
+        await rig.start()
+        try:
+            answered = rig.answered(1)
+            bad = loop_cost.payloads(1, 4, 1, 64, seed=0)[0]
+            msg = p.decode_on_completions(bad)
+            far = p.Pull(**{**{f: getattr(msg, f) for f in msg.__struct_fields__},
+                            "local_block_ids": p.pack_block_ids(np.arange(100, 104))})
+            rig.receive(p.encode(far))  # local blocks past the 64 registered
+            await asyncio.wait_for(answered, 30)
+            return rig.failed
+        finally:
+            await rig.stop()
+
+    failed = asyncio.run(run())
+    assert len(failed) == 1 and "q0" in failed[0], failed
