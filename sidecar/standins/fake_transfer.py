@@ -177,10 +177,9 @@ class FakePort:
         remote_num_tokens: int | None,
     ) -> BlockPairs:
         self.pairings += 1
-        n = min(len(local_ids), len(remote_ids))
-        return BlockPairs(np.asarray(list(local_ids)[len(local_ids) - n :], dtype=np.int64),
-                          np.asarray(list(remote_ids)[len(remote_ids) - n :], dtype=np.int64),
-                          _rule(peer, dest))
+        local, remote = np.asarray(local_ids, dtype=np.int64), np.asarray(remote_ids, dtype=np.int64)
+        n = min(local.size, remote.size)  # tail pairing, as the real port's (no range check)
+        return BlockPairs(local[local.size - n :], remote[remote.size - n :], _rule(peer, dest))
 
     def read(
         self,
