@@ -5,7 +5,7 @@
 #   bash scripts/gpu-fastpath.sh STEP...
 #   steps: tests launchtests graphtests daemontests launch graphlaunch sweep convertgraph contiguous defaults
 #          graphsab groupsab gilab headcheck ab orders groups poll interference profile daemonprofile map
-#          mapped lingerab convertlead convertsweep
+#          mapped lingerab convertlead convertsweep pieces loopbench
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -218,6 +218,14 @@ for step in "$@"; do
       ${CONVERT_VARIANTS:---variant default: --variant o4k:oop_elems=4096 --variant o4kw8:oop_elems=4096,oop_warps=8 \
       --variant w8:oop_warps=8 --variant o1k:oop_elems=1024 --variant e64:in_place_elems_per_thread=64 \
       --variant e256:in_place_elems_per_thread=256 --variant ev:streaming=true} ;;
+    # the loop's thread CPU by piece (config loop_pieces) for mapped 4k pulls at 8 and 1 in flight, one file each
+    pieces) for c in 8 1; do
+        TAIL=5 run "pieces-x$c" 90 "${ONE_GPU[@]}" --contexts 4096 --concurrency "$c" --reps 30 \
+          --pairs mapped/contiguous --budget-s 70 --daemon-set "loop_pieces=\"$OUT/loop-pieces-h200-x$c.json\"" \
+          --out "$OUT/e2e-h200-pieces-x$c.json"
+      done ;;
+    # the loop's CPU per pull on this host's CPU (no GPU in it): back to back and after idling
+    loopbench) TAIL=5 run loopbench 120 python3 -m sidecar.bench.loop_cost --bursts 200 --out "$OUT/loop-h200-host.json" ;;
     *) STATUS+=("$step: unknown step") ;;
   esac
 done
