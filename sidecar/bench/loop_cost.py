@@ -11,7 +11,7 @@ For each cell (blocks per pull x pulls per burst x idle between bursts) it repor
 (``time.thread_time``) per pull from a burst's first Pull to its last Done, p50 and p90 over the bursts, and
 the Python function calls per pull (one more pass under ``cProfile``). Equal calls with unequal CPU mean the
 same work ran slower: what idling does to a host's caches, not more code. Only cells of one run compare;
-``--against`` another tree's ``sidecar`` package is not offered (run the bench from each tree instead).
+for a before/after, run it from each tree in turn, more than once.
 """
 
 from __future__ import annotations
