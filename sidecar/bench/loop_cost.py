@@ -8,10 +8,11 @@ around the launch. Each Pull goes in as the completion socket hands it over: msg
 dispatched; replies are collected instead of sent.
 
 For each cell (blocks per pull x pulls per burst x idle between bursts) it reports the loop thread's CPU
-(``time.thread_time``) per pull from a burst's first Pull to its last Done, p50 and p90 over the bursts, and
-the Python function calls per pull (one more pass under ``cProfile``). Equal calls with unequal CPU mean the
-same work ran slower: what idling does to a host's caches, not more code. Only cells of one run compare;
-for a before/after, run it from each tree in turn, more than once.
+(``time.thread_time``) per pull from a burst's first Pull to its last Done, p50 and p90 over the bursts, the
+queue stage of each Done (p50 / p99: a Pull's wait for the loop behind the others of its burst, issue 12's
+queue target), and the Python function calls per pull (one more pass under ``cProfile``). Equal calls with
+unequal CPU mean the same work ran slower: what idling does to a host's caches, not more code. Only cells of
+one run compare; for a before/after, run it from each tree in turn, more than once.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class Rig:
         self.daemon.router.send = self._record
         self.shm = ipc.create_shm_buffer(LAYERS * 2 * num_blocks * PLANE * 2)
         self.done = 0
+        self.timings: list[dict[str, float]] = []  # each Done's stage timings, in the order they came
         self.failed: list[str] = []
         self.registered = asyncio.Event()
         self._until: tuple[int, asyncio.Future] | None = None  # (a Done count, set once it is reached)
@@ -79,6 +81,7 @@ class Rig:
             self.registered.set()
         elif isinstance(msg, p.Done):
             self.done += 1
+            self.timings.append(msg.timings or {})
             if not msg.ok:
                 self.failed.append(f"{msg.req_id}: {msg.reason}")
             if self._until is not None and self.done >= self._until[0]:
@@ -167,17 +170,22 @@ async def cell(blocks: int, burst: int, idle_ms: float, bursts: int, seed: int,
         data = payloads(2 * n, blocks, burst, num_blocks, seed)
         with _without_conversion():
             per_pull = await _bursts(rig, data[:n], burst, idle_ms / 1e3)
+            dones = rig.timings[WARMUP_BURSTS * burst:n]  # the timed bursts of the first pass
             profile = cProfile.Profile()
             await _bursts(rig, data[n:], burst, idle_ms / 1e3, profile)
         calls = pstats.Stats(profile).total_calls  # type: ignore[attr-defined]
     finally:
         await rig.stop()
     us = sorted(x * 1e6 for x in per_pull)
+    queue = sorted(t.get("queue", 0.0) * 1e3 for t in dones)
     return {
         "blocks": blocks, "burst": burst, "idle_ms": idle_ms, "bursts": len(us),
         "cpu_us_per_pull_p50": round(statistics.median(us), 1),
         "cpu_us_per_pull_p90": round(us[int(0.9 * (len(us) - 1))], 1),
         "calls_per_pull": round(calls / (bursts * burst), 1),
+        # each Done's queue stage: how long a Pull waited for the loop behind the others of its burst
+        "queue_ms_p50": round(statistics.median(queue), 3),
+        "queue_ms_p99": round(queue[int(0.99 * (len(queue) - 1))], 3),
         "failed": len(rig.failed), "first_failure": rig.failed[0] if rig.failed else None,
     }
 

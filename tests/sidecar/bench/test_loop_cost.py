@@ -23,6 +23,7 @@ def test_every_cell_is_timed_with_its_pulls_answered_ok(capsys, tmp_path):
         assert c["failed"] == 0 and c["first_failure"] is None, c
         assert c["bursts"] == 6
         assert 0 < c["cpu_us_per_pull_p50"] <= c["cpu_us_per_pull_p90"]
+        assert 0 < c["queue_ms_p50"] <= c["queue_ms_p99"] < 1000
         # a pull is hundreds of Python calls (decode, pairing, hand-off, answer); none of the bench's own
         assert 100 < c["calls_per_pull"] < 5000, c
 
