@@ -194,16 +194,24 @@ def daemon_settings(items: Sequence[str]) -> dict[str, str]:
     return out
 
 
+def toml_values(settings: dict[str, str]) -> dict[str, Any]:
+    """``daemon_settings``' TOML texts as values (``--daemon-set`` read in-process, as a daemon reads it)."""
+    import tomllib
+
+    try:
+        return {k: tomllib.loads(f"v = {v}")["v"] for k, v in settings.items()}
+    except tomllib.TOMLDecodeError as exc:
+        raise BenchError(f"--daemon-set: not a TOML value: {exc}") from None
+
+
 def gap_settings(settings: dict[str, str]) -> tuple[Any, float]:
     """The daemons' gap cost model and pool share (their config defaults unless ``--daemon-set``), so the
     bare staged reads read the very spans the daemon reads. (None, 0) when coalescing is off."""
-    import tomllib
-
     from sidecar.nixl.spans import ReadCost
     from sidecar.ops.config import Config
 
     base = Config()
-    got = {k: tomllib.loads(f"v = {settings[k]}")["v"] for k in settings if k in _GAP_KEYS}
+    got = toml_values({k: v for k, v in settings.items() if k in _GAP_KEYS})
     value = {k: got.get(k, getattr(base, k)) for k in _GAP_KEYS}
     if not value["gap_coalescing"]:
         return None, 0.0

@@ -24,21 +24,22 @@ import cProfile
 import os
 import pstats
 import statistics
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
 import numpy as np
-import tomllib
 import torch
 
-from sidecar.bench.e2e import daemon_settings
+from sidecar.bench.e2e import daemon_settings, toml_values
+from sidecar.bench.e2e_common import BenchError
 from sidecar.bench.e2e_report import command_line
 from sidecar.bench.output import emit
 from sidecar.daemon import conversion
 from sidecar.daemon.app import Daemon
-from sidecar.ops.config import Config
+from sidecar.ops import config
 from sidecar.standins.fake_transfer import FakePort
 from sidecar.wire import ipc
 from sidecar.wire import protocol as p
@@ -49,6 +50,9 @@ PLANE = HEADS * BLOCK_SIZE * HEAD_SIZE  # elements of one block's K (or V) plane
 FORMAT = PageFormat(kind="aiter_shuffled", layout="LHBNC", dtype="bfloat16", num_heads=HEADS,
                     block_size=BLOCK_SIZE, head_size=HEAD_SIZE)
 WARMUP_BURSTS = 5
+# an in-process daemon on mapped pulls: no socket bound, no metrics endpoint, room for any burst
+BASE_CONFIG = {"socket": "ipc:///nonexistent/kvs.sock", "metrics_port": -1, "pull_mode": "mapped",
+               "max_inflight": 64}
 
 
 @contextlib.contextmanager
@@ -65,8 +69,7 @@ class Rig:
         self.num_blocks = num_blocks
         self.port = FakePort()
         self.port.mapped = torch.zeros(LAYERS, num_blocks, 2 * PLANE, dtype=torch.bfloat16)
-        cfg = Config(socket="ipc:///nonexistent/kvs.sock", metrics_port=-1, pull_mode="mapped",
-                     max_inflight=64, **(settings or {}))
+        cfg = config.build({**BASE_CONFIG, **(settings or {})}, "--daemon-set")
         self.daemon = Daemon(cfg, make_port=lambda _c: self.port, bind=False, reload=None)
         self.daemon.router.send = self._record
         self.shm = ipc.create_shm_buffer(LAYERS * 2 * num_blocks * PLANE * 2)
@@ -201,7 +204,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="a daemon config key for every cell (TOML value), e.g. poll_linger_s=0.05")
     ap.add_argument("--out", default=None, help="write the JSON here too")
     args = ap.parse_args(argv)
-    settings = {k: tomllib.loads(f"v = {v}")["v"] for k, v in daemon_settings(args.daemon_set).items()}
+    try:  # refused here, naming the key, rather than in the first cell
+        settings = toml_values(daemon_settings(args.daemon_set))
+        config.build({**BASE_CONFIG, **settings}, "--daemon-set")
+    except (BenchError, config.ConfigError) as exc:
+        print(f"kv-sidecar bench loop: {exc}", file=sys.stderr)
+        return 2
     import uvloop  # the loop ``kv-sidecar serve`` runs on
 
     cells = [

@@ -46,3 +46,10 @@ def test_a_refused_pull_counts_as_failed():
 
     failed = asyncio.run(run())
     assert len(failed) == 1 and "q0" in failed[0], failed
+
+
+def test_a_bad_daemon_setting_is_refused_naming_the_key(capsys):
+    assert loop_cost.main(["--bursts", "1", "--daemon-set", "no_such_key=1"]) == 2
+    assert "no_such_key" in capsys.readouterr().err
+    assert loop_cost.main(["--bursts", "1", "--daemon-set", "poll_linger_s=["]) == 2
+    assert "not a TOML value" in capsys.readouterr().err
