@@ -443,9 +443,14 @@ def launch_source(memo: SourceMemo, planes: Planes, src: object, layers: int, m:
                   src_index: object) -> tuple[torch.Tensor, np.ndarray, bool]:
     """A launch's [layers, rows, page] source, checked once per ``memo``: its element view, rows and whether
     16-byte vectors fit it (``_remembered``)."""
+    return _remembered(memo, planes, source_tensor(src), layers, m, src_index)
+
+
+def source_tensor(src: object) -> torch.Tensor:
+    """A launch's ``src``, refused unless it is a tensor (its shape and strides are checked after)."""
     if not isinstance(src, torch.Tensor):
         raise ValueError(f"src must be a torch.Tensor, got {type(src).__name__}")
-    return _remembered(memo, planes, src, layers, m, src_index)
+    return src
 
 
 def launch_src_rows(src_index: object, ids: np.ndarray, available: int) -> np.ndarray:

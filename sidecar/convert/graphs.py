@@ -28,7 +28,14 @@ import numpy as np
 import torch
 
 from sidecar.convert.api import PlaneSet
-from sidecar.convert.checks import launch_ids, launch_source, launch_src_rows, layer_range, x_of
+from sidecar.convert.checks import (
+    launch_ids,
+    launch_source,
+    launch_src_rows,
+    layer_range,
+    source_tensor,
+    x_of,
+)
 from sidecar.convert.graph_tables import bucket, fill, table_layout
 from sidecar.convert.tuning import TUNING, Tuning
 
@@ -131,8 +138,7 @@ class GraphLaunches:
     def _source(self, src: Any, first: int, last: int, m: int, src_index: Any) -> _Source:
         """``src`` checked (``launch_source``) with its meta table for layers [first, last), both remembered
         by every property they are computed from (a daemon launches from the same few sources)."""
-        if not isinstance(src, torch.Tensor):
-            raise ValueError(f"src must be a torch.Tensor, got {type(src).__name__}")
+        src = source_tensor(src)  # its properties key the memo: checked first, as launch_source does
         indexed = src_index is not None
         rows_for = None if indexed else m  # an unindexed source is checked for its first m rows
         key = (src.data_ptr(), src.shape, src.stride(), src.dtype, src.device, first, last, rows_for)
