@@ -54,6 +54,7 @@ _ELEMENT_SIZES = (1, 2, 4)
 
 _U64 = np.uint64
 _I64 = np.int64
+_MAX_ROWS = 2**31 - 1  # descriptor rows an int32 index reaches
 
 
 def regions_per_layer(fmt: PageFormat) -> int:
@@ -123,6 +124,13 @@ class RemoteRegions:
             raise GeometryError("region_num_blocks", f"{counts.size} entries for {r} regions")
         if (counts <= 0).any():
             raise GeometryError("region_num_blocks", "every region must hold at least one block")
+        if ratio > int(counts.min()):
+            # a logical block must fit in every region: a larger ratio can only be a bad field, and one from
+            # a peer would make each request expand its ids by that ratio before any range check
+            raise GeometryError(
+                "physical_blocks_per_logical_kv_block",
+                f"{ratio} kernel blocks per logical block, but a region holds only {int(counts.min())}",
+            )
         device_id = int(meta.device_id)
         if device_id < 0:
             raise GeometryError("device_id", f"must be >= 0, got {device_id}")
@@ -388,6 +396,11 @@ class PairGeometry:
         r, loc = self.remote, self.local
         rows_per_region = 2 if self.mode == "direct" else 1
         per = r.num_blocks * rows_per_region
+        # requests index these rows as int32 (NIXL's descriptor indices): more rows would wrap into others
+        totals = (("region_num_blocks", int(per.sum())), ("local.num_blocks", int(loc.num_blocks.sum())))
+        for name, rows in totals:
+            if rows > _MAX_ROWS:
+                raise GeometryError(name, f"{rows} descriptor rows in all, more than int32 indices reach")
         self._remote_off = (np.cumsum(per) - per).astype(_I64)
         self._local_off = (np.cumsum(loc.num_blocks) - loc.num_blocks).astype(_I64)
         if self.mode == "direct":

@@ -216,6 +216,9 @@ BAD_META = [
     ("ratio-zero", dict(physical_blocks_per_logical_kv_block=0), "physical_blocks_per_logical_kv_block"),
     ("num-blocks-not-multiple", dict(physical_blocks_per_logical_kv_block=3), "num_blocks"),
     ("num-blocks-zero", dict(num_blocks=0), "num_blocks"),
+    # a logical block larger than a region: requests would expand their ids by it before any range check
+    ("ratio-past-region", dict(physical_blocks_per_logical_kv_block=16, num_blocks=16),
+     "physical_blocks_per_logical_kv_block"),
     ("region-counts-len", dict(region_num_blocks=[8]), "region_num_blocks"),
     ("region-count-zero", dict(region_num_blocks=[8, 0]), "region_num_blocks"),
     ("device-negative", dict(device_id=-1), "device_id"),
@@ -316,6 +319,16 @@ def test_mismatched_kernel_page_rejected():
     with pytest.raises(GeometryError) as e:
         PairGeometry(plan_of(std(), shuf()), rmem.regions(), lmem.planes(), "direct")
     assert e.value.field == "block_lens"
+
+
+def test_descriptor_rows_past_int32_refused():
+    """Requests index descriptor rows as int32: a region count that takes the rows past that would wrap one
+    layer's rows into another's, so the pairing is refused, naming the field."""
+    rmem = RemoteMem(2, 8)
+    rmem.meta.region_num_blocks = [2**31 + 32, 8]
+    with pytest.raises(GeometryError) as e:
+        PairGeometry(plan_of(std(), shuf()), rmem.regions(), LocalMem(4, 8, HALF).planes(), "direct")
+    assert e.value.field == "region_num_blocks"
 
 
 # -- pairing rules ---------------------------------------------------------------------------------
