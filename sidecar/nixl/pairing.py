@@ -99,6 +99,9 @@ def kernel_block_ids(logical_ids: Sequence[int] | np.ndarray, ratio: int, field:
     ids = as_ids(logical_ids, field)
     if ratio == 1:
         return ids
+    top = int(ids.max()) if ids.size else 0
+    if top >= np.iinfo(_I64).max // ratio:  # would wrap to an in-range kernel id
+        raise GeometryError(field, f"block id {top} is past any cache ({ratio} kernel blocks each)")
     return (ids[:, None] * ratio + np.arange(ratio, dtype=_I64)[None, :]).ravel()
 
 

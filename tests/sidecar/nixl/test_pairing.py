@@ -16,6 +16,15 @@ def test_kernel_block_ids_expansion():
     assert kernel_block_ids([], 4, "x").tolist() == []
 
 
+def test_kernel_block_ids_refuse_ids_that_would_wrap():
+    """2**62 x 4 wraps int64 to kernel ids 0-3, which a range check would pass."""
+    with pytest.raises(GeometryError) as e:
+        kernel_block_ids(np.array([2**62], np.int64), 4, "remote_block_ids")
+    assert e.value.field == "remote_block_ids"
+    big = np.iinfo(np.int64).max // 4 - 1
+    assert kernel_block_ids(np.array([big], np.int64), 4, "x")[-1] == big * 4 + 3
+
+
 def test_single_group():
     assert single_group([[1, 2]], "remote_block_ids") == [1, 2]
     assert single_group([1, 2], "remote_block_ids") == [1, 2]
