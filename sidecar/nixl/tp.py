@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import msgspec
 
-from sidecar.wire.formats import PageFormat, Refusal
+from sidecar.wire.formats import HEAD_MAJOR_KINDS, PageFormat, Refusal
 
 
 class SourceSlice(msgspec.Struct, frozen=True):
@@ -111,6 +111,9 @@ def rank_read(remote: PageFormat, local: PageFormat, *, local_tp: int, local_ran
               remote_rank: int) -> RankRead | Refusal:
     """How decoder rank ``local_rank`` reads prefill rank ``remote_rank`` whose pages are ``remote``; refuse
     naming the field when heads do not divide or the pages cannot be sliced by heads."""
+    if remote.kind not in HEAD_MAJOR_KINDS:  # where the heads lie in other kinds' pages is not guessed
+        return Refusal("remote.kind", f"only {sorted(HEAD_MAJOR_KINDS)} pages can be sliced by heads, not "
+                                      f"{remote.kind!r}")
     if remote.layout != "LBHNC":
         return Refusal("remote.layout", f"only LBHNC pages hold a run of heads as one byte range, not "
                                         f"{remote.layout}")

