@@ -361,12 +361,14 @@ def _decode(decoder: msgspec.msgpack.Decoder, data: bytes, direction: str) -> An
         raise DecodeError(f"invalid {_peek_type(data) or 'message'}: {text}") from None
     except msgspec.DecodeError as e:
         raise DecodeError(f"malformed frame ({len(data)} bytes): {e}") from None
+    except RecursionError:  # msgspec's own error for ~2,000 nested arrays: a frame, not the caller's fault
+        raise DecodeError(f"malformed frame ({len(data)} bytes): nested too deep") from None
 
 
 def _peek_type(data: bytes) -> str | None:
     try:
         obj = msgspec.msgpack.decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
     t = obj.get("type") if isinstance(obj, dict) else None
     return t if isinstance(t, str) else None

@@ -295,6 +295,8 @@ def test_invalid_messages_get_errors_and_the_daemon_keeps_serving(shared, emulat
     try:
         err = shim.ask(b"\xc1 not msgpack")
         assert isinstance(err, p.Error) and "malformed frame" in err.reason and err.in_reply_to is None
+        err = shim.ask(b"\x91" * 3000 + b"\x01")  # nested past msgspec's recursion limit
+        assert isinstance(err, p.Error) and "got `array`" in err.reason
         err = shim.ask(msgspec.msgpack.encode({"type": "Teleport", "req_id": "x"}))
         assert isinstance(err, p.Error) and err.req_id == "x"
         assert "unknown message type 'Teleport'" in err.reason
@@ -321,7 +323,7 @@ def test_invalid_messages_get_errors_and_the_daemon_keeps_serving(shared, emulat
         assert shim.ask(p.Ping(nonce=5)).nonce == 5
     finally:
         shim.close()
-    assert d.metric("kv_sidecar_invalid_messages_total") == before + 3
+    assert d.metric("kv_sidecar_invalid_messages_total") == before + 4
     r = emulator.client.new_request(num_tokens=N)
     assert d.shim.ask(pull_of(r.kv_transfer_params, "still-serving", [12])).ok
 

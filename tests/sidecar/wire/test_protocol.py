@@ -126,6 +126,12 @@ def pull_dict(**kw):
     (enc({"type": "RegisterCaches", "buffers": [msgspec.to_builtins(BUF) | {"device": "cuda:0"}],
           "layers": [msgspec.to_builtins(LAYER)], "page_format": msgspec.to_builtins(FMT)}),
      "kind 'shm' lives on device 'cpu'"),
+    # nested arrays: msgspec raises RecursionError, which once escaped the decoder and ended the receive loop
+    (b"\x91" * 3000 + b"\x01", "Expected `object`, got `array`"),
+    (enc({"type": "RegisterCaches", "buffers": [msgspec.to_builtins(BUF)],
+          "layers": [msgspec.to_builtins(LAYER)], "page_format": msgspec.to_builtins(FMT),
+          "compat_factors": {"deep": "HERE"}}).replace(enc("HERE"), b"\x91" * 3000 + b"\x01"),
+     "nested too deep"),
 ])
 def test_daemon_rejects(frame, needle):
     with pytest.raises(p.DecodeError) as info:
