@@ -15,9 +15,10 @@ class LeaseTracker:
 
     A prefill frees (and reuses) a request's blocks ``lease_s`` after it finished unless heartbeats arrive;
     a heartbeat that arrives at ``t`` extends the lease to at least ``t + extension_s`` (vLLM: lease*2//3).
-    The prefill's clock started before we first saw the request, so we count from ``first_seen`` minus a
-    ``margin_s`` for the proxy hop and clock skew. A heartbeat sent after the lease may have lapsed proves
-    nothing (the blocks may already be reused), so such a request stays lost. Times are monotonic seconds.
+    The prefill's clock started before we first saw the request, so we count from the earliest start the
+    shim reported (or our first sighting) minus a ``margin_s`` for the proxy hop and clock skew. A heartbeat
+    sent after the lease may have lapsed proves nothing (the blocks may already be reused), so such a request
+    stays lost. Times are monotonic seconds.
     """
 
     def __init__(
@@ -36,12 +37,23 @@ class LeaseTracker:
         self.heartbeat_interval_s = heartbeat_interval_s
         self._until: dict[str, float] = {}
         self._last_beat: dict[str, float] = {}
+        self._started: dict[str, float] = {}  # the earliest start anyone reported
+        self._beats: dict[str, list[float]] = {}  # heartbeats that counted, in order
 
-    def seen(self, req_id: str, now: float) -> None:
-        """Start tracking ``req_id`` (idempotent: the first sighting is what counts)."""
-        if req_id not in self._until:
-            self._until[req_id] = now + self.lease_s - self.margin_s
-            self._last_beat[req_id] = now
+    def seen(self, req_id: str, started: float) -> None:
+        """Track ``req_id`` from the earliest start reported. A shim Heartbeat can name a request before its
+        Pull does, and the Pull's ``lease_started_at_ns`` may be seconds earlier: the lease is counted from
+        that, and the heartbeats sent meanwhile are counted again against it (a late one proves nothing)."""
+        first = self._started.get(req_id)
+        if first is not None and first <= started:
+            return
+        self._started[req_id] = started
+        until = started + self.lease_s - self.margin_s
+        for t in self._beats.get(req_id, ()):
+            if t < until:
+                until = max(until, t + self.extension_s - self.margin_s)
+        self._until[req_id] = until
+        self._last_beat.setdefault(req_id, started)
 
     def heartbeat_sent(self, req_ids: Iterable[str], now: float) -> None:
         for req_id in req_ids:
@@ -50,6 +62,7 @@ class LeaseTracker:
                 continue  # unknown, or too late to count
             self._until[req_id] = max(until, now + self.extension_s - self.margin_s)
             self._last_beat[req_id] = now
+            self._beats.setdefault(req_id, []).append(now)
 
     def vouched_until(self, req_id: str) -> float:
         return self._until.get(req_id, float("-inf"))
@@ -67,8 +80,8 @@ class LeaseTracker:
         ]
 
     def forget(self, req_id: str) -> None:
-        self._until.pop(req_id, None)
-        self._last_beat.pop(req_id, None)
+        for known in (self._until, self._last_beat, self._started, self._beats):
+            known.pop(req_id, None)
 
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._until

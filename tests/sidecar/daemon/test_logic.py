@@ -1105,3 +1105,23 @@ def test_the_gil_switch_interval_is_the_configured_one_while_serving_and_given_b
 
     run(main())
     assert sys.getswitchinterval() == before
+
+
+@pytest.mark.parametrize("heartbeat_first", [False, True])
+def test_a_lapsed_lease_start_is_honoured_after_a_heartbeat_named_the_request(heartbeat_first):
+    """The shim saw the request 6 s ago (lease 5 s). A Heartbeat naming it before its Pull must not restart
+    the lease at the heartbeat: the Pull is refused either way, nothing read."""
+
+    async def main():
+        async with started(lease_s=5.0, lease_margin_s=0.5) as h:
+            if heartbeat_first:
+                h.send(p.Heartbeat(targets=[p.HeartbeatTarget(
+                    remote_engine_id="prefill-0", remote_host="127.0.0.1", remote_port=5600,
+                    remote_request_ids=["r-a"])]))
+                await asyncio.sleep(0.05)
+            h.pull("a", lease_started_at_ns=time.monotonic_ns() - 6 * 10**9)
+            done = await h.reply(p.Done, "a")
+            assert not done.ok and done.reason.startswith("lease: cannot vouch"), done
+            assert h.port.reads == []
+
+    run(main())
