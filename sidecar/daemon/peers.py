@@ -71,6 +71,7 @@ class Peers:
         self._spawn = spawn
         self._sent = sent  # something went out on NIXL: keep it moving (see Reads.progress_loop)
         self._entries: dict[Key, PeerEntry] = {}
+        self._retiring: set[PeerEntry] = set()  # replaced entries whose peer goes once no pull holds it
         self._generation = 0  # bumped when what peers were admitted under changes
 
     def invalidate(self) -> None:
@@ -98,9 +99,13 @@ class Peers:
             )
             if peer is not None and peer.generation == 0 and target.generation:
                 peer.generation = target.generation  # the handshake came from a heartbeat
-            if stale and (peer is None or entry.users == 0):
-                if peer is not None:
+            if stale:
+                # replaced now, even while pulls still read through it (a restarted prefill's new pulls must
+                # not read the old one, nor a reload wait for a quiet moment); removed once they let go
+                if peer is not None and entry.users == 0:
                     self._port.remove_peer(peer)
+                elif peer is not None:
+                    self._retiring.add(entry)
                 entry = None
         if entry is None:
             entry = self.start(target, caches)
@@ -109,6 +114,9 @@ class Peers:
 
     def release(self, entry: PeerEntry) -> None:
         entry.users -= 1
+        if entry.users == 0 and entry in self._retiring:
+            self._retiring.discard(entry)
+            self._port.remove_peer(entry.peer)
 
     def start(self, target: PeerTarget, caches: Any) -> PeerEntry:
         """Start a handshake with ``target`` (replacing any entry for its key)."""
@@ -226,3 +234,4 @@ class Peers:
         for entry in self._entries.values():
             entry.task.cancel()
         self._entries.clear()
+        self._retiring.clear()

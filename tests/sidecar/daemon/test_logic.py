@@ -1125,3 +1125,31 @@ def test_a_lapsed_lease_start_is_honoured_after_a_heartbeat_named_the_request(he
             assert h.port.reads == []
 
     run(main())
+
+
+def test_a_pull_for_a_restarted_prefill_handshakes_anew_while_old_pulls_still_read():
+    """A newer registration generation replaces the cached peer at once, even while a pull of the old one
+    reads through it (under steady load it might never be idle); the old peer goes when that pull is done."""
+
+    async def main():
+        async with started(max_inflight=4) as h:
+            h.port.auto_land = False
+            h.pull("a", remote_registration_generation=1)
+            await h.until_stage("a", "transfer")
+            old = h.daemon.jobs.get("a").peer.peers[0]
+            h.pull("b", blocks=[4, 5], remote_registration_generation=2)  # the prefill restarted
+            await h.until_stage("b", "transfer")
+            assert [peer.generation for peer in h.daemon.jobs.get("b").peer.peers] == [2]
+            assert h.port.connects == 2 and not old.removed  # "a" still reads through it
+            for read in list(h.port.reads):
+                while read.groups:
+                    h.port.land(read)
+            assert (await h.reply(p.Done, "a")).ok and (await h.reply(p.Done, "b")).ok
+            for _ in range(100):
+                if old.removed:
+                    break
+                await asyncio.sleep(0.01)
+            assert old.removed
+
+    run(main())
+
