@@ -126,11 +126,10 @@ class Peers:
         self._entries[key] = entry
 
         def forget_failure(t: asyncio.Task) -> None:
+            # forgotten even while pulls hold it (they have the entry): kept, it would make the rank "known"
+            # with no peer, and the shim's heartbeats for it would neither go out nor start a handshake
             if (t.cancelled() or t.exception() is not None) and self._entries.get(key) is entry:
-                if entry.users == 0:
-                    del self._entries[key]
-                else:
-                    entry.config_gen = -1  # stale: the next request handshakes again
+                del self._entries[key]
 
         task.add_done_callback(forget_failure)
         return entry

@@ -1153,3 +1153,25 @@ def test_a_pull_for_a_restarted_prefill_handshakes_anew_while_old_pulls_still_re
 
     run(main())
 
+
+@pytest.mark.parametrize("first_pull_failed", [False, True])
+def test_heartbeats_reach_the_prefill_after_a_handshake_that_failed_under_a_pull(first_pull_failed):
+    """A failed handshake is forgotten even while a pull holds it: kept, it made the rank "known" without a
+    peer, and the shim's heartbeats for it were neither sent nor started a new handshake."""
+
+    async def main():
+        async with started() as h:
+            if first_pull_failed:
+                h.port.refuse_handshake = "remote page format"  # one refusal, then the prefill is fine
+                h.pull("a")
+                assert not (await h.reply(p.Done, "a")).ok
+                h.port.refuse_handshake = None
+            connects = h.port.connects
+            for _ in range(3):
+                h.send(p.Heartbeat(targets=[p.HeartbeatTarget(
+                    remote_engine_id="prefill-0", remote_host="127.0.0.1", remote_port=5600,
+                    remote_request_ids=["r-waiting"])]))
+                await asyncio.sleep(0.05)
+            assert h.port.connects == connects + 1 and ["r-waiting"] in h.port.heartbeats
+
+    run(main())
