@@ -46,11 +46,15 @@ import numpy as np
 from sidecar.wire.block_ids import increasing, repeat_in_sorted
 from sidecar.wire.formats import PageFormat
 from sidecar.wire.ipc import IpcBuffer, LayerView
+from sidecar.wire.prefill import RESERVED_ID_PREFIXES
 
 # 2: Welcome.completion_socket, BindCompletions / CompletionsBound.
 # 3: Pull, Heartbeat and Abort also accepted on a bound completion socket; Pull.sent_at_ns set by the shim.
 # 4: Pull's block ids packed (pack_block_ids) instead of msgpack arrays of ints.
 PROTOCOL_VERSION = 4
+# TP sizes past this are refused: each prefill rank a decoder rank reads is a handshake (a ZMQ socket and a
+# task), and a Pull's or Heartbeat's remote_tp_size comes from a client's kv_transfer_params.
+MAX_TP_SIZE = 64
 
 
 class DecodeError(ValueError):
@@ -71,6 +75,13 @@ def _request_id(name: str, value: str) -> None:
     # Prefill heartbeats join ids with "," (vLLM's "HB:" message); an id holding one would break that message.
     if "," in value:
         raise ValueError(f"{name} {value!r} must not contain ','")
+    if value.startswith(RESERVED_ID_PREFIXES):  # its notification would read as a command, or be refused
+        raise ValueError(f"{name} {value!r} must not start with {' or '.join(RESERVED_ID_PREFIXES)}")
+
+
+def _tp_size(name: str, value: int) -> None:
+    if not 1 <= value <= MAX_TP_SIZE:
+        raise ValueError(f"{name} must be in 1..{MAX_TP_SIZE}, got {value}")
 
 
 def _port(name: str, value: int) -> None:
@@ -122,8 +133,7 @@ class Hello(_Msg):
     engine_id: str = ""
 
     def __post_init__(self) -> None:
-        if self.tp_size < 1:
-            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        _tp_size("tp_size", self.tp_size)
         if not 0 <= self.worker_rank < self.tp_size:
             raise ValueError(f"worker_rank must be in 0..tp_size-1 ({self.tp_size - 1}), "
                              f"got {self.worker_rank}")
@@ -169,8 +179,7 @@ class HeartbeatTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _nonempty("remote_engine_id", self.remote_engine_id)
         _nonempty("remote_host", self.remote_host)
         _port("remote_port", self.remote_port)
-        if self.remote_tp_size < 1:
-            raise ValueError(f"remote_tp_size must be >= 1, got {self.remote_tp_size}")
+        _tp_size("remote_tp_size", self.remote_tp_size)
         for rid in self.remote_request_ids:
             _request_id("remote_request_ids[]", rid)
 
@@ -226,8 +235,7 @@ class Pull(_Msg):
             raise ValueError(f"remote_num_tokens must be >= 0, got {self.remote_num_tokens}")
         if self.lease_started_at_ns < 0:
             raise ValueError(f"lease_started_at_ns must be >= 0, got {self.lease_started_at_ns}")
-        if self.remote_tp_size < 1:
-            raise ValueError(f"remote_tp_size must be >= 1, got {self.remote_tp_size}")
+        _tp_size("remote_tp_size", self.remote_tp_size)
         if self.remote_registration_generation < 0:
             raise ValueError(f"remote_registration_generation must be >= 0, got "
                              f"{self.remote_registration_generation}")
