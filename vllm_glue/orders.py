@@ -7,11 +7,15 @@ executor channel when workers are separate processes), so they are small frozen 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
+from sidecar.wire import protocol as p
 from sidecar.wire.protocol import BlockId
+
+# what msgpack carries (an int past it fails the encode, in the middle of vLLM's step)
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 
 REQUIRED_REMOTE_KEYS = (
     "remote_block_ids",
@@ -31,8 +35,14 @@ class RemoteRef(msgspec.Struct, frozen=True):
     request_id: str
     block_ids: list[BlockId]  # checked here, so a bad id fails the load before anything is sent
     tp_size: int = 1
-    registration_generation: int = 0
-    num_tokens: int | None = None
+    registration_generation: Count = 0
+    num_tokens: Count | None = None
+
+    def __post_init__(self) -> None:
+        # Checked now as the Heartbeat target it becomes, under the daemon's rules: a bad value then fails
+        # this request's load, not the step's Heartbeat for every request (one bad target refuses it all).
+        p.HeartbeatTarget(remote_engine_id=self.engine_id, remote_host=self.host, remote_port=self.port,
+                          remote_request_ids=[self.request_id], remote_tp_size=self.tp_size)
 
 
 class PullOrder(msgspec.Struct, frozen=True):

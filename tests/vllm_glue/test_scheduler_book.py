@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,6 +205,24 @@ def test_parse_remote_names_the_problem() -> None:
     with pytest.raises(InvalidParams, match=r"block_ids\[1\]"):
         parse_remote(params(remote_block_ids=[[7, -3, 9]]))
     assert parse_remote(params(tp_size=None)).tp_size == 1
+
+
+@pytest.mark.parametrize("change,needle", [
+    # each would pass type checks, then break the step: an int msgpack cannot carry raised OverflowError out
+    # of start_step into vLLM, and a value the daemon refuses dropped the Heartbeat of every request
+    (dict(remote_num_tokens=10**30), "num_tokens"),
+    (dict(remote_registration_generation=2**64), "registration_generation"),
+    (dict(tp_size=10**30), "remote_tp_size must be in 1..64"),
+    (dict(tp_size=65), "remote_tp_size must be in 1..64"),
+    (dict(remote_request_id="cmpl-a,b"), "must not contain ','"),
+    (dict(remote_request_id="HB:cmpl-a"), "must not start with HB:"),
+    (dict(remote_port=0), "remote_port must be in 1..65535"),
+    (dict(remote_port=70000), "remote_port must be in 1..65535"),
+    (dict(remote_host=""), "remote_host must not be empty"),
+])
+def test_parse_remote_refuses_values_the_daemon_would(change, needle) -> None:
+    with pytest.raises(InvalidParams, match=re.escape(needle)):
+        parse_remote(params(**change))
 
 
 def test_pull_carries_when_the_lease_started_and_the_token_count() -> None:
