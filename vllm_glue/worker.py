@@ -154,7 +154,7 @@ class WorkerHalf:
                     r.port,
                     r.request_id,
                 )
-            except (NotReady, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 - one request's bad values fail its load, never vLLM's step
                 log.warning("request %s: load not started: %s", order.req_id, e)
                 self.tracker.fail(order.req_id, str(e), now)
         for req_id in orders.aborts:
@@ -165,25 +165,27 @@ class WorkerHalf:
                     # A Pull that never went out can be released now; one that did waits for its connection's
                     # Lost and then for the daemon to be gone, to confirm an abort, or for the deadline.
                     self.tracker.release_unsent(req_id, str(e), now)
-        if orders.heartbeats:
+        targets = []
+        for h in orders.heartbeats:
+            try:  # one by one: a target the daemon would refuse must not cost the others their renewal
+                targets.append(p.HeartbeatTarget(
+                    remote_engine_id=h.engine_id,
+                    remote_host=h.host,
+                    remote_port=h.port,
+                    remote_request_ids=list(h.remote_request_ids),
+                    remote_tp_size=h.tp_size,
+                ))
+            except ValueError as e:
+                log.warning("heartbeat for %s:%s left out: %s", h.host, h.port, e)
+        if targets:
             try:
-                targets = [
-                    p.HeartbeatTarget(
-                        remote_engine_id=h.engine_id,
-                        remote_host=h.host,
-                        remote_port=h.port,
-                        remote_request_ids=list(h.remote_request_ids),
-                        remote_tp_size=h.tp_size,
-                    )
-                    for h in orders.heartbeats
-                ]
                 self._send(p.Heartbeat(targets=targets))
                 log.debug(
                     "heartbeat: %d request(s) on %d prefill(s)",
                     sum(len(t.remote_request_ids) for t in targets),
                     len(targets),
                 )
-            except (NotReady, ValueError) as e:
+            except (NotReady, ValueError, OverflowError) as e:
                 log.debug("heartbeat not sent: %s", e)
 
     def collect(self) -> None:
