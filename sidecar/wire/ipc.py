@@ -134,6 +134,8 @@ class LayerView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"shape {self.shape} and strides {self.strides} differ in length")
         if any(s < 0 for s in self.shape) or any(s < 0 for s in self.strides):
             raise ValueError(f"shape {self.shape} and strides {self.strides} must be >= 0")
+        if any(s >= 2**63 for s in self.shape) or any(s >= 2**63 for s in self.strides):
+            raise ValueError(f"shape {self.shape} and strides {self.strides} must be < 2**63 (torch int64)")
         if self.dtype not in VIEW_DTYPE_BYTES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(VIEW_DTYPE_BYTES)}")
 
@@ -419,6 +421,8 @@ def _check_view_in(layer: LayerView, size: int) -> None:
     if layer.offset_bytes % layer.elem_bytes:
         raise IpcError(f"layers[{layer.name}].offset_bytes: {layer.offset_bytes} is not a multiple of the "
                        f"{layer.dtype} element size {layer.elem_bytes}")
+    if layer.extent_bytes == 0:
+        raise IpcError(f"layers[{layer.name}]: shape {layer.shape} holds no elements")
     end = layer.offset_bytes + layer.extent_bytes
     if end > size:
         raise IpcError(f"layers[{layer.name}]: view ends at byte {end}, past buffer {layer.buffer_index} "
@@ -442,8 +446,6 @@ def materialize_view(buffer: ImportedBuffer, layer: LayerView) -> torch.Tensor:
         raise IpcError(f"layers[{layer.name}]: buffer {layer.buffer_index} is closed")
     dtype = torch_dtype(layer.dtype)
     extent = layer.extent_bytes
-    if extent == 0:
-        return buffer.tensor.new_empty(layer.shape, dtype=dtype)
     flat = buffer.tensor[layer.offset_bytes:layer.offset_bytes + extent].view(dtype)
     return flat.as_strided(tuple(layer.shape), tuple(layer.strides))
 

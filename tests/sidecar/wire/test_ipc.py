@@ -171,11 +171,18 @@ def test_import_rejects_with_named_fields(tmp_path):
             ipc.import_caches([d], [_layer(buffer_index=1)])
         with pytest.raises(ipc.IpcError, match="duplicate layer name"):
             ipc.import_caches([d], [_layer(), _layer()])
+        # an empty view (torch raised RuntimeError building [3, 5, 0, 2**63-1], past every typed refusal)
+        for shape in ([0, 8], [3, 5, 0, 2**63 - 1]):
+            with pytest.raises(ipc.IpcError, match="holds no elements"):
+                ipc.import_caches([d], [_layer(shape=shape, strides=[1] * len(shape))])
     finally:
         shm.close()
 
 
 def test_descriptions_validate_their_fields():
+    for shape, strides in (([0, 2**64 - 1], [1, 1]), ([1, 1], [2**63, 1])):  # past a tensor's int64
+        with pytest.raises(ValueError, match="must be < 2\\*\\*63"):
+            _layer(shape=shape, strides=strides)
     with pytest.raises(ValueError, match="dtype 'bf16' is not one of"):
         _layer(dtype="bf16")
     with pytest.raises(ValueError, match="differ in length"):
