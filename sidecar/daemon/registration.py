@@ -68,6 +68,10 @@ class Registrations:
         except (Refused, ipc_mod.IpcError, ValueError) as exc:
             self._refuse(envelope, exc)
             return
+        except Exception as exc:  # noqa: BLE001 - a spawned task: the router's catch-all never sees this
+            log.exception("RegisterCaches: mapping failed")
+            self._refuse(envelope, RuntimeError(f"internal error: {type(exc).__name__}: {exc}"))
+            return
         if self._caches.current is not None:
             log.warning("new registration replaces generation %d", self._caches.current.generation)
             await self._jobs.cancel_all(Ending(Outcome.FAILED, "caches re-registered by the shim"))

@@ -1175,3 +1175,28 @@ def test_heartbeats_reach_the_prefill_after_a_handshake_that_failed_under_a_pull
             assert h.port.connects == connects + 1 and ["r-waiting"] in h.port.heartbeats
 
     run(main())
+
+
+def test_a_registration_that_fails_unexpectedly_is_answered_and_the_old_one_kept(monkeypatch):
+    """RegisterCaches runs as a spawned task, out of the router's catch-all: an error other than a refusal
+    (a view torch cannot build raised TypeError) left the shim waiting out its timeout with no reply."""
+
+    async def main():
+        async with started() as h:
+            before = h.daemon.caches.current
+
+            async def broken(session, msg):
+                raise TypeError("a view torch could not build")
+
+            monkeypatch.setattr(h.daemon.caches, "map", broken)
+            h.sent.clear()
+            layer = ipc.LayerView(name="l0", buffer_index=0, offset_bytes=0, shape=[B, 2, N, H * D],
+                                  strides=[PLANE, B * PLANE, H * D, 1], dtype="bfloat16")
+            h.send(p.RegisterCaches(buffers=[h.shm.description], layers=[layer], page_format=FMT))
+            err = await h.reply(p.Error)
+            assert err.in_reply_to == "RegisterCaches" and "internal error: TypeError" in err.reason
+            assert h.daemon.caches.current is before
+            h.pull("a")
+            assert (await h.reply(p.Done, "a")).ok
+
+    run(main())
