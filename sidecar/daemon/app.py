@@ -93,7 +93,7 @@ class Daemon:
         self.metrics_server: MetricsServer | None = None
         self.port: TransferPort | None = None
         self.router = Router(self.metrics)
-        self.jobs = JobTable(config.max_inflight, config.max_queued, config.max_timeout_s)
+        self.jobs = JobTable(config.max_inflight, config.max_queued)
         self.poller = Poller(
             Pacer(
                 lambda: self.config.poll_busy_window_s,

@@ -135,10 +135,9 @@ class Job:
 class JobTable:
     """The jobs in flight (queued or running), their limits and deadlines."""
 
-    def __init__(self, max_inflight: int, max_queued: int, max_timeout_s: float) -> None:
+    def __init__(self, max_inflight: int, max_queued: int) -> None:
         self.max_inflight = max_inflight
         self.max_queued = max_queued
-        self.max_timeout_s = max_timeout_s
         self._jobs: dict[str, Job] = {}
         self._running = asyncio.Semaphore(max_inflight)
 
@@ -166,10 +165,12 @@ class JobTable:
             )
         return None
 
-    def timeout_for(self, msg: p.Pull, default_s: float) -> float:
-        """The Pull's own deadline, else the default, never beyond ``max_timeout_s``."""
+    @staticmethod
+    def timeout_for(msg: p.Pull, default_s: float, max_s: float) -> float:
+        """The Pull's own deadline, else the default, never beyond ``max_s`` (config ``max_timeout_s``, read
+        per Pull: SIGHUP may change it)."""
         timeout = msg.timeout_s if msg.timeout_s is not None else default_s
-        return min(timeout, self.max_timeout_s)
+        return min(timeout, max_s)
 
     def add(
         self,

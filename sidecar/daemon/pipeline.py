@@ -95,7 +95,8 @@ class Pipeline:
         if full is not None:
             self._answer_now(envelope, msg, Outcome.REFUSED, full)
             return
-        timeout = self._jobs.timeout_for(msg, self._config().default_timeout_s)
+        cfg = self._config()
+        timeout = self._jobs.timeout_for(msg, cfg.default_timeout_s, cfg.max_timeout_s)
         job = self._jobs.add(msg, envelope, session, received, timeout, self._run)
         assert job.task is not None
         job.task.add_done_callback(lambda task: self._cancelled_before_start(job, task))

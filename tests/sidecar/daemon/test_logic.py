@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -1198,5 +1199,20 @@ def test_a_registration_that_fails_unexpectedly_is_answered_and_the_old_one_kept
             assert h.daemon.caches.current is before
             h.pull("a")
             assert (await h.reply(p.Done, "a")).ok
+
+    run(main())
+
+
+def test_a_reloaded_max_timeout_caps_the_next_pulls():
+    """SIGHUP said max_timeout_s was applied, but the job table kept the value it was built with."""
+
+    async def main():
+        async with started(max_timeout_s=60.0, default_timeout_s=5.0) as h:
+            h.reloaded = msgspec.structs.replace(h.daemon.config, max_timeout_s=2.0, default_timeout_s=1.0)
+            h.daemon.reload()
+            h.port.auto_land = False
+            h.pull("a", timeout_s=30.0)
+            await h.until_stage("a", "transfer")
+            assert h.daemon.jobs.get("a").timeout_s == 2.0
 
     run(main())
