@@ -96,7 +96,8 @@ class SidecarClient:
 
     States: ``connecting`` → ``ready`` (Welcome and Registered received) → ``lost`` on disconnect → back to
     ``ready`` when the daemon returns (Hello and RegisterCaches are sent again). ``failed`` when the daemon
-    refused Hello or RegisterCaches: the reason stays in ``status_reason``.
+    refused Hello or RegisterCaches, or did not answer in time (a late answer still completes the step):
+    the reason stays in ``status_reason``.
     """
 
     def __init__(
@@ -106,11 +107,15 @@ class SidecarClient:
         register: p.RegisterCaches | None = None,
         *,
         reply_timeout_s: float = 10.0,
+        register_timeout_s: float | None = None,
     ) -> None:
+        """``register_timeout_s``: how long Registered may take (the daemon maps and registers the caches
+        with NIXL meanwhile; default ``reply_timeout_s``)."""
         self.address = address
         self._hello = hello
         self._register = register
         self.reply_timeout_s = reply_timeout_s
+        self.register_timeout_s = reply_timeout_s if register_timeout_s is None else register_timeout_s
         self._ctx = zmq.Context()
         self._inbox = f"inproc://kv-sidecar-client-{id(self):x}-{os.getpid()}"
         self._events: deque[Event] = deque()
@@ -325,9 +330,12 @@ class SidecarClient:
                 if self._phase == "bind" and time.monotonic() >= self._deadline:
                     self._fast_failed(dealer, f"no CompletionsBound within {self.reply_timeout_s:g} s")
                 if self._phase in ("hello", "register") and time.monotonic() >= self._deadline:
-                    what = "Welcome" if self._phase == "hello" else "Registered"
-                    self._set_state("failed", f"no {what} from kv-sidecar within {self.reply_timeout_s:g} s")
-                    self._phase, self._deadline = "idle", float("inf")
+                    what, waited = ("Welcome", self.reply_timeout_s) if self._phase == "hello" else (
+                        "Registered", self.register_timeout_s)
+                    # failed for now, but the phase stays: a late reply still completes it (the daemon
+                    # may have been slow, not gone; it would hold the caches registered for nobody)
+                    self._set_state("failed", f"no {what} from kv-sidecar within {waited:g} s")
+                    self._deadline = float("inf")
         finally:
             self._close_fast()
             for pidfd in list(self._daemons):
@@ -409,7 +417,7 @@ class SidecarClient:
     def _send_register(self, dealer: zmq.Socket) -> None:
         assert self._register is not None
         self._set_state("connecting", "waiting for Registered")
-        self._phase, self._deadline = "register", time.monotonic() + self.reply_timeout_s
+        self._phase, self._deadline = "register", time.monotonic() + self.register_timeout_s
         with contextlib.suppress(zmq.Again):
             dealer.send(p.encode(self._register), zmq.NOBLOCK)
 

@@ -99,7 +99,9 @@ class WorkerHalf:
         return self.connect(msg)
 
     def connect(self, register: p.RegisterCaches) -> bool:
-        self.client = SidecarClient(self.socket, self._hello, register)
+        self.client = SidecarClient(
+            self.socket, self._hello, register, register_timeout_s=self.register_timeout_s
+        )
         ok = self.client.wait_ready(self.register_timeout_s)
         if ok:
             log.info(

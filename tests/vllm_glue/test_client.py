@@ -173,6 +173,33 @@ def test_refused_registration_fails_with_the_reason(address: str) -> None:
         peer.close()
 
 
+def test_a_slow_registration_fails_for_now_and_a_late_registered_completes_it(address: str) -> None:
+    """Registering maps the caches and registers them with NIXL, which can outlast a reply timeout. The
+    register timeout is its own (the connector's sidecar_register_timeout_s was never passed down), and a
+    Registered after it makes the client ready: it used to be ignored, the shim 'failed' for good while the
+    daemon held the caches registered."""
+    peer = Peer(address)
+    client = SidecarClient(address, hello(), register_msg(), reply_timeout_s=5.0, register_timeout_s=0.3)
+    try:
+        assert isinstance(peer.recv(), p.Hello)
+        peer.send(p.Welcome(protocol_version=p.PROTOCOL_VERSION, package_version="t", device="cpu"))
+        assert isinstance(peer.recv(), p.RegisterCaches)
+        t0 = time.monotonic()
+        assert not client.wait_ready(5)
+        assert time.monotonic() - t0 < 2.0  # the register timeout, not reply_timeout_s
+        assert client.state == "failed"
+        assert "no Registered from kv-sidecar within 0.3 s" in client.status_reason
+        peer.send(p.Registered(generation=1, registered_bytes=4096, num_layers=1))
+        deadline = time.monotonic() + 5
+        while not client.is_ready():
+            assert time.monotonic() < deadline, client.status_reason
+            time.sleep(0.01)
+        assert client.registered is not None
+    finally:
+        client.close()
+        peer.close()
+
+
 def test_protocol_mismatch_fails(address: str) -> None:
     peer = Peer(address)
     client = SidecarClient(address, hello(), register_msg())
