@@ -96,6 +96,8 @@ def _check_plane(name: str, t: object, row_elems: int) -> torch.Tensor:
                          f" = [num_blocks, {row_elems}]")
     if t.numel() and t.shape[1] > 1 and t.stride(1) != 1:
         raise ValueError(f"{name} must be dense along its element axis (stride(1) == 1), got {t.stride()}")
+    if t.shape[0] > 1 and t.stride(0) < row_elems:  # converting one block would rewrite its neighbour's bytes
+        raise ValueError(f"{name} rows overlap: stride(0) {t.stride(0)} < {row_elems} elements a block")
     return t
 
 

@@ -48,9 +48,12 @@ IDS = torch.tensor([1, 3])
         (lambda: (fresh()[0].t().contiguous().t(), fresh()[1]), r"dense along its element axis"),
         (lambda: (lambda k: (k, k))(fresh()[0]), "overlap in memory"),
         (lambda: (fresh()[0], fresh()[1].to("meta")), "mismatched devices"),
+        # rows closer than a block (or aliased): converting one block rewrote its neighbour
+        (lambda: (fresh()[0].as_strided((B, ROW), (ROW // 2, 1)), fresh()[1]), "k_plane rows overlap"),
+        (lambda: (fresh()[0], fresh()[1].as_strided((B, ROW), (0, 1))), "v_plane rows overlap"),
     ],
     ids=["float32", "int16", "k-v-dtype", "1-D", "row-length", "block-counts", "strided", "same-tensor",
-         "devices"],
+         "devices", "overlapping-rows", "aliased-rows"],
 )
 def test_bad_planes(make, match):
     k, v = make()
