@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from sidecar.convert import checks
 from sidecar.wire.formats import PageFormat
 
 # Conversion rate used when none was measured: H200, Qwen3-8B 4k request, 9,216 pairs in 0.36 ms
@@ -142,6 +143,11 @@ def _pieces(
     ``index``: source rows per block; a slice then keeps every source row."""
     if limits is None or limits.unbounded:
         return [lambda: ps.convert_arrays(ids, src=src, layers=layers, src_index=index)]
+    # Each slice checks only its own ids: check the whole request first, so a duplicate split across slices
+    # is refused and nothing is written unless every id (and source row) is valid.
+    ids = checks.launch_ids(ps.planes, ids)
+    if index is not None and src is not None:
+        checks.launch_src_rows(index, ids, src.shape[1])
     span = layers if layers is not None else (0, ps.num_layers)
     tuning = limits.tuning()
     out = []

@@ -65,3 +65,21 @@ def test_sliced_conversion_gives_the_same_bytes(staged, limits):
         out.append(c.view(torch.int16))
     assert not torch.equal(out[0], base)  # it converted something
     assert torch.equal(out[0], out[1])
+
+
+@pytest.mark.parametrize("ids,match", [
+    ([2, 2], "duplicates"),  # one id per slice: each slice alone passed, and block 2 was converted twice
+    ([0, 99], "out of range"),  # the bad id in the second slice: the first was written before the refusal
+])
+def test_a_sliced_conversion_checks_the_whole_request_before_writing(ids, match):
+    h, n, d, nb = 1, 16, 16, 4
+    row = h * n * d
+    c = torch.randint(-(2**15), 2**15 - 1, (2, nb, row), generator=torch.Generator().manual_seed(3),
+                      dtype=torch.int16)
+    before = c.clone()
+    planes = c.view(torch.bfloat16)
+    ps = PlaneSet([planes[0]], [planes[1]], num_heads=h, block_size=n, head_size=d)
+    with pytest.raises(ValueError, match=match):
+        convert_blocks(types.SimpleNamespace(plane_set=ps), np.array(ids), AITER_SHUFFLED, None, None,
+                       ConversionLimits(max_slice_pairs=1))
+    assert torch.equal(c, before)
