@@ -3,9 +3,8 @@ converted request has paid for its conversion; and the README tables, generated 
 
 Savings per decode step from shuffled pages (the RFC's MI300X numbers) come from ``SAVINGS``; the low and
 the high end are both used. Source: issue 13 quotes the RFC as "0.6–2.7 ms saved per step at batch 32–64
-on MI300X"; no per-model table with those numbers exists in /work/shared/docs (grep 'RFC' / 'saved per
-step' finds only reference/aiter-shuffle-layout.md, which has no timings). Replace ``--savings`` with the
-seed's table when it is found.
+on MI300X"; no per-model table with those numbers was found in the design documents. Replace
+``--savings`` with such a table when it is found.
 """
 
 from __future__ import annotations

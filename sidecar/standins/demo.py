@@ -181,7 +181,7 @@ def _start(args: argparse.Namespace, work: str) -> tuple[Any, list[Any]]:
         f"ipc://{work}/emulator.sock",
     ]
     logs = [open(os.path.join(work, f"daemon{r or ''}.log"), "wb") for r in range(args.decoder_tp)]  # noqa: SIM115
-    # One host: NIXL over UCX on loopback (tcp + cma), quiet logs (environment.md).
+    # One host: NIXL over UCX on loopback (tcp + cma), quiet logs.
     env = {
         "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
         "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
