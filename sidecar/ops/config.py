@@ -167,9 +167,10 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         PullMode,
         _doc(
             "direct: half pages straight into the K/V planes, converted in place; staged: whole pages into a "
-            "staging pool, converted out of place; auto: staged when the pool has room, else direct; mapped: "
-            "the conversion kernel reads the prefill's pages through a mapping of its memory (one GPU node, "
-            "NVIDIA; docs/converting-read.md), and a prefill whose pages do not map is read as auto reads"
+            "staging pool, converted out of place; auto: staged when there is a pool (waiting for room), "
+            "else direct; mapped: the conversion kernel reads the prefill's pages through a mapping of its "
+            "memory (one GPU node, NVIDIA; docs/converting-read.md), and a prefill whose pages do not map is "
+            "read as auto reads"
         ),
     ] = "direct"
     staging_bytes: Annotated[
@@ -205,7 +206,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         float,
         _doc(
             "cost model of a read: GB/s of a large contiguous read (bench e2e's read_cost_fit); the default "
-            "is below README's bare contiguous reads on two H200s (207-248 GB/s)",
+            "is below the bare contiguous reads on two H200s (207-248 GB/s, bench/HISTORY.md)",
             gt=0,
         ),
     ] = 200.0
