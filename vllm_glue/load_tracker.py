@@ -12,7 +12,9 @@ Rules (vLLM 0.32/0.33 ``get_transfer_results`` + ``get_block_ids_with_load_error
 * a load whose connection dropped is *orphaned*, not failed: the daemon may still be writing into its blocks,
   so vLLM gets them back only once nothing can write — the daemon process is gone (:meth:`gone`), a later
   connection confirmed the abort (Aborted safe or Done), or the deadline plus the grace passed (the daemon
-  ends every pull by its deadline).
+  ends every pull by its deadline);
+* a load answered with ``Done(safe=False)`` (a transfer into its blocks could not be stopped) is held the
+  same way: its blocks go back only once that daemon is gone or the deadline plus the grace has passed.
 """
 
 from __future__ import annotations
@@ -113,16 +115,20 @@ class LoadTracker:
         timings: dict[str, float] | None = None,
         received_at: float = 0.0,
         epoch: int | None = None,
+        safe: bool = True,
     ) -> bool:
         """A Done arrived (on connection ``epoch``). False if the request was not outstanding (late or
         duplicate) or the Done came over another connection than its Pull: ignored.
 
         An orphan's Done from a later connection ends it too (the daemon is quiet on it), but never as ok:
-        the shim already gave up on the load.
+        the shim already gave up on the load. An unsafe Done makes the load an orphan: held, not reported.
         """
         load = self._loads.get(req_id)
         if load is None or not self._from_its_daemon(load, epoch):
             return False
+        if not safe:
+            load.orphaned = f"kv-sidecar could not stop a transfer into its blocks ({reason})"
+            return True
         del self._loads[req_id]
         if load.orphaned is not None:
             ok, reason = False, f"{load.orphaned} (then {reason or 'completed'})"

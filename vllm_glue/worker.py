@@ -254,8 +254,11 @@ class WorkerHalf:
     def _apply(self, ev: Reply) -> None:
         msg, at = ev.message, ev.received_at_ns / 1e9
         if isinstance(msg, p.Done):
-            if not self.tracker.done(msg.req_id, msg.ok, msg.reason, msg.timings, at, ev.epoch):
+            if not self.tracker.done(msg.req_id, msg.ok, msg.reason, msg.timings, at, ev.epoch, msg.safe):
                 log.debug("Done for unknown request %s ignored", msg.req_id)
+            elif not msg.safe:
+                log.error("request %s: %s; its blocks are held until kv-sidecar exits or the deadline "
+                          "passes", msg.req_id, msg.reason)
             elif not msg.ok:
                 log.warning("request %s: load failed: %s", msg.req_id, msg.reason)
             else:

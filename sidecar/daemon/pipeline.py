@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,7 @@ from sidecar.wire import protocol as p
 from sidecar.wire.formats import PageFormat
 
 log = logging.getLogger("kv_sidecar.pipeline")
+UNSAFE_REMEMBERED = 4096  # unsafe answers kept for later Aborts (each one is a stuck transfer: rare)
 
 
 class Pipeline:
@@ -73,6 +75,9 @@ class Pipeline:
         self._spawn = spawn
         self._stopping = stopping
         self._ratelog = RateLimitedLog(log, on_suppressed=metrics.logs_suppressed.inc)
+        # req_ids answered with blocks unsafe (a transfer NIXL would not stop), newest last: a later Abort
+        # for one (the shim's, after a reconnect) must not be told "not in flight" as if nothing could write
+        self._unsafe: OrderedDict[str, None] = OrderedDict()
 
     # -- the way in
 
@@ -122,6 +127,10 @@ class Pipeline:
             self._send(envelope, p.Error(reason=f"session: {reason}", in_reply_to="Abort", req_id=msg.req_id))
             return
         if job is None:
+            if msg.req_id in self._unsafe:
+                reason = "answered with its blocks unsafe: a transfer could not be stopped"
+                self._send(envelope, p.Aborted(req_id=msg.req_id, safe=False, reason=reason))
+                return
             reason = "not in flight (already answered or never seen)"
             self._send(envelope, p.Aborted(req_id=msg.req_id, safe=True, reason=reason))
             return
@@ -365,6 +374,12 @@ class Pipeline:
             nbytes = job.mapped_bytes if job.read is None else getattr(job.read, "nbytes", 0)
             self._metrics.bytes_pulled.inc(nbytes - job.gap_bytes)
             self._metrics.gap_bytes_read.inc(job.gap_bytes)
+        if not ending.safe:
+            self._unsafe[job.req_id] = None
+            while len(self._unsafe) > UNSAFE_REMEMBERED:
+                self._unsafe.popitem(last=False)
+        elif self._unsafe:
+            self._unsafe.pop(job.req_id, None)
         if job.abort_envelope is not None:
             self._send(
                 job.abort_envelope,
@@ -382,7 +397,8 @@ class Pipeline:
             t0 = time.monotonic()
             self._send(
                 job.envelope,
-                p.Done(req_id=job.req_id, ok=ok, reason=None if ok else reason, timings=timings),
+                p.Done(req_id=job.req_id, ok=ok, reason=None if ok else reason, timings=timings,
+                       safe=ending.safe),
             )
             timings["signal"] = time.monotonic() - t0
         self._reads.release(job, let_go)

@@ -51,7 +51,8 @@ from sidecar.wire.prefill import RESERVED_ID_PREFIXES
 # 2: Welcome.completion_socket, BindCompletions / CompletionsBound.
 # 3: Pull, Heartbeat and Abort also accepted on a bound completion socket; Pull.sent_at_ns set by the shim.
 # 4: Pull's block ids packed (pack_block_ids) instead of msgpack arrays of ints.
-PROTOCOL_VERSION = 4
+# 5: Done.safe.
+PROTOCOL_VERSION = 5
 # TP sizes past this are refused: each prefill rank a decoder rank reads is a handshake (a ZMQ socket and a
 # task), and a Pull's or Heartbeat's remote_tp_size comes from a client's kv_transfer_params.
 MAX_TP_SIZE = 64
@@ -306,6 +307,10 @@ class Done(_Msg):
     descriptors built, READ posted), "read" (posted until seen DONE) and, on a GPU, "launch" (wall time
     spent starting the conversion kernels) and "launch_cpu" (the thread's CPU time in it). "delivery" (when
     the Pull carried ``sent_at_ns``): from the shim's send to the daemon's receipt of the Pull.
+
+    ``safe`` False (a failed Done only): a transfer into the request's blocks could not be stopped, so the
+    shim must not hand them back to vLLM yet; it holds them as it holds a dropped connection's, until that
+    daemon exits or the pull's deadline plus the grace has passed.
     """
 
     req_id: str
@@ -313,6 +318,7 @@ class Done(_Msg):
     reason: str | None = None
     timings: dict[str, float] = {}
     sent_at_ns: int = 0
+    safe: bool = True
 
 
 class Aborted(_Msg):

@@ -162,3 +162,26 @@ def test_vllm_abort_of_orphan_is_not_sent_and_released_without_failure() -> None
     assert res.finished == {"r"} and res.failed == set()
     t.started("u", [2], True, deadline=100.0)
     assert t.release_unsent("u", "not ready")
+
+
+def test_an_unsafe_done_holds_the_blocks_until_the_daemon_is_gone() -> None:
+    """Done(safe=False): a transfer into the blocks could not be stopped. vLLM gets them back only once that
+    daemon exited; an Abort's unsafe answer changes nothing, and a duplicate Done is not its end."""
+    t = LoadTracker()
+    t.started("r", [5, 6], True, deadline=100.0, epoch=1)
+    assert t.done("r", False, reason="transfer: x; blocks unsafe", epoch=1, safe=False)
+    assert t.take_results().finished == set() and t.take_bad_blocks() == set()
+    assert t.outstanding() == {"r"} and t.orphans() == {"r"}
+    assert t.orphans_to_abort(1) == []  # its own connection already answered
+    assert not t.aborted("r", safe=False, epoch=2)  # the same daemon, after a reconnect
+    assert t.gone(frozenset({1}), "daemon exited") == ["r"]
+    res = t.take_results()
+    assert res.finished == {"r"} and res.failed == {"r"} and t.take_bad_blocks() == {5, 6}
+    assert "could not stop a transfer" in t.outcomes[-1].reason
+
+
+def test_an_unsafe_done_expires_at_deadline_plus_grace() -> None:
+    t = LoadTracker(grace_s=1.0)
+    t.started("r", [1], True, deadline=10.0, epoch=1)
+    t.done("r", False, reason="x", epoch=1, safe=False)
+    assert t.expire(10.5) == [] and t.expire(11.5) == ["r"]

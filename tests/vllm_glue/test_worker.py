@@ -3,6 +3,8 @@ request's heartbeat. Real ZMQ ipc against the scripted ROUTER peer of test_clien
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from sidecar.wire import protocol as p
@@ -49,6 +51,27 @@ def test_a_heartbeat_target_the_daemon_would_refuse_is_left_out_alone(address: s
         got = peer.recv()
         assert isinstance(got, p.Heartbeat)
         assert [(t.remote_engine_id, t.remote_request_ids) for t in got.targets] == [("e", ["a"])]
+    finally:
+        w.shutdown()
+        peer.close()
+
+
+def test_an_unsafe_done_keeps_the_blocks_from_vllm(address: str) -> None:
+    """Done(safe=False): the daemon could not stop a transfer into the blocks; vLLM must not get them back
+    (to recompute into) while that daemon lives."""
+    peer = Peer(address)
+    w = connected(address, peer)
+    try:
+        w.start_step(StepOrders(pulls=[order("r", [3, 4])]))
+        assert isinstance(peer.recv(), p.Pull)
+        peer.send(p.Done(req_id="r", ok=False, reason="transfer: x; blocks unsafe", safe=False))
+        deadline = time.monotonic() + 2
+        while "r" not in w.tracker.orphans():
+            assert time.monotonic() < deadline, "the unsafe Done never arrived"
+            w.transfer_results()
+            time.sleep(0.01)
+        res = w.transfer_results()
+        assert "r" not in res.finished and w.load_errors() == set()
     finally:
         w.shutdown()
         peer.close()

@@ -164,7 +164,7 @@ def test_a_pull_is_read_converted_and_answered_once(mode):
         async with started(pull_mode=mode, staging_bytes=64 * PAGE_BYTES if mode == "staged" else 0) as h:
             h.pull("a")
             done = await h.reply(p.Done, "a")
-            assert done.ok, done
+            assert done.ok and done.safe, done
             assert {"queue", "handshake", "transfer", "convert", "end_to_end"} <= set(done.timings)
             assert 0 <= done.timings["accept"] <= done.timings["queue"]
             assert h.port.notified == ["r-a"]  # exactly one notification, after the reads
@@ -702,7 +702,13 @@ def test_staging_slots_a_read_could_not_be_stopped_in_are_never_lent_again(monke
             h.port.stuck_abort = 10**9
             h.pull("a")
             done = await h.reply(p.Done, "a")
-            assert not done.ok and "blocks unsafe" in done.reason, done
+            assert not done.ok and not done.safe and "blocks unsafe" in done.reason, done
+            # the shim's Abort after a reconnect must not hear "not in flight" as if nothing could write
+            h.send(p.Abort(req_id="a"))
+            aborted = await h.reply(p.Aborted, "a")
+            assert not aborted.safe and "could not be stopped" in aborted.reason
+            h.send(p.Abort(req_id="never-seen"))
+            assert (await h.reply(p.Aborted, "never-seen")).safe
             h.port.fail_post = False
             h.pull("b")
             await h.until_stage("b", "transfer")
