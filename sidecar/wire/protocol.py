@@ -5,9 +5,11 @@ frame (the daemon also accepts a REQ-style empty delimiter frame and then replie
 field tags the union; an unknown type or a bad field raises :class:`DecodeError` naming the problem.
 
 Conversation: ``Hello`` → ``Welcome`` (or ``Error`` on a protocol mismatch), then ``RegisterCaches`` →
-``Registered`` / ``Error``. Each ``Pull`` is answered by exactly one ``Done`` (ok or not), at the latest
-when its deadline passes. ``Abort`` → ``Aborted`` (``safe`` True once nothing can still write into the
-request's blocks; no ``Done`` follows an Aborted). ``Heartbeat`` gets no reply. ``Ping`` → ``Pong``. A
+``Registered`` / ``Error``. Each accepted ``Pull`` is answered by exactly one ``Done`` (ok or not), or by
+one ``Aborted`` when the shim aborted it, at the latest when its deadline passes (plus up to 5 s to stop its
+transfers); a Pull refused at decoding, or naming a req_id already in flight, gets an ``Error`` instead.
+``Abort`` → ``Aborted`` (``safe`` True once nothing can still write into the request's blocks; no ``Done``
+follows an Aborted). ``Heartbeat`` gets no reply. ``Ping`` → ``Pong``. A
 message the daemon cannot decode or serve gets ``Error``.
 
 Completion socket: when ``Welcome.completion_socket`` names one, the shim may connect to it (an AF_UNIX
