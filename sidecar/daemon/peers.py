@@ -220,12 +220,13 @@ class Peers:
         self._spawn(later())
 
     def notify_unread(self, target: PeerTarget, caches: Any, remote_request_id: str) -> None:
-        """A request stopped before its handshake began: handshake (or reuse one) just to notify."""
-        if caches is None:
-            return
+        """A request stopped before its handshake began: notify through the cached handshake, or (when there
+        are caches to be admitted against) one made just to notify."""
         key = (target.engine_id, target.tp_rank)
         entry = self._entries.get(key)
         if entry is None or entry.failed:
+            if caches is None:
+                return  # the prefill's lease frees the blocks
             entry = self.start(target, caches)
         self.notify_when_admitted(entry.task, remote_request_id)
 

@@ -319,16 +319,12 @@ class Pipeline:
             # stopped during the handshakes, or after they ended but before this job resumed from them
             for entry in job.peer_entries:
                 self._peers.notify_when_admitted(entry.task, rid)
-        elif self._stopped_while_queued(job):
-            # the prefill holds the blocks for its lease: handshake (or reuse one) just to notify
+        elif not self._stopping():
+            # stopped or refused before its handshake began: the prefill holds the blocks for its lease, so
+            # tell it through a cached handshake, or one made just for this
             for target in _targets(job, refuse=False):
                 self._peers.notify_unread(target, self._caches.current, rid)
         return safe
-
-    def _stopped_while_queued(self, job: Job) -> bool:
-        stop = job.stop
-        stopped = stop is not None and stop.outcome in (Outcome.ABORTED, Outcome.EXPIRED)
-        return stopped and not self._stopping()
 
     def _answer(self, job: Job, ending: Ending) -> None:
         """Answer the job exactly once and release what it held."""

@@ -899,13 +899,42 @@ def test_only_the_shim_that_registered_the_caches_may_pull_abort_or_unregister()
     run(main())
 
 
-def test_more_block_ids_than_the_caches_hold_are_refused_before_any_work():
+def test_more_block_ids_than_the_caches_hold_are_refused_before_any_read_and_the_prefill_told():
+    """Refused before its handshake: nothing read, but the prefill is told (through a handshake made for
+    that, or the cached one) so it frees the blocks now rather than at its lease's end."""
+
     async def main():
         async with started() as h:
             h.pull("huge", blocks=list(range(B + 1)))
             done = await h.reply(p.Done, "huge")
             assert not done.ok and done.reason.startswith("local_block_ids:"), done
-            assert h.port.connects == 0
+            while "r-huge" not in h.port.notified:
+                await asyncio.sleep(0.002)
+            assert h.port.reads == [] and h.port.connects == 1
+            h.pull("a")
+            assert (await h.reply(p.Done, "a")).ok
+            h.pull("huge-2", blocks=list(range(B + 1)))
+            await h.reply(p.Done, "huge-2")
+            while "r-huge-2" not in h.port.notified:
+                await asyncio.sleep(0.002)
+            assert h.port.connects == 1 and h.port.notified.count("r-huge") == 1  # the cached one
+
+    run(main())
+
+
+def test_a_queued_pull_failed_by_unregister_tells_the_prefill_through_its_cached_handshake():
+    async def main():
+        async with started(max_inflight=1) as h:
+            h.port.auto_land = False
+            h.pull("blocker")
+            await h.until_stage("blocker", "transfer")
+            h.pull("queued")
+            await h.until_stage("queued", "queue")
+            h.send(p.Unregister())
+            assert not (await h.reply(p.Done, "queued")).ok
+            while "r-queued" not in h.port.notified:
+                await asyncio.sleep(0.002)
+            assert h.port.connects == 1
 
     run(main())
 
