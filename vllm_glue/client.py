@@ -455,7 +455,10 @@ class SidecarClient:
             self._phase, self._deadline = "ready", float("inf")
             self._set_state("ready", "registered")
             return
-        if isinstance(msg, p.Error) and msg.req_id is None and self._phase in ("hello", "register"):
+        # an Error about Hello or RegisterCaches (or a frame it could not read) refuses the step; one about a
+        # Heartbeat or Unregister sent before a reconnect does not
+        refusal = msg.in_reply_to in (None, "Hello", "RegisterCaches") if isinstance(msg, p.Error) else False
+        if refusal and msg.req_id is None and self._phase in ("hello", "register"):
             self._refused(f"kv-sidecar refused {msg.in_reply_to or 'a message'}: {msg.reason}", at)
             return
         if isinstance(msg, (p.Done, p.Aborted)) and self._zmq_pulls:

@@ -200,6 +200,23 @@ def test_a_slow_registration_fails_for_now_and_a_late_registered_completes_it(ad
         peer.close()
 
 
+def test_an_error_about_another_message_does_not_refuse_the_registration(address: str) -> None:
+    """An Error about a Heartbeat (or Unregister) of the connection before arriving while RegisterCaches
+    waits for its answer used to be taken as the registration's refusal."""
+    peer = Peer(address)
+    client = SidecarClient(address, hello(), register_msg())
+    try:
+        assert isinstance(peer.recv(), p.Hello)
+        peer.send(p.Welcome(protocol_version=p.PROTOCOL_VERSION, package_version="t", device="cpu"))
+        assert isinstance(peer.recv(), p.RegisterCaches)
+        peer.send(p.Error(reason="say Hello before Heartbeat", in_reply_to="Heartbeat"))
+        peer.send(p.Registered(generation=1, registered_bytes=4096, num_layers=1))
+        assert client.wait_ready(5), client.status_reason
+    finally:
+        client.close()
+        peer.close()
+
+
 def test_protocol_mismatch_fails(address: str) -> None:
     peer = Peer(address)
     client = SidecarClient(address, hello(), register_msg())
