@@ -76,7 +76,8 @@ class Heartbeats:
             self._leases.send(peer, pending)
 
     async def renew_loop(self) -> None:
-        """Renew the leases of requests we hold (queued or reading) that are due."""
+        """Renew the leases that are due of requests we hold past their handshake (a queued one has no prefill
+        rank yet: the shim's own heartbeats renew it, as they do while the request waits for blocks)."""
         while True:
             await asyncio.sleep(min(1.0, self._interval_s() / 2))
             now = time.monotonic()

@@ -95,7 +95,7 @@ class Leases:
 
     The shim heartbeats every request whose prefill lease is running (also while it waits for blocks);
     we forward those heartbeats to the prefill rank, and renew on our own the leases of requests we hold
-    (queued or reading) when they fall due.
+    (once past their handshake) when they fall due.
     """
 
     def __init__(
