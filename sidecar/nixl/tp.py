@@ -59,7 +59,8 @@ def tp_plan(*, local_tp: int, local_rank: int, remote_tp: int, total_kv_heads: i
         return Refusal("page_bytes", "a page must hold whole heads")
     if local_page_bytes // h_local != remote_page_bytes // h_remote:
         return Refusal("page_bytes", f"bytes per head differ: local {local_page_bytes // h_local}, remote "
-                                     f"{remote_page_bytes // h_remote} (block size, head size or dtype)")
+                                     f"{remote_page_bytes // h_remote} (block size, head size or dtype; or "
+                                     "KV heads replicated over the prefill's ranks, not supported)")
     if local_tp >= remote_tp:
         if local_tp % remote_tp:
             return Refusal("local_tp", f"decoder TP {local_tp} is not a multiple of prefill TP {remote_tp}")
