@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from sidecar.ops.socket_files import bind_socket_file
+from sidecar.ops.socket_files import bind_socket_file, unlink_own
 from sidecar.wire import protocol as p
 
 log = logging.getLogger("kv_sidecar.completions")
@@ -78,7 +78,7 @@ class CompletionSocket:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # the caller has checked that no live daemon serves this socket
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        bind_socket_file(lambda: self._listener.bind(path), path, group_gid)
+        self._path_id = bind_socket_file(lambda: self._listener.bind(path), path, group_gid)
         self._listener.listen(64)
         self._listener.setblocking(False)
         loop.add_reader(self._listener.fileno(), self._accept)
@@ -111,8 +111,7 @@ class CompletionSocket:
         with contextlib.suppress(ValueError, OSError):
             self._loop.remove_reader(self._listener.fileno())
         self._listener.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        unlink_own(self.path, self._path_id)
 
     # --------------------------------------------------------------------------------------- loop callbacks
 

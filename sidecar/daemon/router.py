@@ -9,9 +9,7 @@ when it bound one (``completions.py``), else over ZMQ.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +23,7 @@ from sidecar.daemon.jobs import Session
 from sidecar.ops.errors import StartupError
 from sidecar.ops.metrics import Metrics
 from sidecar.ops.ratelog import RateLimitedLog
-from sidecar.ops.socket_files import MAX_UNIX_PATH, bind_socket_file, refuse_if_served
+from sidecar.ops.socket_files import MAX_UNIX_PATH, FileId, bind_socket_file, refuse_if_served, unlink_own
 from sidecar.wire import protocol as p
 
 log = logging.getLogger("kv_sidecar.router")
@@ -48,6 +46,7 @@ class Router:
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._path = ""
+        self._path_id: FileId | None = None
         self.completions: CompletionSocket | None = None
 
     def on(self, kind: type, handler: Handler) -> None:
@@ -74,7 +73,7 @@ class Router:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         try:
-            bind_socket_file(lambda: sock.bind(endpoint), path, gid)
+            self._path_id = bind_socket_file(lambda: sock.bind(endpoint), path, gid)
         except (zmq.ZMQError, OSError) as exc:
             # a bound-but-unclosed ROUTER would hang shutdown in ctx.term()
             sock.close(0)
@@ -206,8 +205,7 @@ class Router:
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path)
+            unlink_own(self._path, self._path_id)
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

@@ -7,22 +7,22 @@ its owner chose its mode. Only a directory created here is made 0700 (0750 with 
 from __future__ import annotations
 
 import contextlib
+import errno
 import grp
 import logging
 import os
+import socket
 import stat
 from collections.abc import Callable
-
-import zmq
 
 from sidecar.daemon.errors import Refused
 from sidecar.ops.config import MAX_UNIX_PATH
 from sidecar.ops.errors import StartupError
-from sidecar.wire import protocol as p
 
 log = logging.getLogger("kv_sidecar.socket_files")
 
-__all__ = ["MAX_UNIX_PATH", "bind_socket_file", "refuse_if_served", "resolve_group", "secure_socket_dir"]
+__all__ = ["MAX_UNIX_PATH", "bind_socket_file", "refuse_if_served", "resolve_group", "secure_socket_dir",
+           "unlink_own"]
 
 
 def secure_socket_dir(path: str, group_gid: int | None) -> bool:
@@ -72,26 +72,39 @@ def resolve_group(name: str) -> int:
 
 
 def refuse_if_served(endpoint: str, path: str) -> None:
-    """Binding an ipc path steals it from a live daemon; ask first (a stale file is simply replaced)."""
+    """Binding an ipc path steals it from a live daemon: refuse while anything listens on it (a stale file
+    is simply replaced). A listening unix socket takes a connection into its backlog even while its daemon's
+    loop is busy (starting, registering caches, shutting down), so this asks the kernel, not the daemon."""
     if not os.path.exists(path):
         return
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    try:
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(endpoint)
-        s.send(p.encode(p.Ping(nonce=1)))
-        if s.poll(300):
-            raise RuntimeError(f"another kv-sidecar already serves {endpoint}")
-    finally:
-        s.close(0)
-        ctx.term()
+    if _listening(path):
+        raise RuntimeError(f"another kv-sidecar already serves {endpoint}")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
 
 
-def bind_socket_file(bind: Callable[[], None], path: str, group_gid: int | None) -> None:
-    """Run ``bind`` (which creates the socket file ``path``) so the file is 0600, or 0660 with the group."""
+def _listening(path: str) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False  # a file nobody listens on
+    except OSError as exc:
+        # a full backlog (EAGAIN, or the timeout) still means someone listens; anything else (not a
+        # socket, no permission) is no daemon of ours
+        return exc.errno == errno.EAGAIN or isinstance(exc, TimeoutError)
+    finally:
+        s.close()
+    return True
+
+
+FileId = tuple[int, int]  # (st_dev, st_ino): which file a path names now
+
+
+def bind_socket_file(bind: Callable[[], None], path: str, group_gid: int | None) -> FileId:
+    """Run ``bind`` (which creates the socket file ``path``) so the file is 0600, or 0660 with the group;
+    returns the file's id, for ``unlink_own``."""
     old = os.umask(0o117 if group_gid is not None else 0o177)  # the socket file is born with its final mode
     try:
         bind()
@@ -100,3 +113,14 @@ def bind_socket_file(bind: Callable[[], None], path: str, group_gid: int | None)
     os.chmod(path, 0o660 if group_gid is not None else 0o600)
     if group_gid is not None:
         os.chown(path, -1, group_gid)
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def unlink_own(path: str, own: FileId | None) -> None:
+    """Remove the socket file at ``path`` if it is still the one this daemon bound: after a stall, another
+    daemon may have replaced it, and removing that one would leave it serving a path nobody can reach."""
+    with contextlib.suppress(FileNotFoundError):
+        st = os.stat(path)
+        if own is not None and (st.st_dev, st.st_ino) == own:
+            os.unlink(path)
