@@ -33,6 +33,7 @@ Handler = Callable[[list[bytes], Session, Any, float], None]
 # The largest message a shim may send: a Pull for a million blocks is ~10 MB. A larger frame makes ZMQ drop
 # the connection rather than hand us something that would block the loop while it is decoded.
 MAX_MESSAGE_BYTES = 64 << 20
+CLOSE_LINGER_MS = 500  # at close, how long answers still queued for a shim may take to go out
 
 
 class Router:
@@ -203,7 +204,7 @@ class Router:
             self.completions.close()
             self.completions = None
         if self._sock is not None:
-            self._sock.close(0)
+            self._sock.close(linger=CLOSE_LINGER_MS)  # the last answers still go out
             self._sock = None
             unlink_own(self._path, self._path_id)
         if self._ctx is not None:
