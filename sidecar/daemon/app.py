@@ -163,14 +163,15 @@ class Daemon:
                 on_closed=self._shim_gone,
             )
             self.health.socket_bound = True
-            self._spawn(self.router.receive_loop())
+            self._spawn(self.router.receive_loop(), essential="receive loop")
         assert self.reads is not None and self.heartbeats is not None and self.mapped is not None
-        loops = [self.poller.loop(), self._tick_loop(), self.heartbeats.renew_loop()]
-        loops.append(self.mapped.release_loop())
+        loops = {"poller": self.poller.loop(), "tick loop": self._tick_loop(),
+                 "lease renewals": self.heartbeats.renew_loop(),
+                 "mapping release": self.mapped.release_loop()}
         if not cfg.nixl_progress_thread:
-            loops.append(self.reads.progress_loop())
-        for coro in loops:
-            self._spawn(coro)
+            loops["NIXL progress"] = self.reads.progress_loop()
+        for name, coro in loops.items():
+            self._spawn(coro, essential=name)
         self._switch_interval = sys.getswitchinterval()  # given back at shutdown (in-process daemons, tests)
         sys.setswitchinterval(cfg.gil_switch_interval_us / 1e6)
         gc.collect()
@@ -350,12 +351,23 @@ class Daemon:
             loop.add_signal_handler(sig, self.request_stop)
         loop.add_signal_handler(signal.SIGHUP, self.reload)
 
-    def _spawn(self, coro: Any) -> asyncio.Task:
+    def _spawn(self, coro: Any, essential: str | None = None) -> asyncio.Task:
+        """A background task, its crash logged. ``essential`` names a loop the daemon cannot serve without:
+        should it ever end, /healthz says so (and a liveness probe or systemd's watchdog restarts us)."""
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         task.add_done_callback(_log_crash)
+        if essential is not None:
+            task.add_done_callback(lambda t: self._essential_ended(essential, t))
         return task
+
+    def _essential_ended(self, name: str, task: asyncio.Task) -> None:
+        if self.health.stopping or task.cancelled():
+            return
+        exc = task.exception()
+        self.health.broken = f"{name} ended: {type(exc).__name__}: {exc}" if exc else f"{name} ended"
+        log.error("%s; /healthz now fails", self.health.broken)
 
     # -- sessions and caches
 

@@ -216,11 +216,14 @@ class Health:
         self.agent_up = False
         self.caches_registered = False
         self.stopping = False
+        self.broken: str | None = None  # a loop the daemon cannot serve without has ended (why)
 
     def tick(self) -> None:
         self.last_tick = time.monotonic()
 
     def healthy(self) -> tuple[bool, str]:
+        if self.broken is not None:
+            return False, self.broken
         age = time.monotonic() - self.last_tick
         if age > self.stall_s:
             return False, f"event loop stalled: no tick for {age:.1f} s"

@@ -286,7 +286,7 @@ def test_deadline_in_every_stage_answers_failed_before_it(stage, blocked_convers
                 assert not done.ok and "convert" in done.reason
             else:
                 done = await h.reply(p.Done, "x")
-                assert time.monotonic() - t0 < 0.25 + 0.1
+                assert time.monotonic() - t0 < 0.25 + 1.0  # by the deadline, not at some later event
                 assert not done.ok and done.reason == f"deadline: 0.25 s passed during {stage}", done
             assert h.daemon.metrics.requests.labels(outcome="expired")._value.get() >= 1
         finally:
@@ -363,16 +363,15 @@ def test_pulls_are_received_and_planned_while_another_request_posts():
     async def main():
         async with started() as h:
             await _posting(h, "a")
-            t0 = time.monotonic()
             h.pull("b")
-            await h.until_stage("b", "transfer")  # through queue, handshake and lease check meanwhile
-            planned = time.monotonic() - t0
-            assert h.answers("a") == [] and planned < 0.5
+            # through queue, handshake and lease check while "a"'s post is held (its gate is still shut):
+            # "b" did not wait behind it, whatever the host's speed
+            await h.until_stage("b", "transfer")
+            assert h.answers("a") == []
             h.port.post_gate.set()
             for req in ("a", "b"):
                 done = await h.reply(p.Done, req)
                 assert done.ok, done
-            assert done.timings["queue"] < 0.05 and done.timings["handshake"] < 0.05, done.timings
             assert h.port.post_threads == ["kv-sidecar-post_0"] * 2  # one poster thread, in order
             assert sorted(h.port.notified) == ["r-a", "r-b"]
 
@@ -547,7 +546,7 @@ def test_notifications_and_heartbeats_during_a_post_go_out_after_it_without_bloc
             t0 = time.monotonic()
             h.daemon.peers.notify(peer, "r-other")
             h.daemon.leases.send(peer, ["r-a"])
-            assert time.monotonic() - t0 < 0.05  # queued behind the post, not waited for
+            assert time.monotonic() - t0 < 1.0  # queued behind the post: waiting would never return
             await asyncio.sleep(0.05)
             assert "r-other" not in h.port.notified and h.port.heartbeats == []
             h.port.post_gate.set()
@@ -1149,7 +1148,7 @@ def test_a_lapsed_lease_start_is_honoured_after_a_heartbeat_named_the_request(he
     the lease at the heartbeat: the Pull is refused either way, nothing read."""
 
     async def main():
-        async with started(lease_s=5.0, lease_margin_s=0.5) as h:
+        async with started(lease_s=5.0, lease_margin_s=0.5, heartbeat_interval_s=1.0) as h:
             if heartbeat_first:
                 h.send(p.Heartbeat(targets=[p.HeartbeatTarget(
                     remote_engine_id="prefill-0", remote_host="127.0.0.1", remote_port=5600,
@@ -1251,3 +1250,25 @@ def test_a_reloaded_max_timeout_caps_the_next_pulls():
             assert h.daemon.jobs.get("a").timeout_s == 2.0
 
     run(main())
+
+
+def test_a_loop_the_daemon_cannot_serve_without_ending_fails_healthz(monkeypatch):
+    """A crashed background loop was only logged: /healthz still said ok (the loop ticked), so nothing
+    restarted a daemon that would never answer again."""
+    from sidecar.daemon import polling
+
+    async def crashed(self):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(polling.Poller, "loop", crashed)
+
+    async def main():
+        async with started() as h:
+            deadline = time.monotonic() + 2
+            while h.daemon.health.healthy()[0]:
+                assert time.monotonic() < deadline, "a dead poller left /healthz ok"
+                await asyncio.sleep(0.01)
+            assert h.daemon.health.healthy() == (False, "poller ended: RuntimeError: injected")
+
+    run(main())
+
