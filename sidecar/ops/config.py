@@ -1,7 +1,7 @@
 """The daemon's configuration: one msgspec Struct, from a TOML file, then KV_SIDECAR_* variables, then flags.
 
 Every key's help text is its ``description`` in the Struct, so ``kv-sidecar serve --help`` cannot drift from
-the code. Errors name the key (and the source: file, variable or flag).
+the code. Errors name the key; a wrong type names its source too (file, variable or flag).
 """
 
 from __future__ import annotations
@@ -366,14 +366,25 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             raise ValueError(f"socket path is {n} bytes, a unix socket path may have at most "
                              f"{MAX_UNIX_PATH}: "
                              f"{self.socket_path}")
-        for key in ("default_timeout_s", "max_timeout_s", "handshake_timeout_s", "lease_s"):
-            if not math.isfinite(getattr(self, key)):
-                raise ValueError(f"{key} must be finite, got {getattr(self, key)}")
+        for key in self.__struct_fields__:  # TOML and float() take inf: no key of ours means it
+            value = getattr(self, key)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{key} must be finite, got {value}")
+        if not self.metrics_host:
+            raise ValueError("metrics_host must not be empty (127.0.0.1: loopback; 0.0.0.0: every address)")
         if self.default_timeout_s > self.max_timeout_s:
             raise ValueError(f"default_timeout_s {self.default_timeout_s:g} must not exceed max_timeout_s "
                              f"{self.max_timeout_s:g}")
         if self.lease_margin_s >= self.lease_s:
             raise ValueError(f"lease_margin_s {self.lease_margin_s} must be below lease_s {self.lease_s}")
+        # vLLM extends a lease to a heartbeat's arrival + lease_s * 2 // 3; vouched for without the margin, a
+        # renewal must come before that runs out, or no lease is ever renewed
+        renewed = int(self.lease_s) * 2 // 3 - self.lease_margin_s
+        if self.heartbeat_interval_s >= renewed:
+            raise ValueError(
+                f"heartbeat_interval_s {self.heartbeat_interval_s:g} must be below lease_s * 2 // 3 - "
+                f"lease_margin_s = {renewed:g}, or leases lapse between heartbeats"
+            )
         if self.pull_mode == "staged" and self.staging_bytes == 0:
             raise ValueError("pull_mode 'staged' needs staging_bytes > 0")
 

@@ -229,7 +229,7 @@ class Running:
 def shared(tmp_path_factory, emulator):
     """One daemon for the tests that need no special settings (daemon starts cost seconds here)."""
     d = Running(tmp_path_factory.mktemp("shared"), "--remotes", remotes_flag(), "--lease-s", "5",
-                "--lease-margin-s", "0.5", "--handshake-timeout-s", "30")
+                "--lease-margin-s", "0.5", "--heartbeat-interval-s", "1", "--handshake-timeout-s", "30")
     assert http(d.proc.metrics_url + "/readyz")[0] == 503
     d.ready(emulator)
     yield d

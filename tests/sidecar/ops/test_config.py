@@ -66,11 +66,27 @@ def test_json_values_in_variables():
     ({"KV_SIDECAR_PULL_MODE": "staged"}, "pull_mode 'staged' needs staging_bytes > 0"),
     ({"KV_SIDECAR_LEASE_S": "2"}, "lease_margin_s 2.0 must be below lease_s 2.0"),
     ({"KV_SIDECAR_LOG_LEVEL": "LOUD"}, "key log_level: Invalid enum value 'LOUD'"),
+    ({"KV_SIDECAR_METRICS_HOST": ""}, "metrics_host must not be empty"),  # it bound every address
+    # renewals that come after the lease they renew ran out: no lease was ever renewed
+    ({"KV_SIDECAR_HEARTBEAT_INTERVAL_S": "18"}, "heartbeat_interval_s 18 must be below lease_s * 2 // 3 - "
+                                                "lease_margin_s = 18"),
+    ({"KV_SIDECAR_LEASE_S": "4"}, "heartbeat_interval_s 5 must be below"),
 ])
 def test_errors_name_the_key(env, needle):
     with pytest.raises(c.ConfigError) as info:
         c.load(environ=env)
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("key", ["shutdown_grace_s", "conversion_max_step_delay_us",
+                                 "gil_switch_interval_us"])
+def test_no_float_key_takes_inf(tmp_path, key):
+    """TOML writes inf; only four keys refused it: a traceback at start (the step delay), a zero GIL
+    switch interval, a shutdown waiting out every deadline."""
+    path = tmp_path / "kv-sidecar.toml"
+    path.write_text(f"{key} = inf\n")
+    with pytest.raises(c.ConfigError, match=f"{key} must be finite, got inf"):
+        c.load(str(path), environ={})
 
 
 def test_file_errors(tmp_path):
