@@ -337,7 +337,13 @@ class Daemon:
             return
         values = msgspec.structs.asdict(self.config)
         values.update({k: getattr(new, k) for k in applied})
-        self.config = Config(**values)
+        try:  # the new live keys beside the running restart-only ones may not hold together
+            merged = Config(**values)
+        except ValueError as exc:
+            log.error("SIGHUP: configuration not reloaded: with the running %s: %s", ", ".join(restart) or
+                      "values", exc)
+            return
+        self.config = merged
         logging.getLogger("kv_sidecar").setLevel(self.config.log_level)
         if self.leases is not None:
             self.leases.tracker.heartbeat_interval_s = self.config.heartbeat_interval_s

@@ -1272,3 +1272,20 @@ def test_a_loop_the_daemon_cannot_serve_without_ending_fails_healthz(monkeypatch
 
     run(main())
 
+
+def test_a_reload_whose_live_keys_do_not_fit_the_running_ones_applies_nothing(caplog):
+    """pull_mode 'staged' (live) with staging_bytes (restart-only) set in the same file: merged with the
+    running staging_bytes = 0 the config is invalid. The ValueError escaped the signal handler, and no other
+    changed key was applied."""
+
+    async def main():
+        async with started() as h:
+            h.reloaded = msgspec.structs.replace(h.daemon.config, pull_mode="staged", staging_bytes=1 << 30,
+                                                 log_level="DEBUG")
+            h.daemon.reload()
+            assert h.daemon.config.pull_mode == "direct" and h.daemon.config.log_level == "INFO"
+            assert "configuration not reloaded" in caplog.text and "staging_bytes" in caplog.text
+            h.pull("a")
+            assert (await h.reply(p.Done, "a")).ok
+
+    run(main())
