@@ -6,9 +6,11 @@ when it begins to shut down. Outside systemd (no $NOTIFY_SOCKET) every call is a
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 
+log = logging.getLogger("kv_sidecar.sdnotify")
 NOTIFY_SOCKET_ENV = "NOTIFY_SOCKET"
 
 
@@ -22,14 +24,20 @@ def notify_address(value: str) -> str:
 
 
 def notify(state: str, *, environ: dict[str, str] | None = None) -> bool:
-    """Send ``state`` (e.g. "READY=1", newline-separated assignments) to systemd; False when not under it."""
+    """Send ``state`` (e.g. "READY=1", newline-separated assignments) to systemd; False when not under it,
+    or when the socket cannot be reached (logged once per call, never raised: as libsystemd, a notification
+    that cannot go out must not stop the daemon, or its shutdown)."""
     value = (os.environ if environ is None else environ).get(NOTIFY_SOCKET_ENV, "")
     if not value:
         return False
-    address = notify_address(value)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-        sock.connect(address)
-        sock.sendall(state.encode())
+    try:
+        address = notify_address(value)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(address)
+            sock.sendall(state.encode())
+    except (OSError, ValueError) as exc:
+        log.warning("sd_notify %s not sent: %s", state.split("\n", 1)[0], exc)
+        return False
     return True
 
 
