@@ -183,8 +183,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError("\n".join(lines))
     from sidecar.ops import config as config_mod
 
-    overrides = config_overrides(args)
-    try:
+    try:  # a flag's bad value is a configuration error like any other: one line, exit 2
+        overrides = config_overrides(args)
         cfg = config_mod.load(args.config, overrides=overrides)
     except config_mod.ConfigError as exc:
         raise CliError(f"configuration: {exc}") from None
