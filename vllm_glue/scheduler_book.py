@@ -129,15 +129,16 @@ class SchedulerBook:
             num_external_tokens,
         )
         if len(local) > len(remote.block_ids):
-            # vLLM allocates for the whole prompt; the prefill's list covers it, so this is a mismatch
-            # upstream.
+            # vLLM allocates for the whole prompt and the prefill's list covers it, so this is a mismatch
+            # upstream (a longer prompt here). Pulled as it is: the daemon refuses it naming
+            # local_block_ids, so the load fails and kv_load_failure_policy applies. (Pulling only the last
+            # blocks once left the first ones unwritten and reported them loaded.)
             log.error(
-                "request %s: %d local blocks but the prefill sent %d; not pulling",
+                "request %s: %d local blocks but the prefill sent %d; its load will be refused",
                 request.request_id,
                 len(local),
                 len(remote.block_ids),
             )
-            local = local[len(local) - len(remote.block_ids) :]
         self._queue_pull(request.request_id, remote, local, awaiting)
 
     def build_step(self) -> StepOrders:

@@ -236,3 +236,17 @@ def test_pull_carries_when_the_lease_started_and_the_token_count() -> None:
     (pull,) = book.build_step().pulls
     assert pull.lease_started_at_ns == int(998.5 * 10**9)
     assert pull.remote.num_tokens == 60
+
+
+def test_more_local_blocks_than_the_prefill_sent_are_pulled_whole_for_the_daemon_to_refuse() -> None:
+    """The shim used to pull only the last len(remote) local blocks and the load came back ok, with the
+    first blocks never written and counted as loaded. Now every local block goes, and the daemon refuses
+    the pairing (local_block_ids), so the load fails and vLLM's failure policy applies."""
+    book = SchedulerBook()
+    req = FakeRequest("r1", params(), prompt_token_ids=list(range(80)))
+    book.on_new_request(req)
+    assert book.get_num_new_matched_tokens(req, 0) == (80, True)
+    book.update_state_after_alloc(req, FakeBlocks(([10, 11, 12, 13, 14],)), 80)
+    (pull,) = book.build_step().pulls
+    assert pull.local_block_ids == [10, 11, 12, 13, 14] and pull.remote.block_ids == [7, 3, 9, 4]
+
