@@ -100,6 +100,7 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
             self.book = SchedulerBook(
                 lease_s=int(self._extra.get("kv_lease_duration", DEFAULT_LEASE_S)),
                 backoff_tokens=_prefill_backoff(vllm_config, kv_cache_config),
+                kv_groups=len(getattr(kv_cache_config, "kv_cache_groups", None) or [None]),
             )
         else:
             rank, tp_size = _tp_rank_and_size(vllm_config)

@@ -37,9 +37,13 @@ class SchedulerBook:
         *,
         lease_s: int = DEFAULT_LEASE_S,
         backoff_tokens: int = 0,
+        kv_groups: int = 1,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
+        """``kv_groups``: the decoder's KV-cache groups (the sidecar reads one; with more, every remote
+        prefill is computed locally and the prefill told to free its blocks)."""
+        self.kv_groups = kv_groups
         # Stock vLLM: heartbeat period is the decoder's kv_lease_duration // 6 (5 s by default).
         self.heartbeat_interval_s = max(0, int(lease_s) // 6)
         self.backoff_tokens = backoff_tokens
@@ -100,6 +104,10 @@ class SchedulerBook:
             parse_remote(params)
         except InvalidParams as e:
             log.warning("request %s: %s; computing its prompt locally", request.request_id, e)
+            return 0, False
+        if self.kv_groups != 1:  # checked here: at allocation, a load vLLM waits for could only fail
+            log.warning("request %s: the decoder has %d KV-cache groups, the sidecar reads one; computing "
+                        "its prompt locally", request.request_id, self.kv_groups)
             return 0, False
         num_prompt = len(request.prompt_token_ids or ())
         if self.backoff_tokens and num_prompt > self.backoff_tokens:

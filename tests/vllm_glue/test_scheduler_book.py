@@ -250,3 +250,14 @@ def test_more_local_blocks_than_the_prefill_sent_are_pulled_whole_for_the_daemon
     (pull,) = book.build_step().pulls
     assert pull.local_block_ids == [10, 11, 12, 13, 14] and pull.remote.block_ids == [7, 3, 9, 4]
 
+
+def test_a_decoder_with_several_kv_groups_computes_locally_and_frees_the_prefill() -> None:
+    """Found out only at allocation, the group count raised InvalidParams out of update_state_after_alloc
+    into vLLM's scheduler (an EngineCore crash), after the request was already waiting for a load."""
+    book = SchedulerBook(kv_groups=2)
+    req = FakeRequest("r1", params())
+    book.on_new_request(req)
+    assert book.get_num_new_matched_tokens(req, 0) == (0, False)
+    book.update_state_after_alloc(req, FakeBlocks(([1, 2], [3, 4])), 0)
+    (pull,) = book.build_step().pulls
+    assert pull.local_block_ids == [] and not pull.awaiting  # the prefill is told to free its blocks
