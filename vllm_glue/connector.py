@@ -41,7 +41,7 @@ except ImportError:  # pragma: no cover - older vLLM has only get_finished
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -117,6 +117,12 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
             atexit.register(self.worker.shutdown)
 
     # ================================================================================== class-level
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """No: sleep remaps the KV cache, and the daemon holds its IPC import and NIXL registration of the
+        old one (loads after a wake-up would report ok into blocks the daemon no longer reaches)."""
+        return False
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
