@@ -35,7 +35,7 @@ from sidecar.nixl.geometry import BlockPairs, GeometryError, StagingPool
 
 log = logging.getLogger("kv_sidecar.reads")
 
-# How long to keep asking NIXL to release a read's transfers before calling its blocks unsafe.
+# How long to wait for a stopped read's transfers to end (and be released) before calling its blocks unsafe.
 RELEASE_GIVE_UP_S = 5.0
 # How long after sending something on NIXL the progress loop keeps calling in (no progress thread).
 PROGRESS_AFTER_SEND_S = 2.0
@@ -206,7 +206,8 @@ class Reads:
             await asyncio.sleep(0.01)
             safe = await self.on_poster(self._port.abort, job.read)
         if not safe:
-            log.error("pull %s: NIXL would not release its transfers; its blocks are unsafe", job.req_id)
+            log.error("pull %s: its transfers neither ended nor could be released within %g s; its blocks "
+                      "are unsafe", job.req_id, RELEASE_GIVE_UP_S)
         return safe
 
     def release(self, job: Job, then: Callable[[], None]) -> None:
