@@ -111,7 +111,7 @@ def soak(work: str, duration_s: float, *, seed: int = 1, batch: int = 32, wave: 
             if log is not None:
                 print(json.dumps({"t": samples[-1]["t"], "fault": fault, **res.as_dict(), **st}), file=log,
                       flush=True)
-        time.sleep(0.5)  # a late write has time to land
+        rig.stop_writers()  # then a late write is caught however late it came
         canary = rig.canary_violations()
     finally:
         rig.close()

@@ -223,6 +223,14 @@ class Rig:
                     bad.append(f"layer {layer} block {b} {name} plane")
         return bad
 
+    def stop_writers(self) -> None:
+        """Stop the daemon and the emulator (both stops are idempotent): after this nothing can write into
+        the decoder, so a canary check then sees every late write, however late."""
+        if self.daemon is not None:
+            self.daemon.stop()
+        if self.emu is not None:
+            self.emu.stop()
+
     def close(self) -> None:
         """Stop whatever is running: the decoder, then the daemon, then the emulator."""
         if self.decoder is not None:

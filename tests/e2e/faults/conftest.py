@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ def open_rig(work: str, **kw: Any) -> Iterator[Rig]:
         r.start_decoder()
         yield r
         if r.decoder is not None:
-            time.sleep(0.3)  # a late write has time to land before the check
+            r.stop_writers()  # then a late write is caught however late it came, not only within a pause
             assert r.canary_violations() == [], r.daemon_log()
     finally:
         r.close()
