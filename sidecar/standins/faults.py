@@ -13,7 +13,6 @@ its request ended (a late or foreign write), or by a pull nobody asked for.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import resource
@@ -147,8 +146,13 @@ class Rig:
         path = os.path.join(self.work, "d.toml")
         with open(path, "w") as f:
             f.write("\n".join(lines) + "\n")
-        with open(os.path.join(self.work, "d.log"), "ab") as log, self._nofile(self.daemon_nofile):
+        with open(os.path.join(self.work, "d.log"), "ab") as log:
             self.daemon = spawn_serve(["--config", path], timeout_s=60.0, env=ENV, stderr=log)
+        if self.daemon_nofile is not None:
+            # set on the running daemon, hard limit too: it raises its soft limit to the hard one at start,
+            # so a limit it inherited would never bite
+            limit = self.daemon_nofile
+            resource.prlimit(self.daemon.proc.pid, resource.RLIMIT_NOFILE, (limit, limit))
         return self.daemon
 
     def kill_daemon(self) -> None:
@@ -169,20 +173,6 @@ class Rig:
                 return "".join(f.readlines()[-lines:])
         except OSError:
             return ""
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _nofile(limit: int | None):
-        """Lower this process's fd limit while a child is started (it inherits it), then restore it."""
-        if limit is None:
-            yield
-            return
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
-        try:
-            yield
-        finally:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
     # ------------------------------------------------------------------------------------------- decoder
 

@@ -99,12 +99,19 @@ def test_foreign_pull_cannot_write_into_decoder_blocks(rig: Rig, hello: bool) ->
 def test_fd_pressure_on_the_completion_socket(tmp_path) -> None:
     """Main: idle connections up to the fd limit make the accept callback spin at 100 % CPU logging
     'accept failed: [Errno 24]', and the next new ZMQ connection aborts the daemon (Too many open files)."""
-    with open_rig(str(tmp_path), daemon_nofile=256) as rig:
+    # max_connections above the fd limit: else it closes the extra connections before the limit is reached,
+    # and accept's EMFILE path never runs (the daemon raises its soft limit to the hard one at start, so
+    # the rig sets both on the running daemon)
+    with open_rig(str(tmp_path), daemon_nofile=256, daemon_extra="max_connections = 1000") as rig:
         path = rig.socket.removeprefix("ipc://") + ".done"
         idle = []
         try:
             idle = open_idle(path, 400, 10.0)
             log = os.path.join(rig.work, "d.log")
+            deadline = time.monotonic() + 10.0
+            while "accept failed: [Errno 24]" not in rig.daemon_log(lines=100_000):
+                assert time.monotonic() < deadline, "the daemon never ran out of fds: " + rig.daemon_log()
+                time.sleep(0.05)
             size0 = os.path.getsize(log)
             cpu0 = _cpu_s(rig.daemon.proc.pid)
             time.sleep(1.0)
