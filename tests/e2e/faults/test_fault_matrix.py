@@ -35,6 +35,7 @@ def assert_answered(res, rig: Rig) -> None:
     assert res.unanswered == [], (res.as_dict(), rig.daemon_log())
     assert res.mismatched == []
     assert all(r for r in res.failed.values())
+    assert res.aborted == 0, res.as_dict()  # none aborted here: one would be a pull whose outcome got lost
 
 
 def test_daemon_kill9_mid_batch_then_restart(rig: Rig) -> None:
@@ -52,7 +53,8 @@ def test_daemon_kill9_mid_batch_then_restart(rig: Rig) -> None:
 def test_prefill_kill9_mid_batch_then_restart(rig: Rig, same: bool) -> None:
     res = rig.batch(48, wave=8, fault=rig.kill_emulator, fault_after_wave=2, timeout_s=60)
     assert_answered(res, rig)
-    assert set(res.causes) <= {"prefill", "deadline", "lease", "other"}, res.failed
+    assert res.failed, "nothing failed: the prefill died before any pull needed it?"
+    assert set(res.causes) <= {"prefill", "deadline", "lease"}, res.failed  # every failure has a known cause
     rig.restart_emulator(same=same)
     assert_all_ok(rig.batch(24), rig, 24)
 
@@ -125,7 +127,7 @@ def test_garbage_and_bursts_on_both_sockets(rig: Rig) -> None:
             if replies >= 2000:
                 break
         burst_s = time.monotonic() - t0
-        assert replies >= 1500, replies  # every decodable-or-not frame is answered (Error or Pong)
+        assert replies == 2000, replies  # every frame, decodable or not, is answered (Error or Pong)
         # The completion socket: garbage packets, unbound connections opened and dropped.
         for i in range(200):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
