@@ -366,6 +366,8 @@ def test_abort_right_behind_its_pull_still_frees_the_prefill(shared, emulator):
     d.shim.send(pull_of(r.kv_transfer_params, "ab-2", [27, 28, 29]))
     d.shim.send(p.Abort(req_id="ab-2"))  # same batch: the pull may not even have started
     reply = d.shim.recv()
+    # what the blocks hold once answered (a part may have landed before the abort): nothing may change it
+    answered = [d.decoder.layer(i).clone() for i in range(L)]
     assert reply.req_id == "ab-2"
     if isinstance(reply, p.Aborted):
         assert reply.safe
@@ -375,6 +377,8 @@ def test_abort_right_behind_its_pull_still_frees_the_prefill(shared, emulator):
         assert isinstance(late, p.Aborted) and late.safe and "not in flight" in late.reason
     assert isinstance(d.shim.ask(p.Ping(nonce=3)), p.Pong)  # and nothing else
     emulator.client.wait_state(r.kv_transfer_params["remote_request_id"], "freed_by_notif", 10)
+    time.sleep(0.2)  # the prefill is free and its pages may be reused: a read still held would land now
+    assert all(torch.equal(d.decoder.layer(i), answered[i]) for i in range(L)), "written after the answer"
 
 
 @pytest.mark.e2e
