@@ -199,7 +199,7 @@ def test_daemon_down_fails_loads_cleanly_then_recovers(work, emulator, make_stan
         t0 = time.monotonic()
         standin.pull([order])
         got = standin.wait({"down-1"}, 5)
-        assert time.monotonic() - t0 < 1.0  # failed at once, not at a deadline
+        assert time.monotonic() - t0 < 4.0  # failed at once, not at the pull's 30 s deadline
         assert not got["down-1"].ok and "kv-sidecar" in got["down-1"].reason
         assert standin.reported("down-1") == [(True, set(order.local_block_ids))]
         # The daemon comes back on the same socket: the shim says Hello and registers again by itself.

@@ -43,7 +43,7 @@ def test_daemon_kill9_mid_batch_then_restart(rig: Rig) -> None:
     assert_answered(res, rig)
     assert res.failed, "nothing was in flight when the daemon died"
     assert set(res.causes) <= {"daemon_gone", "daemon_unavailable"}, res.failed
-    assert res.answered_after_fault_s is not None and res.answered_after_fault_s < 2.0
+    assert res.answered_after_fault_s is not None and res.answered_after_fault_s < 5.0  # not the deadlines
     rig.start_daemon()
     assert rig.wait_ready(20)
     assert_all_ok(rig.batch(24), rig, 24)

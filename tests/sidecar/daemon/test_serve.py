@@ -337,8 +337,10 @@ def test_deadline_is_honoured_against_a_prefill_that_never_answers(shared, silen
     elapsed = time.monotonic() - t0
     assert isinstance(done, p.Done) and not done.ok
     assert done.reason.startswith("deadline: 1 s passed during handshake"), done.reason
-    assert 0.9 <= done.timings["end_to_end"] <= 1.0, done.timings  # the daemon answered by the deadline
-    assert elapsed < 1.5, elapsed  # (and the reply travelled; slack for a loaded 2-core host)
+    # answered at its deadline (it fires 20 ms early; a loaded 2-core host's loop may lag past that, and the
+    # shim waits 5 s past the deadline before giving up, so only "about 1 s" is asserted here)
+    assert 0.9 <= done.timings["end_to_end"] <= 1.5, done.timings
+    assert elapsed < 2.5, elapsed
     assert d.decoder.untouched([25, 26])
     assert d.metric('kv_sidecar_requests_total{outcome="expired"}') == before + 1
 
@@ -352,7 +354,7 @@ def test_abort_is_confirmed_and_no_done_follows(shared, silent_prefill):
     t0 = time.monotonic()
     reply = d.shim.ask(p.Abort(req_id="ab-1"))
     assert isinstance(reply, p.Aborted) and reply.req_id == "ab-1" and reply.safe
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 3.0  # at once, not at the pull's 10 s deadline
     assert isinstance(d.shim.ask(p.Ping(nonce=2)), p.Pong)  # and no Done in between
     unknown = d.shim.ask(p.Abort(req_id="never"))
     assert isinstance(unknown, p.Aborted) and unknown.safe and "not in flight" in unknown.reason
@@ -516,7 +518,7 @@ def test_overload_then_sigterm_fails_in_flight_pulls_and_exits(daemon_factory, e
     d.shim.send(silent_pull(silent_prefill, "b", 30.0))
     t0 = time.monotonic()
     done = d.shim.ask(silent_pull(silent_prefill, "c", 30.0))
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 5.0  # refused at once, not at the 30 s deadline
     assert done.req_id == "c" and not done.ok and done.reason.startswith("overloaded"), done
     assert d.metric('kv_sidecar_requests_total{outcome="refused"}') == 1
     assert d.metric("kv_sidecar_requests_in_flight") == 2
