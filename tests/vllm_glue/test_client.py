@@ -72,11 +72,16 @@ class Peer:
     def send(self, msg: p.ToShim) -> None:
         self.sock.send_multipart([self.identity, p.encode(msg)])
 
-    def welcome_and_register(self) -> p.RegisterCaches:
+    def welcome_until_register(self) -> p.RegisterCaches:
+        """Answer the Hello; return the RegisterCaches that follows (not answered yet)."""
         assert isinstance(self.recv(), p.Hello)
         self.send(p.Welcome(protocol_version=p.PROTOCOL_VERSION, package_version="t", device="cpu"))
         reg = self.recv()
         assert isinstance(reg, p.RegisterCaches)
+        return reg
+
+    def welcome_and_register(self) -> p.RegisterCaches:
+        reg = self.welcome_until_register()
         self.send(p.Registered(generation=1, registered_bytes=4096, num_layers=1))
         return reg
 
@@ -160,9 +165,7 @@ def test_refused_registration_fails_with_the_reason(address: str) -> None:
     peer = Peer(address)
     client = SidecarClient(address, hello(), register_msg())
     try:
-        assert isinstance(peer.recv(), p.Hello)
-        peer.send(p.Welcome(protocol_version=p.PROTOCOL_VERSION, package_version="t", device="cpu"))
-        assert isinstance(peer.recv(), p.RegisterCaches)
+        peer.welcome_until_register()
         peer.send(p.Error(reason="page_format: no plan", in_reply_to="RegisterCaches"))
         assert not client.wait_ready(5)
         assert client.state == "failed" and "page_format: no plan" in client.status_reason
@@ -181,9 +184,7 @@ def test_a_slow_registration_fails_for_now_and_a_late_registered_completes_it(ad
     peer = Peer(address)
     client = SidecarClient(address, hello(), register_msg(), reply_timeout_s=5.0, register_timeout_s=0.3)
     try:
-        assert isinstance(peer.recv(), p.Hello)
-        peer.send(p.Welcome(protocol_version=p.PROTOCOL_VERSION, package_version="t", device="cpu"))
-        assert isinstance(peer.recv(), p.RegisterCaches)
+        peer.welcome_until_register()
         t0 = time.monotonic()
         assert not client.wait_ready(5)
         assert time.monotonic() - t0 < 3.0  # the register timeout (0.3 s), not reply_timeout_s (5 s)
@@ -206,9 +207,7 @@ def test_an_error_about_another_message_does_not_refuse_the_registration(address
     peer = Peer(address)
     client = SidecarClient(address, hello(), register_msg())
     try:
-        assert isinstance(peer.recv(), p.Hello)
-        peer.send(p.Welcome(protocol_version=p.PROTOCOL_VERSION, package_version="t", device="cpu"))
-        assert isinstance(peer.recv(), p.RegisterCaches)
+        peer.welcome_until_register()
         peer.send(p.Error(reason="say Hello before Heartbeat", in_reply_to="Heartbeat"))
         peer.send(p.Registered(generation=1, registered_bytes=4096, num_layers=1))
         assert client.wait_ready(5), client.status_reason
