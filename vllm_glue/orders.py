@@ -116,3 +116,25 @@ def parse_remote(params: Mapping[str, Any]) -> RemoteRef:
         )
     except msgspec.ValidationError as e:
         raise InvalidParams(f"kv_transfer_params: {e}") from None
+
+
+def notify_ref(params: Mapping[str, Any]) -> RemoteRef | None:
+    """The prefill to tell to free a request's blocks when its params cannot be read from (``parse_remote``
+    refused them: several KV-cache groups, pipeline parallelism, a bad block list): its address and request
+    id, no blocks. None when those are not usable either (then the prefill's lease frees the blocks)."""
+    try:
+        return msgspec.convert(
+            {
+                "engine_id": params.get("remote_engine_id"),
+                "host": params.get("remote_host"),
+                "port": params.get("remote_port"),
+                "request_id": params.get("remote_request_id"),
+                "block_ids": [],
+                "tp_size": params.get("tp_size") or 1,
+                "registration_generation": params.get("remote_registration_generation") or 0,
+            },
+            RemoteRef,
+            strict=True,
+        )
+    except msgspec.ValidationError:
+        return None

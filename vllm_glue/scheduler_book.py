@@ -14,7 +14,15 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from vllm_glue.orders import HeartbeatOrder, InvalidParams, PullOrder, RemoteRef, StepOrders, parse_remote
+from vllm_glue.orders import (
+    HeartbeatOrder,
+    InvalidParams,
+    PullOrder,
+    RemoteRef,
+    StepOrders,
+    notify_ref,
+    parse_remote,
+)
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +132,9 @@ class SchedulerBook:
         params["do_remote_prefill"] = False
         try:
             remote = parse_remote(params)
-        except InvalidParams:
+        except InvalidParams:  # computed locally (get_num_new_matched_tokens said so): free the prefill
             self._stop_heartbeat(request.request_id)
-            self._first_seen_ns.pop(request.request_id, None)
+            self._notify_only(request.request_id, params)
             return
         awaiting = num_external_tokens > 0
         local = unhashed_block_ids(blocks) if awaiting else []
@@ -175,10 +183,7 @@ class SchedulerBook:
             # Finished before it was ever allocated (e.g. aborted while waiting): let the prefill free its
             # blocks.
             params["do_remote_prefill"] = False
-            try:
-                self._queue_pull(req_id, parse_remote(params), [], awaiting=False)
-            except InvalidParams:
-                self._first_seen_ns.pop(req_id, None)
+            self._notify_only(req_id, params)
             return False, None
         self._first_seen_ns.pop(req_id, None)
         if req_id in self._loading:
@@ -193,6 +198,18 @@ class SchedulerBook:
         self._pending_pulls.append(PullOrder(req_id, remote, list(local), awaiting, started))
         if awaiting:
             self._loading.add(req_id)
+
+    def _notify_only(self, req_id: str, params: dict[str, Any]) -> None:
+        """A pull of no blocks, so the prefill frees the request's blocks now rather than at its lease's
+        end; from the address alone when the rest of the params cannot be read (if that cannot: nothing)."""
+        try:
+            remote: RemoteRef | None = parse_remote(params)
+        except InvalidParams:
+            remote = notify_ref(params)
+        if remote is None:
+            self._first_seen_ns.pop(req_id, None)
+            return
+        self._queue_pull(req_id, remote, [], awaiting=False)
 
     def _stop_heartbeat(self, req_id: str) -> None:
         self._heartbeats.pop(req_id, None)

@@ -261,3 +261,26 @@ def test_a_decoder_with_several_kv_groups_computes_locally_and_frees_the_prefill
     book.update_state_after_alloc(req, FakeBlocks(([1, 2], [3, 4])), 0)
     (pull,) = book.build_step().pulls
     assert pull.local_block_ids == [] and not pull.awaiting  # the prefill is told to free its blocks
+
+
+@pytest.mark.parametrize("change", [dict(remote_block_ids=[[1, 2], [3, 4]]), dict(pp_size=2),
+                                    dict(remote_block_ids=[[7, -3]])])
+def test_params_computed_locally_still_free_the_prefills_blocks(change) -> None:
+    """Refused params (several groups, pipeline parallelism, a bad id) told the prefill nothing, at
+    allocation or at finish: it held the blocks for its lease (with a hybrid model, every request's)."""
+    book = SchedulerBook()
+    req = FakeRequest("r1", params(**change))
+    book.on_new_request(req)
+    assert book.get_num_new_matched_tokens(req, 0) == (0, False)
+    book.update_state_after_alloc(req, FakeBlocks(([5, 6],)), 0)
+    (pull,) = book.build_step().pulls
+    assert pull.local_block_ids == [] and not pull.awaiting and pull.remote.block_ids == []
+    assert pull.remote.request_id == "cmpl-1-abc" and pull.remote.port == 5600
+    aborted = FakeRequest("r2", params(**change))  # finished before it was ever allocated
+    book.on_new_request(aborted)
+    assert book.request_finished(aborted) == (False, None)
+    (pull,) = book.build_step().pulls
+    assert pull.req_id == "r2" and not pull.awaiting
+    unusable = FakeRequest("r3", params(**change, remote_port=0))  # not even an address: the lease frees them
+    book.update_state_after_alloc(unusable, FakeBlocks(([5],)), 0)
+    assert book.build_step().pulls == []
