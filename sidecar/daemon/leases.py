@@ -5,9 +5,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger("kv_sidecar.leases")
+
+
+@dataclass
+class _Lease:
+    """One request's lease as we can vouch for it."""
+
+    started: float  # the earliest start anyone reported
+    until: float  # vouched for until then
+    last_beat: float  # the last heartbeat that counted (the start before any)
+    beats: list[float] = field(default_factory=list)  # heartbeats that counted, in order
 
 
 class LeaseTracker:
@@ -35,37 +46,40 @@ class LeaseTracker:
         self.extension_s = float(int(lease_s) * 2 // 3) if extension_s is None else extension_s
         self.margin_s = margin_s
         self.heartbeat_interval_s = heartbeat_interval_s
-        self._until: dict[str, float] = {}
-        self._last_beat: dict[str, float] = {}
-        self._started: dict[str, float] = {}  # the earliest start anyone reported
-        self._beats: dict[str, list[float]] = {}  # heartbeats that counted, in order
+        self._leases: dict[str, _Lease] = {}
 
     def seen(self, req_id: str, started: float) -> None:
         """Track ``req_id`` from the earliest start reported. A shim Heartbeat can name a request before its
         Pull does, and the Pull's ``lease_started_at_ns`` may be seconds earlier: the lease is counted from
         that, and the heartbeats sent meanwhile are counted again against it (a late one proves nothing)."""
-        first = self._started.get(req_id)
-        if first is not None and first <= started:
+        lease = self._leases.get(req_id)
+        if lease is not None and lease.started <= started:
             return
-        self._started[req_id] = started
         until = started + self.lease_s - self.margin_s
-        for t in self._beats.get(req_id, ()):
+        for t in lease.beats if lease is not None else ():
             if t < until:
-                until = max(until, t + self.extension_s - self.margin_s)
-        self._until[req_id] = until
-        self._last_beat.setdefault(req_id, started)
+                until = self._renewed(until, t)
+        if lease is None:
+            self._leases[req_id] = _Lease(started, until, last_beat=started)
+        else:
+            lease.started, lease.until = started, until
 
     def heartbeat_sent(self, req_ids: Iterable[str], now: float) -> None:
         for req_id in req_ids:
-            until = self._until.get(req_id)
-            if until is None or now >= until:
+            lease = self._leases.get(req_id)
+            if lease is None or now >= lease.until:
                 continue  # unknown, or too late to count
-            self._until[req_id] = max(until, now + self.extension_s - self.margin_s)
-            self._last_beat[req_id] = now
-            self._beats.setdefault(req_id, []).append(now)
+            lease.until = self._renewed(lease.until, now)
+            lease.last_beat = now
+            lease.beats.append(now)
+
+    def _renewed(self, until: float, beat: float) -> float:
+        """What a heartbeat sent at ``beat`` (in time) makes of a lease vouched for until ``until``."""
+        return max(until, beat + self.extension_s - self.margin_s)
 
     def vouched_until(self, req_id: str) -> float:
-        return self._until.get(req_id, float("-inf"))
+        lease = self._leases.get(req_id)
+        return float("-inf") if lease is None else lease.until
 
     def check(self, req_id: str, now: float) -> bool:
         """True while the prefill still holds ``req_id``'s blocks for sure."""
@@ -75,19 +89,18 @@ class LeaseTracker:
         """Requests that need a heartbeat now (still vouched, last one older than the interval)."""
         return [
             r
-            for r, last in self._last_beat.items()
-            if now - last >= self.heartbeat_interval_s and now < self._until[r]
+            for r, lease in self._leases.items()
+            if now - lease.last_beat >= self.heartbeat_interval_s and now < lease.until
         ]
 
     def forget(self, req_id: str) -> None:
-        for known in (self._until, self._last_beat, self._started, self._beats):
-            known.pop(req_id, None)
+        self._leases.pop(req_id, None)
 
     def __contains__(self, req_id: object) -> bool:
-        return req_id in self._until
+        return req_id in self._leases
 
     def __len__(self) -> int:
-        return len(self._until)
+        return len(self._leases)
 
 
 class Leases:
