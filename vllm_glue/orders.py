@@ -100,20 +100,7 @@ def parse_remote(params: Mapping[str, Any]) -> RemoteRef:
     if pp_size != 1:
         raise InvalidParams(f"pp_size {pp_size}: prefills with pipeline parallelism are not supported")
     try:
-        return msgspec.convert(
-            {
-                "engine_id": params["remote_engine_id"],
-                "host": params["remote_host"],
-                "port": params["remote_port"],
-                "request_id": params["remote_request_id"],
-                "block_ids": list(groups[0]),
-                "tp_size": params.get("tp_size") or 1,
-                "registration_generation": params.get("remote_registration_generation") or 0,
-                "num_tokens": params.get("remote_num_tokens"),
-            },
-            RemoteRef,
-            strict=True,
-        )
+        return _ref(params, list(groups[0]), params.get("remote_num_tokens"))
     except msgspec.ValidationError as e:
         raise InvalidParams(f"kv_transfer_params: {e}") from None
 
@@ -123,18 +110,24 @@ def notify_ref(params: Mapping[str, Any]) -> RemoteRef | None:
     refused them: several KV-cache groups, pipeline parallelism, a bad block list): its address and request
     id, no blocks. None when those are not usable either (then the prefill's lease frees the blocks)."""
     try:
-        return msgspec.convert(
-            {
-                "engine_id": params.get("remote_engine_id"),
-                "host": params.get("remote_host"),
-                "port": params.get("remote_port"),
-                "request_id": params.get("remote_request_id"),
-                "block_ids": [],
-                "tp_size": params.get("tp_size") or 1,
-                "registration_generation": params.get("remote_registration_generation") or 0,
-            },
-            RemoteRef,
-            strict=True,
-        )
+        return _ref(params, [], None)
     except msgspec.ValidationError:
         return None
+
+
+def _ref(params: Mapping[str, Any], block_ids: list[Any], num_tokens: Any) -> RemoteRef:
+    """The RemoteRef of ``params`` with these blocks, checked (msgspec.ValidationError naming the field)."""
+    return msgspec.convert(
+        {
+            "engine_id": params.get("remote_engine_id"),
+            "host": params.get("remote_host"),
+            "port": params.get("remote_port"),
+            "request_id": params.get("remote_request_id"),
+            "block_ids": block_ids,
+            "tp_size": params.get("tp_size") or 1,
+            "registration_generation": params.get("remote_registration_generation") or 0,
+            "num_tokens": num_tokens,
+        },
+        RemoteRef,
+        strict=True,
+    )

@@ -134,7 +134,7 @@ class SchedulerBook:
             remote = parse_remote(params)
         except InvalidParams:  # computed locally (get_num_new_matched_tokens said so): free the prefill
             self._stop_heartbeat(request.request_id)
-            self._notify_only(request.request_id, params)
+            self._notify_only(request.request_id, notify_ref(params))
             return
         awaiting = num_external_tokens > 0
         local = unhashed_block_ids(blocks) if awaiting else []
@@ -183,7 +183,11 @@ class SchedulerBook:
             # Finished before it was ever allocated (e.g. aborted while waiting): let the prefill free its
             # blocks.
             params["do_remote_prefill"] = False
-            self._notify_only(req_id, params)
+            try:
+                remote: RemoteRef | None = parse_remote(params)
+            except InvalidParams:
+                remote = notify_ref(params)
+            self._notify_only(req_id, remote)
             return False, None
         self._first_seen_ns.pop(req_id, None)
         if req_id in self._loading:
@@ -199,13 +203,9 @@ class SchedulerBook:
         if awaiting:
             self._loading.add(req_id)
 
-    def _notify_only(self, req_id: str, params: dict[str, Any]) -> None:
+    def _notify_only(self, req_id: str, remote: RemoteRef | None) -> None:
         """A pull of no blocks, so the prefill frees the request's blocks now rather than at its lease's
-        end; from the address alone when the rest of the params cannot be read (if that cannot: nothing)."""
-        try:
-            remote: RemoteRef | None = parse_remote(params)
-        except InvalidParams:
-            remote = notify_ref(params)
+        end (None: not even an address to tell; its lease frees them)."""
         if remote is None:
             self._first_seen_ns.pop(req_id, None)
             return
