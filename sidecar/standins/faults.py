@@ -225,10 +225,7 @@ class Rig:
         """Stop whatever is running: the decoder, then the daemon, then the emulator."""
         if self.decoder is not None:
             self.decoder.close()
-        if self.daemon is not None:
-            self.daemon.stop()
-        if self.emu is not None:
-            self.emu.stop()
+        self.stop_writers()
 
     # ------------------------------------------------------------------------------------------- load
 
