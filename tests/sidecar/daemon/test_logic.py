@@ -116,6 +116,13 @@ class Harness:
             assert time.monotonic() < deadline, f"{taken} staging slots still taken"
             await asyncio.sleep(0.002)
 
+    async def until_notified(self, remote_request_id: str, timeout: float = 2.0) -> None:
+        """Until the prefill was told it may free the request's blocks."""
+        deadline = time.monotonic() + timeout
+        while remote_request_id not in self.port.notified:
+            assert time.monotonic() < deadline, f"{remote_request_id} never notified: {self.port.notified}"
+            await asyncio.sleep(0.002)
+
     async def until_stage(self, req_id: str, stage: str, timeout: float = 2.0) -> None:
         deadline = time.monotonic() + timeout
         while self.job_stage(req_id) != stage:
@@ -254,10 +261,7 @@ def test_abort_in_every_stage_is_answered_aborted_safe_and_the_prefill_freed(sta
             aborted = await h.reply(p.Aborted, "x")
             assert aborted.safe, aborted
             assert not [m for m in h.answers("x") if isinstance(m, p.Done)]
-            deadline = time.monotonic() + 2
-            while "r-x" not in h.port.notified:  # the prefill frees the blocks now, not at its lease's end
-                assert time.monotonic() < deadline, h.port.notified
-                await asyncio.sleep(0.005)
+            await h.until_notified("r-x")  # the prefill frees the blocks now, not at its lease's end
             assert h.daemon.metrics.requests.labels(outcome="aborted")._value.get() == 1
         finally:
             h.port.handshake_gate = None
@@ -815,8 +819,7 @@ def test_a_refused_handshake_is_answered_naming_the_field_and_not_cached():
             h.pull("a")
             done = await h.reply(p.Done, "a")
             assert not done.ok and done.reason.startswith("remote page format:"), done
-            while "r-a" not in h.port.notified:  # refused, but told at once: its blocks are freed now
-                await asyncio.sleep(0.002)
+            await h.until_notified("r-a")  # refused, but told at once: its blocks are freed now
             h.port.refuse_handshake = None
             h.pull("b")
             assert (await h.reply(p.Done, "b")).ok
@@ -907,15 +910,13 @@ def test_more_block_ids_than_the_caches_hold_are_refused_before_any_read_and_the
             h.pull("huge", blocks=list(range(B + 1)))
             done = await h.reply(p.Done, "huge")
             assert not done.ok and done.reason.startswith("local_block_ids:"), done
-            while "r-huge" not in h.port.notified:
-                await asyncio.sleep(0.002)
+            await h.until_notified("r-huge")
             assert h.port.reads == [] and h.port.connects == 1
             h.pull("a")
             assert (await h.reply(p.Done, "a")).ok
             h.pull("huge-2", blocks=list(range(B + 1)))
             await h.reply(p.Done, "huge-2")
-            while "r-huge-2" not in h.port.notified:
-                await asyncio.sleep(0.002)
+            await h.until_notified("r-huge-2")
             assert h.port.connects == 1 and h.port.notified.count("r-huge") == 1  # the cached one
 
     run(main())
@@ -931,8 +932,7 @@ def test_a_queued_pull_failed_by_unregister_tells_the_prefill_through_its_cached
             await h.until_stage("queued", "queue")
             h.send(p.Unregister())
             assert not (await h.reply(p.Done, "queued")).ok
-            while "r-queued" not in h.port.notified:
-                await asyncio.sleep(0.002)
+            await h.until_notified("r-queued")
             assert h.port.connects == 1
 
     run(main())
