@@ -99,11 +99,6 @@ def wait_events(client: SidecarClient, n: int, timeout_s: float = 5.0) -> list:
     return got
 
 
-@pytest.fixture
-def address(tmp_path) -> str:
-    return f"ipc://{tmp_path}/d.sock"
-
-
 def test_hello_register_pull_done(address: str) -> None:
     peer = Peer(address)
     client = SidecarClient(address, hello(), register_msg())

@@ -4,14 +4,16 @@ of test_client.py (and a peer in a subprocess, killed with SIGKILL, for the pidf
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
+from typing import Any
 
-import pytest
 import zmq
 
 from sidecar.wire import protocol as p
@@ -21,9 +23,11 @@ from vllm_glue.orders import PullOrder, RemoteRef, StepOrders
 from vllm_glue.worker import WorkerHalf
 
 
-def order(req_id: str, blocks: list[int]) -> PullOrder:
-    remote = RemoteRef(engine_id="e", host="127.0.0.1", port=5600, request_id=f"{req_id}-p", block_ids=[1])
-    return PullOrder(req_id=req_id, remote=remote, local_block_ids=blocks, awaiting=True)
+def order(req_id: str, blocks: list[int], **remote: Any) -> PullOrder:
+    """A pull of ``blocks`` from a prefill at 127.0.0.1:5600 (``remote``: more RemoteRef fields)."""
+    ref = RemoteRef(engine_id="e", host="127.0.0.1", port=5600, request_id=f"{req_id}-p", block_ids=[1],
+                    **remote)
+    return PullOrder(req_id=req_id, remote=ref, local_block_ids=blocks, awaiting=True)
 
 
 def connected(address: str, peer: Peer) -> WorkerHalf:
@@ -35,6 +39,18 @@ def connected(address: str, peer: Peer) -> WorkerHalf:
     return w
 
 
+@contextlib.contextmanager
+def session(address: str) -> Iterator[tuple[Peer, WorkerHalf]]:
+    """A scripted daemon and a worker half registered with it, both closed on the way out."""
+    peer = Peer(address)
+    w = connected(address, peer)
+    try:
+        yield peer, w
+    finally:
+        w.shutdown()
+        peer.close()
+
+
 def wait_until(cond, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
@@ -44,11 +60,6 @@ def wait_until(cond, timeout_s: float = 5.0) -> None:
 
 def recv_all(peer: Peer, n: int) -> list[p.ToDaemon]:
     return [peer.recv() for _ in range(n)]
-
-
-@pytest.fixture
-def address(tmp_path) -> str:
-    return f"ipc://{tmp_path}/d.sock"
 
 
 def test_reconnect_before_the_next_step_fails_only_the_old_connections_loads(address: str) -> None:

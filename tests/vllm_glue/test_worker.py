@@ -3,69 +3,40 @@ request's heartbeat. Real ZMQ ipc against the scripted ROUTER peer of test_clien
 
 from __future__ import annotations
 
-import pytest
-
 from sidecar.wire import protocol as p
-from tests.vllm_glue.test_client import Peer
-from tests.vllm_glue.test_reconnect import connected, wait_until
-from vllm_glue.orders import HeartbeatOrder, PullOrder, RemoteRef, StepOrders
-
-
-@pytest.fixture
-def address(tmp_path) -> str:
-    return f"ipc://{tmp_path}/d.sock"
-
-
-def order(req_id: str, blocks: list[int], **remote) -> PullOrder:
-    ref = RemoteRef(engine_id="e", host="127.0.0.1", port=5600, request_id=f"{req_id}-p", block_ids=[1],
-                    **remote)
-    return PullOrder(req_id=req_id, remote=ref, local_block_ids=blocks, awaiting=True)
+from tests.vllm_glue.test_reconnect import order, session, wait_until
+from vllm_glue.orders import HeartbeatOrder, StepOrders
 
 
 def test_a_pull_that_cannot_be_encoded_fails_its_load_and_the_step_goes_on(address: str) -> None:
     """An int msgpack cannot carry (built past parse_remote's checks) raised OverflowError out of the step,
     into vLLM, with the load still tracked and the step's later pulls never sent."""
-    peer = Peer(address)
-    w = connected(address, peer)
-    try:
+    with session(address) as (peer, w):
         w.start_step(StepOrders(pulls=[order("big", [3], num_tokens=10**30), order("ok", [4])]))
         got = peer.recv()
         assert isinstance(got, p.Pull) and got.req_id == "ok"
         res = w.transfer_results()
         assert "big" in res.finished and "big" in res.failed and w.load_errors() == {3}
-    finally:
-        w.shutdown()
-        peer.close()
 
 
 def test_a_heartbeat_target_the_daemon_would_refuse_is_left_out_alone(address: str) -> None:
     """One target the daemon would refuse used to drop the step's whole Heartbeat: every prefill's leases."""
-    peer = Peer(address)
-    w = connected(address, peer)
-    try:
+    with session(address) as (peer, w):
         good = HeartbeatOrder(engine_id="e", host="127.0.0.1", port=5600, tp_size=1, remote_request_ids=["a"])
         bad = HeartbeatOrder(engine_id="f", host="127.0.0.1", port=0, tp_size=1, remote_request_ids=["b"])
         w.start_step(StepOrders(heartbeats=[bad, good]))
         got = peer.recv()
         assert isinstance(got, p.Heartbeat)
         assert [(t.remote_engine_id, t.remote_request_ids) for t in got.targets] == [("e", ["a"])]
-    finally:
-        w.shutdown()
-        peer.close()
 
 
 def test_an_unsafe_done_keeps_the_blocks_from_vllm(address: str) -> None:
     """Done(safe=False): the daemon could not stop a transfer into the blocks; vLLM must not get them back
     (to recompute into) while that daemon lives."""
-    peer = Peer(address)
-    w = connected(address, peer)
-    try:
+    with session(address) as (peer, w):
         w.start_step(StepOrders(pulls=[order("r", [3, 4])]))
         assert isinstance(peer.recv(), p.Pull)
         peer.send(p.Done(req_id="r", ok=False, reason="transfer: x; blocks unsafe", safe=False))
         wait_until(lambda: w.transfer_results() is not None and "r" in w.tracker.orphans())
         res = w.transfer_results()
         assert "r" not in res.finished and w.load_errors() == set()
-    finally:
-        w.shutdown()
-        peer.close()
