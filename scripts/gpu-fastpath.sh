@@ -219,10 +219,13 @@ for step in "$@"; do
       --variant w8:oop_warps=8 --variant o1k:oop_elems=1024 --variant e64:in_place_elems_per_thread=64 \
       --variant e256:in_place_elems_per_thread=256 --variant ev:streaming=true} ;;
     # the loop's thread CPU by piece (config loop_pieces) for mapped 4k pulls at 8 and 1 in flight, one file each
-    pieces) for c in 8 1; do
-        TAIL=5 run "pieces-x$c" 90 "${ONE_GPU[@]}" --contexts 4096 --concurrency "$c" --reps 30 \
-          --pairs mapped/contiguous --budget-s 70 --daemon-set "loop_pieces=\"$OUT/loop-pieces-h200-x$c.json\"" \
-          --out "$OUT/e2e-h200-pieces-x$c.json"
+    # (PIECES_PAIRS: another mode, e.g. staged/contiguous; PIECES_SET: one more --daemon-set KEY=VALUE)
+    pieces) p=${PIECES_PAIRS:-mapped/contiguous}; tag=${p%%/*}${PIECES_TAG:-}
+      for c in 8 1; do
+        TAIL=5 run "pieces-$tag-x$c" 90 "${ONE_GPU[@]}" --contexts 4096 --concurrency "$c" --reps 30 \
+          --pairs "$p" --budget-s 70 --daemon-set "loop_pieces=\"$OUT/loop-pieces-h200-$tag-x$c.json\"" \
+          ${PIECES_SET:+--daemon-set "$PIECES_SET"} --logs "$OUT/logs-$tag-x$c" \
+          --out "$OUT/e2e-h200-pieces-$tag-x$c.json"
       done ;;
     # the loop's CPU per pull on this host's CPU (no GPU in it): back to back and after idling
     loopbench) TAIL=5 run loopbench 120 python3 -m sidecar.bench.loop_cost --bursts 200 --out "$OUT/loop-h200-host.json" ;;

@@ -343,9 +343,10 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     loop_pieces: Annotated[
         str,
         _doc(
-            "a benchmark's diagnostic: a file to write the event loop's thread CPU per call of its pieces to "
-            "(receipt, pairing, launch and its parts, answer, notify, poll; sidecar/ops/pieces.py), every "
-            "2 s and at exit. Each timed call costs a few µs more; read at start only; \"\": off"
+            "a benchmark's diagnostic: a file to write the thread CPU and wall time per call of the daemon's "
+            "pieces to (receipt, pairing, the post and its parts, launch and its parts, answer, notify, poll; "
+            "sidecar/ops/pieces.py), every 2 s and at exit. Each timed call costs a few µs more; read at "
+            "start only; \"\": off"
         ),
     ] = ""
     log_json: Annotated[bool, _doc("log one JSON object per line instead of text")] = False

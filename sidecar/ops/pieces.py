@@ -2,12 +2,14 @@
 
 With config ``loop_pieces = "<path>"`` (``--set loop_pieces=...``, ``KV_SIDECAR_LOOP_PIECES``; in ``bench
 e2e`` ``--daemon-set loop_pieces=...``), ``kv-sidecar serve`` wraps each function of ``PIECES`` before it
-starts: every call adds its thread's CPU time (``time.thread_time``) to that piece, and ``{piece: {"p50_us",
-"p90_us", "n", "calls"}}`` goes to ``<path>`` every ``DUMP_EVERY_S`` and at exit (the latest ``KEEP`` samples
-of each). A piece includes what it calls, so ``launch`` holds the ``launch.*`` pieces. Each wrapped call costs
-two clock reads and an append (0.7-0.8 µs on the 2-core CI VM, more on a slower host), so compare only runs
-that both had pieces on. ``bench e2e`` starts one daemon per read mode, each writing the same file: time one
-mode per run. Unset, nothing is wrapped.
+starts: every call adds its thread's CPU time (``time.thread_time``) and its wall time to that piece, and
+``{piece: {"p50_us", "p90_us", "wall_p50_us", "wall_p90_us", "n", "calls"}}`` goes to ``<path>`` every
+``DUMP_EVERY_S`` and at exit (the latest ``KEEP`` samples of each). Wall well above CPU means the call waited
+(for the GIL, a lock, the device). A coroutine's piece has wall time only: its CPU is spread over the loop's
+other work. A piece includes what it calls, so ``launch`` holds the ``launch.*`` pieces. Each wrapped call
+costs four clock reads and two appends (about 1 µs on the 2-core CI VM, more on a slower host), so compare
+only runs that both had pieces on. ``bench e2e`` starts one daemon per read mode, each writing the same
+file: time one mode per run. Unset, nothing is wrapped.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import atexit
 import functools
 import importlib
+import inspect
 import json
 import logging
 import statistics
@@ -42,6 +45,17 @@ PIECES = {
     "answer": "sidecar.daemon.pipeline:Pipeline._answer",
     "notify": "sidecar.daemon.peers:Peers.notify",
     "poll": "sidecar.daemon.polling:Poller.run_pass",
+    # the transfer stage on the loop (coroutines: wall time only): the whole post, its staging span, the
+    # conversion's set-up, the wait for the poster thread (queue, its work, the way back), the read's wait
+    "transfer.post": "sidecar.daemon.pipeline:Pipeline._post",
+    "transfer.span": "sidecar.daemon.pipeline:Pipeline._take_span",
+    "transfer.begin": "sidecar.daemon.conversion:Conversions.begin",
+    "transfer.poster": "sidecar.daemon.reads:Reads.post",
+    "transfer.wait": "sidecar.daemon.reads:Reads.wait",
+    # on the poster thread: the post, its descriptors, NIXL's make and transfer()
+    "post": "sidecar.daemon.reads:Reads._post_now",
+    "post.table": "sidecar.nixl.agent:NixlTransfer.table",
+    "post.nixl": "sidecar.nixl.agent:NixlTransfer._post",
 }
 
 
@@ -62,31 +76,36 @@ class Pieces:
     def __init__(self, path: str) -> None:
         self.path = path
         self.samples: dict[str, deque[float]] = {}
+        self.walls: dict[str, deque[float]] = {}
         self.calls: dict[str, int] = {}
         self._dumped = time.monotonic()
         self._lock = threading.Lock()
         self._failed = False
 
-    def add(self, piece: str, seconds: float) -> None:
-        found = self.samples.get(piece)
-        if found is None:
-            found = self.samples[piece] = deque(maxlen=KEEP)
-        found.append(seconds)
+    def add(self, piece: str, seconds: float | None, wall: float | None = None) -> None:
+        """One call's thread CPU (None for a coroutine) and wall time, in seconds."""
+        for kept, value in ((self.samples, seconds), (self.walls, wall)):
+            if value is not None:
+                found = kept.get(piece)
+                if found is None:
+                    found = kept[piece] = deque(maxlen=KEEP)
+                found.append(value)
         self.calls[piece] = self.calls.get(piece, 0) + 1
         if time.monotonic() - self._dumped > DUMP_EVERY_S:
             self.dump()
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """p50 / p90 of each piece's kept samples, their count ``n`` and all its ``calls``."""
-        out = {}
-        for piece, values in sorted(list(self.samples.items())):  # list(): a snapshot (other threads add)
-            ordered = sorted(list(values))
-            out[piece] = {
-                "p50_us": round(statistics.median(ordered) * 1e6, 2),
-                "p90_us": round(ordered[int(0.9 * (len(ordered) - 1))] * 1e6, 2),
-                "n": len(ordered),
-                "calls": self.calls.get(piece, len(ordered)),
-            }
+        """p50 / p90 of each piece's kept samples (CPU, and wall where timed), their count ``n`` and all its
+        ``calls``."""
+        out: dict[str, dict[str, float]] = {}
+        for prefix, kept in (("", self.samples), ("wall_", self.walls)):
+            for piece, values in sorted(list(kept.items())):  # list(): a snapshot (other threads add)
+                ordered = sorted(list(values))
+                row = out.setdefault(piece, {})
+                row[prefix + "p50_us"] = round(statistics.median(ordered) * 1e6, 2)
+                row[prefix + "p90_us"] = round(ordered[int(0.9 * (len(ordered) - 1))] * 1e6, 2)
+                row["n"] = len(ordered)
+                row["calls"] = self.calls.get(piece, len(ordered))
         return out
 
     def dump(self) -> None:
@@ -101,13 +120,25 @@ class Pieces:
             self._failed = True
 
     def wrap(self, piece: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def timed_async(*args: Any, **kwargs: Any) -> Any:
+                w0 = time.perf_counter()
+                try:
+                    return await fn(*args, **kwargs)
+                finally:
+                    self.add(piece, None, time.perf_counter() - w0)
+
+            return timed_async
+
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.thread_time()
+            t0, w0 = time.thread_time(), time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.add(piece, time.thread_time() - t0)
+                self.add(piece, time.thread_time() - t0, time.perf_counter() - w0)
 
         return timed
 
@@ -117,6 +148,9 @@ def install(path: str, pieces: dict[str, str] = PIECES) -> Pieces:
     timing = Pieces(path)
     for piece, target in pieces.items():
         owner, name, fn = resolve(target)
-        setattr(owner, name, timing.wrap(piece, fn))
+        wrapped = timing.wrap(piece, fn)
+        if isinstance(inspect.getattr_static(owner, name), staticmethod):
+            wrapped = staticmethod(wrapped)  # else the class would pass itself as the first argument
+        setattr(owner, name, wrapped)
     atexit.register(timing.dump)
     return timing

@@ -33,3 +33,11 @@ def test_a_daemon_with_pieces_on_times_each_pull(work, emulator, make_standin) -
     for piece in ("receipt", "pairing", "answer", "poll"):
         assert got[piece]["n"] >= 6 and got[piece]["p50_us"] > 0, (piece, got)
     assert not any(p.startswith("launch") for p in got)
+    # the post, on the loop (coroutines: wall time only) and on the poster thread (CPU and wall)
+    for piece in ("transfer.post", "transfer.poster", "transfer.wait"):
+        row = got[piece]
+        assert row["n"] >= 6 and row["wall_p50_us"] > 0 and "p50_us" not in row, (piece, got)
+    for piece in ("post", "post.table", "post.nixl"):
+        row = got[piece]
+        assert row["n"] >= 6 and row["wall_p50_us"] >= row["p50_us"] * 0.5 > 0, (piece, got)
+    assert got["transfer.post"]["wall_p50_us"] >= got["post"]["wall_p50_us"] * 0.5

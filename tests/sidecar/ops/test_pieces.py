@@ -47,6 +47,44 @@ def test_wrapped_calls_are_timed_and_behave_as_before(tmp_path, monkeypatch):
     assert got["spin"]["n"] == 5 and got["fail"]["n"] == 1
     assert 2000 <= got["spin"]["p50_us"] < 50_000  # 2 ms of thread CPU spun, measured as thread CPU
     assert got["spin"]["p90_us"] >= got["spin"]["p50_us"]
+    assert got["spin"]["wall_p50_us"] >= got["spin"]["p50_us"] * 0.9  # wall never far below CPU
+
+
+def test_a_waiting_call_shows_wall_time_above_its_cpu(tmp_path):
+    timing = pieces.Pieces(str(tmp_path / "p.json"))
+    nap = timing.wrap("nap", lambda: time.sleep(0.01))
+    for _ in range(3):
+        nap()
+    got = timing.summary()["nap"]
+    assert got["wall_p50_us"] >= 10_000 and got["p50_us"] < 5_000, got
+
+
+def test_a_coroutine_is_timed_by_wall_time_only(tmp_path):
+    import asyncio
+
+    timing = pieces.Pieces(str(tmp_path / "p.json"))
+
+    async def nap() -> str:
+        await asyncio.sleep(0.01)
+        return "woke"
+
+    timed = timing.wrap("nap", nap)
+    assert asyncio.run(timed()) == "woke"
+    got = timing.summary()["nap"]
+    assert set(got) == {"wall_p50_us", "wall_p90_us", "n", "calls"} and got["wall_p50_us"] >= 10_000
+
+
+class _Static:
+    @staticmethod
+    def double(x: int) -> int:
+        return 2 * x
+
+
+def test_a_staticmethod_stays_static_when_installed(tmp_path, monkeypatch):
+    monkeypatch.setattr(_Static, "double", _Static.__dict__["double"])  # restored after the test
+    timing = pieces.install(str(tmp_path / "p.json"), {"double": f"{__name__}:_Static.double"})
+    assert _Static().double(21) == 42 and _Static.double(4) == 8  # not handed the instance as x
+    assert timing.calls["double"] == 2
 
 
 def test_samples_are_written_while_running_and_only_the_latest_are_kept(tmp_path, monkeypatch):
