@@ -283,6 +283,7 @@ class Cell:
     nbytes: int  # bytes of the whole batch
     skipped: str | None = None
     bare_s: list[float] = field(default_factory=list)
+    bare_post_s: list[float] = field(default_factory=list)  # bare: posting alone (make and transfer())
     sidecar_s: list[float] = field(default_factory=list)
     bare_descriptors: int = 0  # per request
     bare_descriptors_request_order: int = 0  # per request, slots in request order without gaps (before)
@@ -683,6 +684,7 @@ def run_cell(
         if rep < args.warmup:
             continue
         cell.bare_s.append(bare_s)
+        cell.bare_post_s.append(bare.post_s)
         cell.bare_descriptors = bare.descriptors
         cell.bare_descriptors_request_order = bare.descriptors_request_order
         cell.bare_gap_bytes = bare.gap_bytes

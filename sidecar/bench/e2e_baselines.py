@@ -48,6 +48,7 @@ class BareReader:
         self.descriptors = 0  # per request, of the last batch
         self.descriptors_request_order = 0  # per request: what request-order slots without gaps would post
         self.gap_bytes = 0  # of the last batch
+        self.post_s = 0.0  # of the last batch: from the first post to the last transfer() returned
         self.gap_cost, self.gap_share = gap_cost, gap_share
         self.page_bytes = remote_fmt.page_bytes
         settings = TransferSettings(
@@ -162,6 +163,7 @@ class BareReader:
                 t0 = time.perf_counter()
                 for li, ri in parts:
                     self._post(lambda li=li, ri=ri: agent.make_prepped_xfer("READ", lh, li, rh, ri), handles)
+                self.post_s = time.perf_counter() - t0
                 self._wait(handles, deadline)
                 return time.perf_counter() - t0
             if self.pool is None:
@@ -200,7 +202,9 @@ class BareReader:
             self.descriptors = sum(p[0].shape[0] for w in waves for p in w) // len(requests)
             self.descriptors_request_order = before // len(requests)
             t0 = time.perf_counter()
+            self.post_s = 0.0
             for wave in waves:
+                w0 = time.perf_counter()
                 wave_handles: list[Any] = []
                 for loc_d, rem_d in wave:
 
@@ -210,6 +214,7 @@ class BareReader:
                         return agent.initialize_xfer("READ", ld, rd, peer.agent_name)
 
                     self._post(make, wave_handles)
+                self.post_s += time.perf_counter() - w0  # waves: the posts only, not the waits between them
                 handles += wave_handles
                 self._wait(wave_handles, deadline)
             return time.perf_counter() - t0

@@ -97,6 +97,7 @@ def cell_json(c: Cell, peer: dict[str, Any] | None) -> dict[str, Any]:
                 "median_s": bare,
                 "all_s": c.bare_s,
                 "GBps": c.nbytes / bare / 1e9,
+                "post_ms": quantiles(c.bare_post_s),
                 "descriptors_per_request": c.bare_descriptors,
                 "descriptors_per_request_in_request_order": c.bare_descriptors_request_order,
                 "gap_bytes": c.bare_gap_bytes,
@@ -121,6 +122,7 @@ def cell_json(c: Cell, peer: dict[str, Any] | None) -> dict[str, Any]:
 
 def print_cell(c: Cell, peer_gbps: float) -> None:
     bare, side = statistics.median(c.bare_s), statistics.median(c.sidecar_s)
+    bare_post = statistics.median(c.bare_post_s or [0.0])
     ms = must_show(c, peer_gbps)
     ok = "ok" if ms["nixl_at_least_0.8_peer"] and ms["sidecar_within_limit"] else "MISS"
     v = c.verified.get("mismatches")
@@ -128,7 +130,8 @@ def print_cell(c: Cell, peer_gbps: float) -> None:
     print(
         f"{c.mode:>6} {c.order:>10} {c.context:>6} tok x{c.concurrency:<3} {c.nbytes / 2**20:9.1f} MiB | "
         f"peer {peer_gbps:8.1f} GB/s | bare {c.nbytes / bare / 1e9:7.2f} GB/s {bare * 1e3:9.2f} ms "
-        f"({c.bare_descriptors} descs/req, {c.bare_descriptors_request_order} in request order, "
+        f"(post {bare_post * 1e3:.2f} ms, {c.bare_descriptors} descs/req, "
+        f"{c.bare_descriptors_request_order} in request order, "
         f"gaps {c.bare_gap_bytes / 2**20:.1f} MiB) | kv-sidecar {c.nbytes / side / 1e9:7.2f} GB/s "
         f"{side * 1e3:9.2f} ms "
         f"(x{side / bare:.3f}) | {ok}{check}",
