@@ -96,7 +96,9 @@ class Reads:
         """Post the job's READs on the poster thread (it must have its peer, caches, pairs and, when staged,
         its slots and gaps). Cancelled meanwhile (Abort, deadline, shutdown), it still waits for the post to
         return and keeps its read in ``job.read``, so ``stop`` can stop it before the job is answered."""
-        fut = self.on_poster(self._post_now, job, mode, layer_groups, pool, slots, gaps)
+        ran: list[float] = []  # when the poster thread began and ended this post
+        submitted = time.monotonic()
+        fut = self.on_poster(self._post_timed, ran, job, mode, layer_groups, pool, slots, gaps)
         cancelled = False
         while True:
             try:
@@ -117,6 +119,9 @@ class Reads:
                 if cancelled:  # a failed post told the prefill already; the stop's ending answers
                     break
                 raise
+        if len(ran) == 2:
+            job.timings["poster_queue"] = ran[0] - submitted
+            job.timings["poster"] = ran[1] - ran[0]
         if cancelled or job.read is None:  # None: stopped before its turn came, nothing posted
             raise asyncio.CancelledError
 
@@ -133,6 +138,13 @@ class Reads:
                     loop.call_soon_threadsafe(self._wake)
 
         return loop.run_in_executor(self._poster, run)
+
+    def _post_timed(self, ran: list[float], *args: Any) -> Any:
+        ran.append(time.monotonic())
+        try:
+            return self._post_now(*args)
+        finally:
+            ran.append(time.monotonic())
 
     def _post_now(
         self,

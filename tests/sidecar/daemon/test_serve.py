@@ -267,7 +267,9 @@ def test_pull_is_converted_bit_exact_and_the_prefill_freed(shared, emulator):
     assert isinstance(done, p.Done) and done.ok, done
     assert t0 < done.sent_at_ns <= time.monotonic_ns()
     assert {"queue", "handshake", "transfer", "convert", "end_to_end", "post", "read"} <= set(done.timings)
+    assert {"poster_queue", "poster"} <= set(done.timings)
     assert done.timings["post"] + done.timings["read"] <= done.timings["transfer"] + 1e-3  # parts of it
+    assert done.timings["poster_queue"] + done.timings["poster"] <= done.timings["post"] + 1e-3  # within post
     d.decoder.check(r, local)
     assert d.decoder.untouched([b for b in range(B) if b not in local])
     status = emulator.client.wait_state(r.kv_transfer_params["remote_request_id"], "freed_by_notif", 10)
