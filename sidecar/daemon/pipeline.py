@@ -27,7 +27,7 @@ from sidecar.daemon.leases import Leases
 from sidecar.daemon.mapped import MappedReads
 from sidecar.daemon.peers import Peers
 from sidecar.daemon.port import PeerSet, PeerTarget, ReadMode
-from sidecar.daemon.read_plan import gap_cost, layer_groups_for
+from sidecar.daemon.read_plan import gap_cost, layer_groups_for, staged_descriptors
 from sidecar.daemon.reads import Reads
 from sidecar.daemon.staging import Staged, Staging
 from sidecar.nixl.tp import read_ranks
@@ -251,10 +251,22 @@ class Pipeline:
         converting = bool(job.peer.plan.convert and blocks)
         if converting:
             self._conversions.begin(job, src, job.peer.plan, None if staged is None else staged.source_index)
-        await self._reads.post(job, mode, layer_groups, pool, slots, None if staged is None else staged.gaps)
+        gaps = None if staged is None else staged.gaps
+        inline = self._inline(job, mode, layers)
+        await self._reads.post(job, mode, layer_groups, pool, slots, gaps, inline=inline)
         if staged is not None:
             job.gap_bytes = staged.gap_bytes(fmt.page_bytes)
         return converting
+
+    def _inline(self, job: Job, mode: ReadMode, layers: int) -> bool:
+        """Post on the loop (config ``inline_post_max_descriptors``): a short staged read, the daemon's only
+        pull, from a prefill of this decoder's TP (a head-sliced read posts a descriptor per slice)."""
+        limit = self._config().inline_post_limit
+        if not limit or mode != "staged" or len(self._jobs) != 1:
+            return False
+        if len(job.peer.peers) != 1 or job.msg.remote_tp_size != job.session.tp_size:
+            return False
+        return staged_descriptors(job.pairs.remote, layers) <= limit
 
     async def _take_span(self, job: Job, fmt: PageFormat, layers: int, remote: np.ndarray) -> Staged:
         """The job's staging slots in remote-address order, with the gaps worth reading (config). ``remote``:

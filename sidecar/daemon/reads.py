@@ -56,6 +56,8 @@ class Reads:
         self._waiting: dict[Any, tuple[asyncio.Future, Job]] = {}  # read handle -> (its wait, its job)
         self._last_sent = 0.0
         self._sent_event: asyncio.Event | None = None
+        # calls handed to the poster thread and returned from it; each counted by one thread only
+        self._submitted = self._returned = 0
         self._poster = ThreadPoolExecutor(
             1, thread_name_prefix="kv-sidecar-post", initializer=port.thread_init
         )
@@ -92,10 +94,20 @@ class Reads:
         pool: StagingPool | None,
         slots: np.ndarray | None,
         gaps: Any = None,
+        *,
+        inline: bool = False,
     ) -> None:
         """Post the job's READs on the poster thread (it must have its peer, caches, pairs and, when staged,
         its slots and gaps). Cancelled meanwhile (Abort, deadline, shutdown), it still waits for the post to
-        return and keeps its read in ``job.read``, so ``stop`` can stop it before the job is answered."""
+        return and keeps its read in ``job.read``, so ``stop`` can stop it before the job is answered.
+
+        ``inline``: post here on the loop instead if the poster thread has nothing to do and the transport
+        is free (a short read: two thread hand-offs cost more than its post)."""
+        if inline and self._submitted == self._returned:
+            with self._port.hold(blocking=False) as held:
+                if held:
+                    self._post_inline(job, mode, layer_groups, pool, slots, gaps)
+                    return
         ran: list[float] = []  # when the poster thread began and ended this post
         submitted = time.monotonic()
         fut = self.on_poster(self._post_timed, ran, job, mode, layer_groups, pool, slots, gaps)
@@ -125,6 +137,28 @@ class Reads:
         if cancelled or job.read is None:  # None: stopped before its turn came, nothing posted
             raise asyncio.CancelledError
 
+    def _post_inline(
+        self,
+        job: Job,
+        mode: ReadMode,
+        layer_groups: int,
+        pool: StagingPool | None,
+        slots: np.ndarray | None,
+        gaps: Any,
+    ) -> None:
+        """``post``'s work on the loop: nothing can cancel it midway, so only its outcome is handled."""
+        began = time.monotonic()
+        try:
+            job.read = self._post_now(job, mode, layer_groups, pool, slots, gaps)
+        except Exception as exc:
+            job.read = getattr(exc, "read", None)  # what a failed post had posted: its stop sees to it
+            raise
+        finally:
+            job.timings["poster_queue"] = 0.0
+            job.timings["poster"] = time.monotonic() - began
+        if job.read is None:  # stopped before it was posted: nothing was
+            raise asyncio.CancelledError
+
     def on_poster(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
         """Run ``fn`` on the poster thread, after the calls before it; the poller is woken when it returns
         (a pass that found the transport busy skipped the reads in flight)."""
@@ -134,10 +168,16 @@ class Reads:
             try:
                 return fn(*args)
             finally:
+                self._returned += 1
                 with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                     loop.call_soon_threadsafe(self._wake)
 
-        return loop.run_in_executor(self._poster, run)
+        self._submitted += 1
+        try:
+            return loop.run_in_executor(self._poster, run)
+        except RuntimeError:  # the poster is shut down: nothing was handed over
+            self._submitted -= 1
+            raise
 
     def _post_timed(self, ran: list[float], *args: Any) -> Any:
         ran.append(time.monotonic())

@@ -382,6 +382,87 @@ def test_pulls_are_received_and_planned_while_another_request_posts():
     run(main())
 
 
+INLINE = {"pull_mode": "staged", "staging_bytes": 64 * PAGE_BYTES, "inline_post_max_descriptors": LAYERS}
+
+
+def test_a_lone_short_staged_read_is_posted_on_the_loop():
+    """Config inline_post_max_descriptors: one run of blocks (LAYERS descriptors) is within the limit, and
+    the pull is the daemon's only one: posted on the loop, no thread hand-off."""
+
+    async def main():
+        async with started(**INLINE) as h:
+            h.pull("a", [1, 2, 3])
+            done = await h.reply(p.Done, "a")
+            assert done.ok and done.timings["poster_queue"] == 0.0, done
+            assert h.port.post_threads == [threading.current_thread().name]
+            h.port.post_threads.clear()
+            h.pull("b", [1, 2, 3], remote=[1, 3, 5])  # three runs: over the limit
+            assert (await h.reply(p.Done, "b")).ok
+            assert h.port.post_threads == ["kv-sidecar-post_0"]
+
+    run(main())
+
+
+@pytest.mark.parametrize("limit", [0, None])  # 0: off; unset: off on the CPU twin
+def test_posts_stay_on_the_poster_thread_when_inline_posting_is_off(limit):
+    async def main():
+        async with started(**{**INLINE, "inline_post_max_descriptors": limit}) as h:
+            h.pull("a", [1, 2, 3])
+            assert (await h.reply(p.Done, "a")).ok
+            assert h.port.post_threads == ["kv-sidecar-post_0"]
+
+    run(main())
+
+
+def test_a_pull_beside_another_is_posted_on_the_poster_thread():
+    """A post on the loop holds every other Pull back for its length: only a lone pull takes that path."""
+
+    async def main():
+        async with started(**INLINE) as h:
+            h.port.auto_land = False
+            h.pull("a", [1, 2, 3])
+            while not h.port.reads:
+                await asyncio.sleep(0.001)
+            h.pull("b", [4, 5, 6])  # "a" is still reading
+            while len(h.port.reads) < 2:
+                await asyncio.sleep(0.001)
+            for read in h.port.reads:
+                h.port.land(read)
+            for req in ("a", "b"):
+                assert (await h.reply(p.Done, req)).ok
+            assert h.port.post_threads == [threading.current_thread().name, "kv-sidecar-post_0"]
+
+    run(main())
+
+
+def test_an_inline_post_never_waits_for_the_transport():
+    """The transport held by another thread (the poster's release or abort): the loop does not wait for it,
+    the post goes to the poster thread."""
+
+    async def main():
+        async with started(**INLINE) as h:
+            held, let_go = threading.Event(), threading.Event()
+
+            def hold_port() -> None:
+                with h.port.hold():
+                    held.set()
+                    let_go.wait(10)
+
+            holder = threading.Thread(target=hold_port)
+            holder.start()
+            held.wait(2)
+            h.pull("a", [1, 2, 3])
+            await h.until_stage("a", "transfer")
+            await asyncio.sleep(0.02)  # the loop runs on meanwhile
+            assert h.answers("a") == []
+            let_go.set()
+            holder.join(2)
+            assert (await h.reply(p.Done, "a")).ok
+            assert h.port.post_threads == ["kv-sidecar-post_0"]
+
+    run(main())
+
+
 def test_a_poll_pass_skips_while_the_poster_holds_the_port_and_runs_once_it_returns():
     async def main():
         async with started() as h:

@@ -130,3 +130,15 @@ def test_poll_busy_window_defaults_by_device_and_can_be_set():
     assert Config(poll_busy_s=0.2).poll_busy_window_s == 0.2
     with pytest.raises(msgspec.ValidationError, match="poll_busy_s"):
         msgspec.convert({"poll_busy_s": -1}, Config)
+
+
+def test_inline_posts_default_by_device_and_can_be_set():
+    Config = c.Config
+
+    assert Config().inline_post_limit == 0  # the CPU twin: its transport copies inside the post
+    assert Config(gpu=0).inline_post_limit == c.DEFAULT_INLINE_POST_DESCRIPTORS == 128
+    assert Config(gpu=0, inline_post_max_descriptors=0).inline_post_limit == 0
+    assert Config(inline_post_max_descriptors=40).inline_post_limit == 40
+    with pytest.raises(msgspec.ValidationError, match="inline_post_max_descriptors"):
+        msgspec.convert({"inline_post_max_descriptors": -1}, Config)
+    assert "inline_post_max_descriptors" in c.RELOADABLE
