@@ -7,7 +7,9 @@ the transport skips (the post itself moves UCX along) and the loop is woken when
 stopped while its post runs waits for the post, then stops what it posted (``post``), so nothing is written
 after its answer. Aborts and the release of finished reads run on the poster thread too (in order, after
 the post in progress), and so do notifications and heartbeats that find the transport busy (``Peers``,
-``Leases``): the loop never waits for a post.
+``Leases``): the loop never waits for a post. One exception, config ``inline_post_max_descriptors``: a short
+staged read that is the daemon's only pull is posted on the loop itself when the poster thread is idle and the
+transport free, since the two thread hand-offs would cost it more than the post does.
 
 ``poll`` is one pass over every read in flight, run by the daemon's ``Poller`` (``polling.py``: hot while
 reads are in flight, asleep when none is). A layer group seen DONE is handed to the conversion at once
