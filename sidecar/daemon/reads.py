@@ -139,19 +139,12 @@ class Reads:
         if cancelled or job.read is None:  # None: stopped before its turn came, nothing posted
             raise asyncio.CancelledError
 
-    def _post_inline(
-        self,
-        job: Job,
-        mode: ReadMode,
-        layer_groups: int,
-        pool: StagingPool | None,
-        slots: np.ndarray | None,
-        gaps: Any,
-    ) -> None:
-        """``post``'s work on the loop: nothing can cancel it midway, so only its outcome is handled."""
+    def _post_inline(self, job: Job, *args: Any) -> None:
+        """``post``'s work on the loop (``args`` as ``_post_now``'s after the job): nothing can cancel it
+        midway, so only its outcome is handled."""
         began = time.monotonic()
         try:
-            job.read = self._post_now(job, mode, layer_groups, pool, slots, gaps)
+            job.read = self._post_now(job, *args)
         except Exception as exc:
             job.read = getattr(exc, "read", None)  # what a failed post had posted: its stop sees to it
             raise
