@@ -395,10 +395,35 @@ def test_a_lone_short_staged_read_is_posted_on_the_loop():
             done = await h.reply(p.Done, "a")
             assert done.ok and done.timings["poster_queue"] == 0.0, done
             assert h.port.post_threads == [threading.current_thread().name]
-            h.port.post_threads.clear()
-            h.pull("b", [1, 2, 3], remote=[1, 3, 5])  # three runs: over the limit
+
+    run(main())
+
+
+def test_a_lone_staged_read_over_the_limit_is_posted_on_the_poster_thread():
+    async def main():
+        async with started(**INLINE) as h:
+            h.pull("b", [1, 2, 3], remote=[1, 3, 5])  # three runs: 3 x LAYERS descriptors
             assert (await h.reply(p.Done, "b")).ok
             assert h.port.post_threads == ["kv-sidecar-post_0"]
+
+    run(main())
+
+
+def test_an_abort_after_an_inline_post_stops_the_read_before_its_answer():
+    """Posted on the loop, the read is stopped as any other: Aborted safe, nothing landing after it."""
+
+    async def main():
+        async with started(**INLINE) as h:
+            h.port.auto_land = False
+            h.pull("x", [1, 2, 3])
+            while not h.port.reads:
+                await asyncio.sleep(0.001)
+            assert h.port.post_threads == [threading.current_thread().name]
+            h.send(p.Abort(req_id="x"))
+            aborted = await h.reply(p.Aborted, "x")
+            assert aborted.safe and not [m for m in h.answers("x") if isinstance(m, p.Done)], aborted
+            assert h.port.reads[0].handles == []  # released: nothing can still write
+            await h.until_notified("r-x")
 
     run(main())
 
