@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from sidecar.nixl.spans import ReadCost
+from sidecar.nixl.spans import ReadCost, count_runs
 
 AUTO_GROUPS_MIN_BYTES = 1 << 30  # README (two H200s): 4 groups won for a 16k request (2.4 GB), lost at 4k
 AUTO_GROUPS = 4
@@ -36,7 +36,4 @@ def staged_descriptors(remote: np.ndarray, layers: int) -> int:
     """About how many descriptors a staged read of these remote kernel blocks posts: ``layers`` x the runs of
     consecutive ids (pages go into staging in remote-id order, so a run is one descriptor per layer; gaps
     read to merge runs only lower it, a prefill's K and V in separate regions doubles it)."""
-    if remote.size == 0:
-        return 0
-    ordered = np.sort(remote)
-    return layers * (1 + int(np.count_nonzero(np.diff(ordered) != 1)))
+    return layers * count_runs(np.sort(remote))

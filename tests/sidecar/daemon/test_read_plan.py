@@ -31,5 +31,5 @@ def test_the_estimate_matches_runs_counted_by_hand_on_random_ids():
     for _ in range(200):
         ids = rng.choice(64, size=int(rng.integers(1, 40)), replace=False)
         ordered = sorted(ids.tolist())
-        runs = 1 + sum(b != a + 1 for a, b in zip(ordered, ordered[1:]))
+        runs = 1 + sum(b != a + 1 for a, b in zip(ordered, ordered[1:], strict=False))
         assert staged_descriptors(ids, 3) == 3 * runs
