@@ -416,8 +416,7 @@ def test_an_abort_after_an_inline_post_stops_the_read_before_its_answer():
         async with started(**INLINE) as h:
             h.port.auto_land = False
             h.pull("x", [1, 2, 3])
-            while not h.port.reads:
-                await asyncio.sleep(0.001)
+            await _posted(h, 1)
             assert h.port.post_threads == [threading.current_thread().name]
             h.send(p.Abort(req_id="x"))
             aborted = await h.reply(p.Aborted, "x")
@@ -446,11 +445,9 @@ def test_a_pull_beside_another_is_posted_on_the_poster_thread():
         async with started(**INLINE) as h:
             h.port.auto_land = False
             h.pull("a", [1, 2, 3])
-            while not h.port.reads:
-                await asyncio.sleep(0.001)
+            await _posted(h, 1)
             h.pull("b", [4, 5, 6])  # "a" is still reading
-            while len(h.port.reads) < 2:
-                await asyncio.sleep(0.001)
+            await _posted(h, 2)
             for read in h.port.reads:
                 h.port.land(read)
             for req in ("a", "b"):
