@@ -399,16 +399,6 @@ def test_a_lone_short_staged_read_is_posted_on_the_loop():
     run(main())
 
 
-def test_a_lone_staged_read_over_the_limit_is_posted_on_the_poster_thread():
-    async def main():
-        async with started(**INLINE) as h:
-            h.pull("b", [1, 2, 3], remote=[1, 3, 5])  # three runs: 3 x LAYERS descriptors
-            assert (await h.reply(p.Done, "b")).ok
-            assert h.port.post_threads == ["kv-sidecar-post_0"]
-
-    run(main())
-
-
 def test_an_abort_after_an_inline_post_stops_the_read_before_its_answer():
     """Posted on the loop, the read is stopped as any other: Aborted safe, nothing landing after it."""
 
@@ -427,11 +417,18 @@ def test_an_abort_after_an_inline_post_stops_the_read_before_its_answer():
     run(main())
 
 
-@pytest.mark.parametrize("limit", [0, None])  # 0: off; unset: off on the CPU twin
-def test_posts_stay_on_the_poster_thread_when_inline_posting_is_off(limit):
+@pytest.mark.parametrize(
+    ("limit", "remote"),
+    [
+        (LAYERS, [1, 3, 5]),  # three runs: 3 x LAYERS descriptors, over the limit
+        (0, None),  # off
+        (None, None),  # unset: off on the CPU twin
+    ],
+)
+def test_a_lone_read_goes_to_the_poster_thread_when_over_the_limit_or_off(limit, remote):
     async def main():
         async with started(**{**INLINE, "inline_post_max_descriptors": limit}) as h:
-            h.pull("a", [1, 2, 3])
+            h.pull("a", [1, 2, 3], remote=remote)
             assert (await h.reply(p.Done, "a")).ok
             assert h.port.post_threads == ["kv-sidecar-post_0"]
 
