@@ -385,16 +385,26 @@ def test_pulls_are_received_and_planned_while_another_request_posts():
 INLINE = {"pull_mode": "staged", "staging_bytes": 64 * PAGE_BYTES, "inline_post_max_descriptors": LAYERS}
 
 
-def test_a_lone_short_staged_read_is_posted_on_the_loop():
-    """Config inline_post_max_descriptors: one run of blocks (LAYERS descriptors) is within the limit, and
-    the pull is the daemon's only one: posted on the loop, no thread hand-off."""
+@pytest.mark.parametrize(
+    ("limit", "remote", "on_loop"),
+    [
+        (LAYERS, None, True),  # one run of blocks: LAYERS descriptors, within the limit
+        (LAYERS, [1, 3, 5], False),  # three runs: 3 x LAYERS descriptors, over the limit
+        (0, None, False),  # off
+        (None, None, False),  # unset: off on the CPU twin
+    ],
+)
+def test_a_lone_staged_read_is_posted_on_the_loop_only_within_the_limit(limit, remote, on_loop):
+    """Config inline_post_max_descriptors: a read within the limit, the daemon's only pull, is posted on the
+    loop with no thread hand-off; over the limit or with the key off, on the poster thread."""
 
     async def main():
-        async with started(**INLINE) as h:
-            h.pull("a", [1, 2, 3])
+        async with started(**{**INLINE, "inline_post_max_descriptors": limit}) as h:
+            h.pull("a", [1, 2, 3], remote=remote)
             done = await h.reply(p.Done, "a")
-            assert done.ok and done.timings["poster_queue"] == 0.0, done
-            assert h.port.post_threads == [threading.current_thread().name]
+            assert done.ok and (done.timings["poster_queue"] == 0.0) == on_loop, done
+            want = threading.current_thread().name if on_loop else "kv-sidecar-post_0"
+            assert h.port.post_threads == [want]
 
     run(main())
 
@@ -413,24 +423,6 @@ def test_an_abort_after_an_inline_post_stops_the_read_before_its_answer():
             assert aborted.safe and not [m for m in h.answers("x") if isinstance(m, p.Done)], aborted
             assert h.port.reads[0].handles == []  # released: nothing can still write
             await h.until_notified("r-x")
-
-    run(main())
-
-
-@pytest.mark.parametrize(
-    ("limit", "remote"),
-    [
-        (LAYERS, [1, 3, 5]),  # three runs: 3 x LAYERS descriptors, over the limit
-        (0, None),  # off
-        (None, None),  # unset: off on the CPU twin
-    ],
-)
-def test_a_lone_read_goes_to_the_poster_thread_when_over_the_limit_or_off(limit, remote):
-    async def main():
-        async with started(**{**INLINE, "inline_post_max_descriptors": limit}) as h:
-            h.pull("a", [1, 2, 3], remote=remote)
-            assert (await h.reply(p.Done, "a")).ok
-            assert h.port.post_threads == ["kv-sidecar-post_0"]
 
     run(main())
 
