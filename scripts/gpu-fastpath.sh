@@ -6,6 +6,7 @@
 #   steps: tests launchtests graphtests daemontests launch graphlaunch sweep convertgraph contiguous defaults
 #          graphsab groupsab gilab headcheck ab orders groups poll interference profile daemonprofile map
 #          mapped lingerab convertlead convertsweep pieces loopbench
+#          coldab
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -226,6 +227,24 @@ for step in "$@"; do
           --pairs "$p" --budget-s 70 --daemon-set "loop_pieces=\"$OUT/loop-pieces-h200-$tag-x$c.json\"" \
           ${PIECES_SET:+--daemon-set "$PIECES_SET"} --logs "$OUT/logs-$tag-x$c" \
           --out "$OUT/e2e-h200-pieces-$tag-x$c.json"
+      done ;;
+    # a lone staged pull on a cold core against a warm one, alternating for COLD_ROUNDS rounds: the daemon's
+    # defaults; poll_linger_s=3 (its loop keeps polling 3 s after each change); and the host's CPU idle states
+    # held shallow for the run (PM QoS: /dev/cpu_dma_latency 0 while a holder keeps it open; root only, ends
+    # with the holder), each arm with its own bare reads in the same run
+    coldab) for r in $(seq 1 "${COLD_ROUNDS:-2}"); do
+        for arm in base linger qos; do
+          set_arg=() holder=
+          [ "$arm" = linger ] && set_arg=(--daemon-set poll_linger_s=3)
+          if [ "$arm" = qos ]; then
+            python3 -c 'import struct, sys, time; f = open("/dev/cpu_dma_latency", "wb", 0)
+f.write(struct.pack("i", 0)); print("held", flush=True); time.sleep(3600)' & holder=$!
+            sleep 1
+          fi
+          TAIL=5 run "cold-$arm-$r" 60 "${ONE_GPU[@]}" --contexts 4096,16384 --concurrency 1 --reps 15 \
+            --pairs staged/contiguous "${set_arg[@]}" --budget-s 45 --out "$OUT/e2e-h200-cold-$arm-$r.json"
+          [ -n "$holder" ] && kill "$holder" 2>/dev/null && wait "$holder" 2>/dev/null
+        done
       done ;;
     # the loop's CPU per pull on this host's CPU (no GPU in it): back to back and after idling
     loopbench) TAIL=5 run loopbench 120 python3 -m sidecar.bench.loop_cost --bursts 200 --out "$OUT/loop-h200-host.json" ;;
