@@ -19,6 +19,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=$PWD:/tmp/site
 STATUS=()
+# the GPU's model in result names (h100, h200): a kind may be lent as either
+GPU_TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -o 'H[0-9]\+' | head -n 1 | tr 'H' 'h')
+GPU_TAG=${GPU_TAG:-gpu}
 ONE_GPU=(python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 --warmup 1)
 E2E=("${ONE_GPU[@]}" --daemon-set nixl_num_threads=4)
 CONTIGUOUS_CELLS=(--contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous)
@@ -73,10 +76,10 @@ for step in "$@"; do
     headcheck) TAIL=6 run headtests 110 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
         tests/sidecar/convert/test_convert_graphs_gpu.py tests/gpu/test_gpu_slice.py
       TAIL=8 run headcontiguous 45 "${ONE_GPU[@]}" "${CONTIGUOUS_CELLS[@]}" --budget-s 35 \
-        --out "$OUT/e2e-h200-head-contiguous.json"
+        --out "$OUT/e2e-$GPU_TAG-head-contiguous.json"
       [ -n "${HEAD_ORDERS:-}" ] && TAIL=8 run headorders 95 "${ONE_GPU[@]}" --contexts 4096 --concurrency 1,8 \
         --reps 3 --modes staged --orders churn,density-0.25,random "${SCATTERED_POOLS[@]}" --budget-s 80 \
-        --out "$OUT/e2e-h200-head-orders.json" ;;
+        --out "$OUT/e2e-$GPU_TAG-head-orders.json" ;;
     # HEAD against another tree (AB_OLD: a folder holding that tree's sidecar/ and vllm_glue/, e.g. from
     # `git archive <commit> sidecar vllm_glue | tar -x -C ab-old`; not git-ignored, so it travels), old and
     # new alternating for AB_ROUNDS rounds: AB_CELLS (default the staged contiguous cells) at the daemon's
@@ -242,7 +245,7 @@ f.write(struct.pack("i", 0)); print("held", flush=True); time.sleep(3600)' & hol
             sleep 1
           fi
           TAIL=5 run "cold-$arm-$r" 60 "${ONE_GPU[@]}" --contexts 4096,16384 --concurrency 1 --reps 15 \
-            --pairs staged/contiguous "${set_arg[@]}" --budget-s 45 --out "$OUT/e2e-h200-cold-$arm-$r.json"
+            --pairs staged/contiguous "${set_arg[@]}" --budget-s 45 --out "$OUT/e2e-$GPU_TAG-cold-$arm-$r.json"
           [ -n "$holder" ] && kill "$holder" 2>/dev/null && wait "$holder" 2>/dev/null
         done
       done ;;
