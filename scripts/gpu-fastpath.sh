@@ -240,7 +240,7 @@ for step in "$@"; do
           set_arg=() holder=
           [ "$arm" = linger ] && set_arg=(--daemon-set poll_linger_s=3)
           if [ "$arm" = qos ]; then
-            python3 -c 'import struct, sys, time; f = open("/dev/cpu_dma_latency", "wb", 0)
+            python3 -c 'import struct, time; f = open("/dev/cpu_dma_latency", "wb", 0)
 f.write(struct.pack("i", 0)); print("held", flush=True); time.sleep(3600)' & holder=$!
             sleep 1
           fi
