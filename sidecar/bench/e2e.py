@@ -54,6 +54,7 @@ from sidecar.bench.e2e_report import (
     failures,
     print_cell,
     read_cost_fit,
+    skipped_lines,
 )
 from sidecar.bench.e2e_roles import DeviceStandin, mismatched_planes, spread, start_daemon
 from sidecar.bench.ucx_logs import summarize_ucx_logs, ucx_env
@@ -750,6 +751,8 @@ def run(args: argparse.Namespace) -> int:
     for role, t in result["transports"].items():
         print(f"UCX reads of {role}: {', '.join(t['read_transports']) or 'none logged'}")
     print(f"wrote {out}")
+    for line in skipped_lines(result["cells"]):
+        print(line)
     for f in result["must_show_failures"]:
         print(f"must-show not met: {f}")
     if result.get("error"):

@@ -61,6 +61,16 @@ def failures(c: dict[str, Any]) -> list[str]:
     return out
 
 
+def skipped_lines(cells: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per cell of a result that was not measured, with why (memory, --max-batch-tokens, the time
+    budget, an earlier error): the cells printed as they ran never name them."""
+    return [
+        f"{c['mode']}/{c['order']} {c['context']} tokens x {c['concurrency']}: skipped: {c['skipped']}"
+        for c in cells
+        if "skipped" in c
+    ]
+
+
 def quantiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
     if not values:
         return {}

@@ -50,3 +50,20 @@ def test_the_report_command_prints_rows_and_answers_help(capsys):
         main(["--help"])
     assert exited.value.code == 0
     assert "bench e2e JSON results" in capsys.readouterr().out
+
+
+def test_skipped_cells_are_named_with_their_reason():
+    """A result's unmeasured cells, one line each with why: the H100 run whose x 32 cells did not fit."""
+    import json
+    from pathlib import Path
+
+    from sidecar.bench.e2e_report import skipped_lines
+
+    path = Path(__file__).parents[3] / "bench/results/e2e-h100-compact-2026-12-05.json"
+    lines = skipped_lines(json.loads(path.read_text())["cells"])
+    assert lines == [
+        f"staged/{order} 4096 tokens x 32: skipped: needs ~122 GiB on cuda:0, more than is free"
+        for order in ("contiguous", "churn", "density-0.25")
+    ]
+    measured = {"mode": "staged", "order": "contiguous", "context": 4096, "concurrency": 1, "bare": {}}
+    assert skipped_lines([measured]) == []
