@@ -415,6 +415,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         raise BenchError(f"every cell is skipped: {sorted({str(c.skipped) for c in cells})}")
     live = [c for c in cells if c.skipped is None]
     modes = [m for m in modes if any(c.mode == m for c in live)]
+    if staging:  # sized for the cells that fit: their gap budget depends on it
+        print(f"staging pool {staging / 2**20:.1f} MiB (from --staging-factor {args.staging_factor:g}, "
+              f"--staging-gb {args.staging_gb:g} and the largest batch that runs: {max_blocks} blocks)")
     # the emulator's and the decoder's pools: the largest batch, plus vLLM's null block 0
     pool_blocks = max_blocks + 1
     prefill_blocks = math.ceil(max_blocks * args.prefill_pool_factor) + 1
