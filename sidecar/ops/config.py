@@ -327,8 +327,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             "once nothing is in flight, keep the poll loop passing (no sleep) this long after the last "
             "change, so a Pull arriving within it finds the loop's core awake with its caches. On one H200 "
             "host 3 s took a lone 4k pull's daemon time from 1.3 to 0.9-1.07 ms in one run and changed "
-            "nothing in another (README). Costs up to a core for that long after each burst, nothing once "
-            "idle; 0: sleep at once",
+            "nothing in another, nor a lone staged pull on an H100 (README). Costs up to a core for that "
+            "long after each burst, nothing once idle; 0: sleep at once",
             ge=0,
         ),
     ] = 0.0
