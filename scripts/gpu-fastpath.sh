@@ -19,7 +19,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=$PWD:/tmp/site
 STATUS=()
-# the GPU's model in result names (h100, h200): a kind may be lent as either
+# the GPU's model in every result name (h100, h200): a kind may be lent as either
 GPU_TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -o 'H[0-9]\+' | head -n 1 | tr 'H' 'h')
 GPU_TAG=${GPU_TAG:-gpu}
 ONE_GPU=(python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 --warmup 1)
@@ -59,17 +59,17 @@ for step in "$@"; do
     defaults) TAIL=30 run defaults 160 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
       --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous,direct/contiguous \
       --budget-s 140 \
-      --out "$OUT/e2e-h200-contiguous-defaults.json" ;;
+      --out "$OUT/e2e-$GPU_TAG-contiguous-defaults.json" ;;
     graphlaunch) run graphlaunch 90 python3 -m sidecar.cli bench launch --iters 200 --modes staged,staged_gaps \
-      --paths new,graph,graphcap --graph-programs 1056 --out "$OUT/launch-probe-h200-graphcap.json" ;;
+      --paths new,graph,graphcap --graph-programs 1056 --out "$OUT/launch-probe-$GPU_TAG-graphcap.json" ;;
     convertgraph) run convertgraph 120 python3 -m sidecar.cli bench convert --device cuda --dtype bfloat16 \
-      --shapes qwen3-8b-4k,qwen3-8b-16k --no-plot --reps 40 --tag h200-graph-per-call --out-dir "$OUT" \
+      --shapes qwen3-8b-4k,qwen3-8b-16k --no-plot --reps 40 --tag "$GPU_TAG-graph-per-call" --out-dir "$OUT" \
       --variant default: --variant p1056:oop_max_programs=1056 ;;
     # one layer group against four, graphs on, groups converting as they land during the post
     groupsab) for g in 1 4; do
         TAIL=14 run "groups-ab$g" 100 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
           --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous \
-          --layer-groups "$g" --budget-s 80 --out "$OUT/e2e-h200-groups-ab$g.json"
+          --layer-groups "$g" --budget-s 80 --out "$OUT/e2e-$GPU_TAG-groups-ab$g.json"
       done ;;
     # a short check of HEAD: the graph and slice GPU tests and the staged contiguous cells at the daemon's
     # defaults (about 2 minutes of device time); HEAD_ORDERS=1 adds the scattered orders (about 95 s more)
@@ -92,7 +92,7 @@ for step in "$@"; do
             [ "$side" = old ] && root=$(cd "${AB_OLD:?AB_OLD: the other tree}" && pwd) extra=${AB_OLD_ARGS:-}
             TAIL=5 run "ab-$side-$r" "${AB_RUN_S:-60}" bash -c "cd '$root' && PYTHONPATH='$root:/tmp/site' \
               python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 --warmup 1 $cells \
-              $extra --out '$OUT/e2e-h200-ab-$side-$r.json'"
+              $extra --out '$OUT/e2e-$GPU_TAG-ab-$side-$r.json'"
           done
         done ;;
     # the GIL switch interval (gil_switch_interval_us, GIL_VALUES) alternating for GIL_ROUNDS rounds: the staged
@@ -100,46 +100,46 @@ for step in "$@"; do
     gilab) for r in $(seq 1 "${GIL_ROUNDS:-2}"); do
         for g in ${GIL_VALUES:-500 50 20}; do
           TAIL=5 run "gil$g-contiguous-$r" 60 "${ONE_GPU[@]}" "${CONTIGUOUS_CELLS[@]}" \
-            --daemon-set gil_switch_interval_us="$g" --budget-s 45 --out "$OUT/e2e-h200-gil$g-contiguous-$r.json"
+            --daemon-set gil_switch_interval_us="$g" --budget-s 45 --out "$OUT/e2e-$GPU_TAG-gil$g-contiguous-$r.json"
           TAIL=4 run "gil$g-orders-$r" 50 "${ONE_GPU[@]}" --contexts 4096 --concurrency 8 --reps 3 --modes staged \
             --orders churn,density-0.25 "${SCATTERED_POOLS[@]}" --daemon-set gil_switch_interval_us="$g" \
-            --budget-s 35 --out "$OUT/e2e-h200-gil$g-orders-$r.json"
+            --budget-s 35 --out "$OUT/e2e-$GPU_TAG-gil$g-orders-$r.json"
         done
       done ;;
     # the daemon's defaults with conversion graphs on and off, one after the other in one call
     graphsab) for g in true false; do
         TAIL=14 run "graphs-$g" 100 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
           --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous \
-          --daemon-set conversion_graphs=$g --budget-s 80 --out "$OUT/e2e-h200-graphs-$g.json"
+          --daemon-set conversion_graphs=$g --budget-s 80 --out "$OUT/e2e-$GPU_TAG-graphs-$g.json"
       done ;;
-    launch) run launch 120 python3 -m sidecar.cli bench launch --iters 200 --out "$OUT/launch-probe-h200.json" ;;
+    launch) run launch 120 python3 -m sidecar.cli bench launch --iters 200 --out "$OUT/launch-probe-$GPU_TAG.json" ;;
     sweep) run sweep 100 python3 -m sidecar.cli bench convert --device cuda --dtype bfloat16 \
-      --shapes qwen3-8b-4k,qwen3-8b-16k --no-verify --no-plot --reps 40 --tag h200-sweep-stages --out-dir "$OUT" \
+      --shapes qwen3-8b-4k,qwen3-8b-16k --no-verify --no-plot --reps 40 --tag "$GPU_TAG-sweep-stages" --out-dir "$OUT" \
       --variant default: --variant p1056:oop_max_programs=1056 --variant p2112:oop_max_programs=2112 \
       --variant p1056s2:oop_max_programs=1056,oop_stages=2 --variant p528s3:oop_max_programs=528,oop_stages=3 \
       --variant p1056o4ks2:oop_max_programs=1056,oop_elems=4096,oop_stages=2 \
       --variant pipe2:in_place=pipe,pipe_ctas_per_sm=2 --variant whole:in_place=whole ;;
     contiguous) TAIL=30 run contiguous 190 "${E2E[@]}" --contexts 4096,16384 --concurrency 1,8 --reps 3 \
-      --pairs staged/contiguous,direct/contiguous --budget-s 150 --out "$OUT/e2e-h200-contiguous.json" ;;
+      --pairs staged/contiguous,direct/contiguous --budget-s 150 --out "$OUT/e2e-$GPU_TAG-contiguous.json" ;;
     orders) TAIL=30 run orders 160 "${E2E[@]}" --contexts 4096 --concurrency 1,8 --reps 3 --modes staged \
-      --orders churn,density-0.25,random "${SCATTERED_POOLS[@]}" --budget-s 120 --out "$OUT/e2e-h200-orders.json" ;;
+      --orders churn,density-0.25,random "${SCATTERED_POOLS[@]}" --budget-s 120 --out "$OUT/e2e-$GPU_TAG-orders.json" ;;
     # staged only: direct reads of the stand-in's scattered local blocks take 18,432 descriptors per 4k request
     # (0.1-0.2 s each), which ran every step of this sweep past its timeout once.
     groups) for g in ${GROUPS_SWEEP:-1 2 4 9}; do  # the daemon's defaults, layer groups set for both sides
         TAIL=14 run "groups$g" 60 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
           --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 8 --pairs staged/contiguous \
-          --layer-groups "$g" --budget-s 40 --out "$OUT/e2e-h200-groups$g.json"
+          --layer-groups "$g" --budget-s 40 --out "$OUT/e2e-$GPU_TAG-groups$g.json"
       done ;;
     poll) TAIL=20 run poll 120 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
       --warmup 1 --contexts 4096 --concurrency 1,8 --reps 3 --pairs staged/contiguous \
-      --daemon-set poll_busy_s=0 --budget-s 70 --out "$OUT/e2e-h200-poll0.json" ;;
+      --daemon-set poll_busy_s=0 --budget-s 70 --out "$OUT/e2e-$GPU_TAG-poll0.json" ;;
     # py-spy (its wheel in .whl) samples every process of a 4k staged cell, without pausing them: where the
     # daemon's threads spend their time. Raw stacks go to $OUT/profile-*.txt.gz.
     profile) for c in 1 8; do
         TAIL=6 run "profile$c" 110 /tmp/site/bin/py-spy record --nonblocking --subprocesses --threads --rate 1000 \
           --format raw -o "$OUT/profile-4k-x$c.txt" -- python3 -m sidecar.bench.e2e --prefill-device cuda:0 \
           --decoder-device cuda:0 --warmup 1 --contexts 4096 --concurrency "$c" --reps 30 \
-          --pairs staged/contiguous --budget-s 90 --out "$OUT/e2e-h200-profile-x$c.json"
+          --pairs staged/contiguous --budget-s 90 --out "$OUT/e2e-$GPU_TAG-profile-x$c.json"
         gzip -f "$OUT/profile-4k-x$c.txt"
       done ;;
     # py-spy attached by pid to the daemon of a bench e2e run (--subprocesses never reached it), for its
@@ -154,7 +154,7 @@ for step in "$@"; do
         python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 --warmup 1 \
           --contexts "${SPY_CONTEXT:-4096}" --concurrency "${SPY_CONC:-8}" --reps "${SPY_REPS:-400}" \
           --pairs "${SPY_PAIRS:-staged/contiguous}" --budget-s "${SPY_BENCH_S:-150}" \
-          --out "$OUT/e2e-h200-daemonprofile-${SPY_CONTEXT:-4096}-x${SPY_CONC:-8}.json" \
+          --out "$OUT/e2e-$GPU_TAG-daemonprofile-${SPY_CONTEXT:-4096}-x${SPY_CONC:-8}.json" \
           >"$OUT/daemonprofile-bench-x${SPY_CONC:-8}.log" 2>&1 &
         bench=$!
         pid=""
@@ -184,10 +184,10 @@ for step in "$@"; do
     # pages from torch's expandable segments (VMM memory: expected not to map without fabric handles).
     map) TAIL=20 run maptest 90 python3 -m pytest -m gpu -p no:cacheprovider -q -rf tests/gpu/test_gpu_remote_map.py
       TAIL=40 run map 120 python3 -m sidecar.cli bench map --device cuda:0 --prefill-device cuda:0 \
-        --context 4096 --reps 10 --out "$OUT/map-h200-4k.json"
+        --context 4096 --reps 10 --out "$OUT/map-$GPU_TAG-4k.json"
       TAIL=12 run mapvmm 90 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m sidecar.cli bench map \
         --device cuda:0 --prefill-device cuda:0 --context 4096 --reps 5 --orders contiguous \
-        --out "$OUT/map-h200-4k-expandable.json" ;;
+        --out "$OUT/map-$GPU_TAG-4k-expandable.json" ;;
     # the mapped read mode (pull_mode = "mapped"): its GPU tests with the slice's, then the issue-12 cells
     # side by side with staged (contiguous at 1, 8 and 32 in flight) and its scattered orders (25 % density
     # against its own contiguous rate, churn and random)
@@ -195,30 +195,30 @@ for step in "$@"; do
         tests/gpu/test_gpu_mapped.py tests/gpu/test_gpu_remote_map.py tests/gpu/test_gpu_slice.py
       TAIL=16 run mappedcontiguous 160 "${ONE_GPU[@]}" --contexts 4096,16384 --concurrency 1,8,32 --reps 10 \
         --max-batch-tokens 131072 --pairs mapped/contiguous,staged/contiguous --budget-s 140 \
-        --out "$OUT/e2e-h200-mapped-contiguous.json"
+        --out "$OUT/e2e-$GPU_TAG-mapped-contiguous.json"
       TAIL=12 run mappedorders 130 "${ONE_GPU[@]}" --contexts 4096 --concurrency 1,8 --reps 3 \
         --pairs mapped/contiguous,mapped/density-0.25,mapped/churn,mapped/random "${SCATTERED_POOLS[@]}" \
-        --budget-s 110 --out "$OUT/e2e-h200-mapped-orders.json" ;;
+        --budget-s 110 --out "$OUT/e2e-$GPU_TAG-mapped-orders.json" ;;
     # poll_linger_s (LINGER_VALUES) alternating for LINGER_ROUNDS rounds: mapped contiguous pulls at 1 and 8 in
     # flight (LINGER_CONC), each value with its own bare reads in the same run
     lingerab) for r in $(seq 1 "${LINGER_ROUNDS:-2}"); do
         for v in ${LINGER_VALUES:-0 0.05}; do
           TAIL=5 run "linger$v-$r" 70 "${ONE_GPU[@]}" --contexts 4096,16384 --concurrency "${LINGER_CONC:-1,8}" \
             --reps 10 --pairs mapped/contiguous --daemon-set poll_linger_s="$v" --budget-s 55 \
-            --out "$OUT/e2e-h200-linger$v-$r.json"
+            --out "$OUT/e2e-$GPU_TAG-linger$v-$r.json"
         done
       done ;;
     # the converter beside a copy with the launch hidden from the kernel's events, per call against the copy
     # per call, on every GPU shape (the larger ones without the byte check: it clones their 8,192-block caches
     # twice, past the GPU's memory)
     convertlead) TAIL=24 run convertlead 150 python3 -m sidecar.cli bench convert --device cuda --dtype bfloat16 \
-        --shapes qwen3-8b-4k,qwen3-8b-16k --no-plot --reps 40 --tag h200-lead --out-dir "$OUT" --variant default:
+        --shapes qwen3-8b-4k,qwen3-8b-16k --no-plot --reps 40 --tag "$GPU_TAG-lead" --out-dir "$OUT" --variant default:
       TAIL=16 run convertleadshapes 200 python3 -m sidecar.cli bench convert --device cuda --dtype bfloat16 \
         --shapes qwen3-8b-tp8-4k,l64-h8-n32-d128-4k,llama3.2-1b-d64-16k,l42-h8-n16-d256-4k,l42-h8-n32-d256-4k \
-        --no-verify --no-plot --reps 20 --tag h200-lead-shapes --out-dir "$OUT" --variant default: ;;
+        --no-verify --no-plot --reps 20 --tag "$GPU_TAG-lead-shapes" --out-dir "$OUT" --variant default: ;;
     # out-of-place and in-place launch shapes on the 4k shape, the launch hidden from the events (CONVERT_VARIANTS)
     convertsweep) TAIL=30 run convertsweep 200 python3 -m sidecar.cli bench convert --device cuda --dtype bfloat16 \
-      --shapes qwen3-8b-4k --no-verify --no-plot --reps 40 --tag h200-lead-sweep --out-dir "$OUT" \
+      --shapes qwen3-8b-4k --no-verify --no-plot --reps 40 --tag "$GPU_TAG-lead-sweep" --out-dir "$OUT" \
       ${CONVERT_VARIANTS:---variant default: --variant o4k:oop_elems=4096 --variant o4kw8:oop_elems=4096,oop_warps=8 \
       --variant w8:oop_warps=8 --variant o1k:oop_elems=1024 --variant e64:in_place_elems_per_thread=64 \
       --variant e256:in_place_elems_per_thread=256 --variant ev:streaming=true} ;;
@@ -227,9 +227,9 @@ for step in "$@"; do
     pieces) p=${PIECES_PAIRS:-mapped/contiguous}; tag=${p%%/*}${PIECES_TAG:-}
       for c in 8 1; do
         TAIL=5 run "pieces-$tag-x$c" 90 "${ONE_GPU[@]}" --contexts 4096 --concurrency "$c" --reps 30 \
-          --pairs "$p" --budget-s 70 --daemon-set "loop_pieces=\"$OUT/loop-pieces-h200-$tag-x$c.json\"" \
+          --pairs "$p" --budget-s 70 --daemon-set "loop_pieces=\"$OUT/loop-pieces-$GPU_TAG-$tag-x$c.json\"" \
           ${PIECES_SET:+--daemon-set "$PIECES_SET"} --logs "$OUT/logs-$tag-x$c" \
-          --out "$OUT/e2e-h200-pieces-$tag-x$c.json"
+          --out "$OUT/e2e-$GPU_TAG-pieces-$tag-x$c.json"
       done ;;
     # a lone staged pull on a cold core against a warm one, alternating for COLD_ROUNDS rounds: the daemon's
     # defaults; poll_linger_s=3 (its loop keeps polling 3 s after each change); and the host's CPU idle states
@@ -250,7 +250,7 @@ f.write(struct.pack("i", 0)); print("held", flush=True); time.sleep(3600)' & hol
         done
       done ;;
     # the loop's CPU per pull on this host's CPU (no GPU in it): back to back and after idling
-    loopbench) TAIL=5 run loopbench 120 python3 -m sidecar.bench.loop_cost --bursts 200 --out "$OUT/loop-h200-host.json" ;;
+    loopbench) TAIL=5 run loopbench 120 python3 -m sidecar.bench.loop_cost --bursts 200 --out "$OUT/loop-$GPU_TAG-host.json" ;;
     *) STATUS+=("$step: unknown step") ;;
   esac
 done
