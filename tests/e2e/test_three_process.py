@@ -70,11 +70,16 @@ def test_many_concurrent_requests_bit_exact_freed_and_counted(work, emulator, da
     assert all(0 < r.timings["delivery"] < r.timings["end_to_end"] + 1.0 for r in results)
 
 
-def test_staged_mode_is_bit_exact_too(work, emulator, make_standin) -> None:
+@pytest.mark.parametrize("inline", [False, True], ids=["poster", "inline"])
+def test_staged_mode_is_bit_exact_too(work, emulator, make_standin, inline) -> None:
+    """Staged pulls, all at once; with ``inline`` one at a time with inline posts on (the GPU default, off on
+    the CPU twin): each lone pull is posted on the daemon's loop over real NIXL, and lands bit-exact."""
     page = REMOTE_FMT.page_bytes
-    daemon = start_daemon(
-        work, name="staged", extra=f'pull_mode = "staged"\nstaging_bytes = {SHAPE.layers * page * 64}'
-    )
+    name = "staged-inline" if inline else "staged"
+    extra = f'pull_mode = "staged"\nstaging_bytes = {SHAPE.layers * page * 64}'
+    if inline:
+        extra += "\ninline_post_max_descriptors = 4096"
+    daemon = start_daemon(work, name=name, extra=extra)
     try:
         standin = make_standin(daemon.socket, dict(emulator.ready.compat_factors))
         assert standin.register()
@@ -85,13 +90,17 @@ def test_staged_mode_is_bit_exact_too(work, emulator, make_standin) -> None:
             seed=0,
             remote_fmt=REMOTE_FMT,
             tokens=(1, 200),
+            concurrency=1 if inline else 0,
             rng_seed=12,
             timeout_s=60,
         )
         summary = summarize(results)
-        assert summary["ok"] == 16, summary["failures"] + [log_tail(work, "staged")]
+        assert summary["ok"] == 16, summary["failures"] + [log_tail(work, name)]
         m = metrics_check(daemon.metrics_url, summary)
         assert m["consistent"], m["problems"]
+        # an inline post waits for no poster thread: its Done says poster_queue 0 (a handed-off one, > 0)
+        on_loop = sum(r.timings.get("poster_queue") == 0.0 for r in results)
+        assert on_loop >= 8 if inline else on_loop == 0, [r.timings.get("poster_queue") for r in results]
     finally:
         daemon.stop()
 
