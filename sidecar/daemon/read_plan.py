@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from sidecar.nixl.spans import ReadCost, count_runs
+from sidecar.wire.block_ids import increasing
 
 AUTO_GROUPS_MIN_BYTES = 1 << 30  # README (two H200s): 4 groups won for a 16k request (2.4 GB), lost at 4k
 AUTO_GROUPS = 4
@@ -35,5 +36,6 @@ def gap_cost(cfg: Any, peer: Any) -> ReadCost | None:
 def staged_descriptors(remote: np.ndarray, layers: int) -> int:
     """About how many descriptors a staged read of these remote kernel blocks posts: ``layers`` x the runs of
     consecutive ids (pages go into staging in remote-id order, so a run is one descriptor per layer; gaps
-    read to merge runs only lower it, a prefill's K and V in separate regions doubles it)."""
-    return layers * count_runs(np.sort(remote))
+    read to merge runs only lower it, a prefill's K and V in separate regions doubles it). Ids already in
+    order (a fresh prefill's) are not sorted: on the loop, sorting over ~500 ids would let go of the GIL."""
+    return layers * count_runs(remote if increasing(remote) else np.sort(remote))
