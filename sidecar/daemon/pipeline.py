@@ -214,7 +214,8 @@ class Pipeline:
         return self._usual_mode() if mode == "auto" else mode
 
     def _usual_mode(self) -> ReadMode:
-        """``auto``'s choice, and where a mapped read is not possible: staged when there is a pool."""
+        """``auto``'s choice, and where a mapped read is not possible: staged when there is a pool (``_post``
+        still reads a request the pool cannot hold direct)."""
         return "staged" if self._staging is not None else "direct"
 
     async def _convert_mapped(self, job: Job, caches: Caches, source: Any) -> Ending:
@@ -234,11 +235,13 @@ class Pipeline:
 
     async def _post(self, job: Job, caches: Caches, mode: ReadMode, layer_groups: int) -> bool:
         """Take staging slots if staged, prepare the conversion, post the reads; True if it converts."""
-        job.pairs = self._reads.blocks(job, mode)
-        self._metrics.read_mode(mode)
+        job.pairs = self._reads.blocks(job, mode)  # staged and direct reads pair blocks alike
         pool = slots = src = staged = None
         layers, blocks = len(caches.layers), job.pairs.count
         fmt = job.peer.plan.remote
+        if mode == "staged" and self._config().pull_mode != "staged":
+            mode = self._fitting_mode(job, fmt.page_bytes, layers * blocks)
+        self._metrics.read_mode(mode)
         layer_groups = layer_groups_for(layer_groups, layers * blocks * fmt.page_bytes)
         if mode == "staged":
             if self._staging is None:
@@ -257,6 +260,20 @@ class Pipeline:
         if staged is not None:
             job.gap_bytes = staged.gap_bytes(fmt.page_bytes)
         return converting
+
+    def _fitting_mode(self, job: Job, page_bytes: int, slots: int) -> ReadMode:
+        """Staged, unless the whole pool could never hold the request: then direct (slow, but read), as auto
+        promises. Only ``pull_mode = "staged"``, asked for by name, refuses such a request."""
+        assert self._staging is not None
+        if self._staging.holds(page_bytes, slots):
+            return "staged"
+        self._ratelog.log(
+            "staging_bytes", logging.WARNING,
+            "pull %s read direct: it needs %d staging slots of %d bytes, the pool (staging_bytes %d) holds "
+            "%d; raise staging_bytes to read requests this long staged",
+            job.req_id, slots, page_bytes, self._staging.nbytes, self._staging.nbytes // page_bytes,
+        )
+        return "direct"
 
     def _inline(self, job: Job, mode: ReadMode, layers: int) -> bool:
         """Post on the loop (config ``inline_post_max_descriptors``): a short staged read, the daemon's only

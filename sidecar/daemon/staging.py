@@ -103,6 +103,11 @@ class Staging:
         """Pulls waiting for staging slots now."""
         return sum(not w.fut.done() for w in self._queue)
 
+    def holds(self, page_bytes: int, slots: int) -> bool:
+        """Whether the whole pool, idle, could lend ``slots`` slots of ``page_bytes`` (``take`` refuses if
+        not)."""
+        return slots <= self.nbytes // page_bytes
+
     def _cut_for(self, page_bytes: int) -> _Cut:
         cut = self._cut
         if cut is not None and cut.slot_bytes == page_bytes:

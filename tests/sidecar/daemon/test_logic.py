@@ -825,6 +825,29 @@ def test_a_pull_larger_than_the_whole_pool_is_refused_naming_staging_bytes():
     run(main())
 
 
+@pytest.mark.parametrize("mode", ["auto", "mapped"])
+def test_auto_reads_a_pull_larger_than_the_whole_pool_direct(mode, caplog):
+    """auto (and mapped, for a prefill that does not map) promise a read: a pull the pool could never hold
+    is read direct, with a warning that names staging_bytes; one that fits is still staged."""
+
+    async def main():
+        async with started(pull_mode=mode, staging_bytes=LAYERS * 2 * PAGE_BYTES) as h:
+            h.pull("big", blocks=[1, 2, 3])
+            assert (await h.reply(p.Done, "big")).ok
+            h.pull("small", blocks=[4, 5])
+            assert (await h.reply(p.Done, "small")).ok
+            reads = [(r.remote_request_id, r.mode) for r in h.port.reads]
+            assert reads == [("r-big", "direct"), ("r-small", "staged")]
+            m = h.daemon.metrics
+            assert [m.read_modes.labels(mode=k)._value.get() for k in ("direct", "staged")] == [1, 1]
+            assert m.refusals.labels(field="staging_bytes")._value.get() == 0
+            (warning,) = [r for r in caplog.records if "read direct" in r.getMessage()]
+            assert warning.levelname == "WARNING" and "staging_bytes" in warning.getMessage()
+            await h.staging_all_free()
+
+    run(main())
+
+
 def test_a_reload_during_a_staged_wait_leaves_the_waiting_pull_to_finish():
     async def main():
         async with started(pull_mode="staged", staging_bytes=LAYERS * 3 * PAGE_BYTES) as h:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import msgspec
 import numpy as np
 import pytest
 
+from sidecar.daemon.errors import Refused
 from sidecar.daemon.staging import Staged, Staging
 from sidecar.nixl.spans import SpanSlots, plan_span
 from sidecar.standins.fake_transfer import FakePort
@@ -121,3 +123,22 @@ def test_a_pull_arriving_while_others_wait_joins_the_line_even_if_it_fits():
         assert _free(staging) == 4
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("slots", range(0, 10))
+def test_holds_says_what_take_would_refuse(slots):
+    """``holds`` (auto's switch to direct) agrees with ``take`` on every size, for pages of two sizes."""
+    staging = _pool(6)
+    other = msgspec.structs.replace(FMT, head_size=40)  # 6 pages of FMT hold 9 of these, and a remainder
+    for fmt, room in ((FMT, 6), (other, 9)):
+        assert staging.holds(fmt.page_bytes, slots) == (slots <= room)
+
+        async def take(fmt=fmt):
+            pool, run = await staging.take(fmt, 1, slots)
+            staging.give(run)
+
+        if slots <= room:
+            asyncio.run(take())
+        else:
+            with pytest.raises(Refused, match="staging_bytes"):
+                asyncio.run(take())
