@@ -1398,7 +1398,7 @@ def test_a_reload_whose_live_keys_do_not_fit_the_running_ones_applies_nothing(ca
             h.reloaded = msgspec.structs.replace(h.daemon.config, pull_mode="staged", staging_bytes=1 << 30,
                                                  log_level="DEBUG")
             h.daemon.reload()
-            assert h.daemon.config.pull_mode == "direct" and h.daemon.config.log_level == "INFO"
+            assert h.daemon.config.pull_mode == "auto" and h.daemon.config.log_level == "INFO"
             assert "configuration not reloaded" in caplog.text and "staging_bytes" in caplog.text
             h.pull("a")
             assert (await h.reply(p.Done, "a")).ok

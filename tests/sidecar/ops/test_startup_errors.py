@@ -87,6 +87,38 @@ def test_startup_warnings_blame_missing_remotes() -> None:
     ]
 
 
+REMOTE = {"match": "*:5600", "page_format": {"kind": "standard", "layout": "LBHNC", "dtype": "bfloat16",
+                                            "num_heads": 8, "block_size": 16, "head_size": 128}}
+
+
+@pytest.mark.parametrize("gpu", [None, 0])
+@pytest.mark.parametrize("mode", ["auto", "direct", "mapped", "staged"])
+@pytest.mark.parametrize("pool", [0, 1 << 30])
+def test_startup_warnings_name_a_gpu_daemon_that_reads_everything_direct(gpu, mode, pool) -> None:
+    """On a GPU, every setting that leaves pulls to direct reads is named; the CPU twin (cheap descriptors)
+    and a pool that auto, staged or mapped can use are not."""
+    settings = {"remotes": [REMOTE], "pull_mode": mode, "staging_bytes": pool}
+    if gpu is not None:
+        settings["gpu"] = gpu
+    if mode == "staged" and not pool:
+        with pytest.raises(config_mod.ConfigError, match="needs staging_bytes"):
+            config_mod.build(settings)
+        return
+    warnings = config_mod.startup_warnings(config_mod.build(settings))
+    if gpu is None or (mode != "direct" and pool):
+        assert warnings == []
+        return
+    (w,) = warnings
+    assert "45-181 x slower than staged" in w and "set staging_bytes and pull_mode 'auto'" in w
+    if mode == "direct":
+        assert w.startswith("pull_mode 'direct': every pull will read direct")
+    elif mode == "mapped":
+        assert w.startswith("pull_mode 'mapped' without a staging pool (staging_bytes 0): prefills whose "
+                            "pages do not map will read direct")
+    else:
+        assert w.startswith("pull_mode 'auto' without a staging pool (staging_bytes 0): every pull will read")
+
+
 def serve(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "KV_SIDECAR_LOG_LEVEL": "WARNING"}
     return subprocess.run([sys.executable, "-m", "sidecar.cli", "serve", *args], capture_output=True,
