@@ -403,6 +403,17 @@ def check_caches(status: Any, gauges: dict[str, float]) -> DoctorCheck:
     )
 
 
+def check_read_path(cfg: Any) -> DoctorCheck:
+    """How the daemon reads pulls with this config: a warning where they read direct on a GPU."""
+    from sidecar.ops import config as config_mod
+
+    slow = config_mod.direct_reads(cfg)
+    if slow is not None:
+        return DoctorCheck("read path", "warn", slow)
+    pool = f"a {_size(cfg.staging_bytes)} staging pool" if cfg.staging_bytes else "no staging pool"
+    return DoctorCheck("read path", "pass", f"pull_mode {cfg.pull_mode!r}, {pool}")
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -578,6 +589,7 @@ def diagnose(args: argparse.Namespace, environ: Mapping[str, str] | None = None)
     health, gauges = check_health(target.metrics_url, args.timeout)
     checks += health
     checks.append(check_caches(status, gauges))
+    checks.append(check_read_path(target.config))
     local = status.page_format if status is not None else None
     if args.local_format:
         local = msgspec.json.decode(args.local_format, type=PageFormat)
@@ -598,9 +610,9 @@ def diagnose(args: argparse.Namespace, environ: Mapping[str, str] | None = None)
 
 
 DESCRIPTION = (
-    "Check a live node end to end: config, daemon socket, /healthz and /readyz, registered caches, each "
-    "prefill's side channel and the page-format negotiation with it, the UCX transports, and one test pull "
-    "from a prefill emulator. Exit code 1 when a check fails."
+    "Check a live node end to end: config, daemon socket, /healthz and /readyz, registered caches, the read "
+    "path, each prefill's side channel and the page-format negotiation with it, the UCX transports, and one "
+    "test pull from a prefill emulator. Exit code 1 when a check fails."
 )
 STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 

@@ -126,6 +126,26 @@ def test_exit_code_fails_only_on_fail():
     assert doctor.exit_code(doctor.DoctorReport([*ok.checks, doctor.DoctorCheck("d", "fail", "x")])) == 1
 
 
+@pytest.mark.parametrize(
+    ("settings", "status", "detail"),
+    [
+        ({}, "pass", "pull_mode 'auto', no staging pool"),  # the CPU twin: its descriptors are cheap
+        ({"gpu": 0, "staging_bytes": 4 << 30}, "pass", "pull_mode 'auto', a 4.0 GiB staging pool"),
+        ({"gpu": 0, "pull_mode": "mapped", "staging_bytes": 1 << 20}, "pass",
+         "pull_mode 'mapped', a 1.0 MiB staging pool"),
+        ({"gpu": 0}, "warn", "pull_mode 'auto' without a staging pool (staging_bytes 0): every pull will"),
+        ({"gpu": 1, "pull_mode": "direct", "staging_bytes": 1 << 30}, "warn",
+         "pull_mode 'direct': every pull will read direct"),
+    ],
+)
+def test_the_read_path_warns_where_a_gpu_daemon_reads_direct(settings, status, detail):
+    from sidecar.ops import config
+
+    check = doctor.check_read_path(config.build(settings))
+    assert (check.name, check.status) == ("read path", status)
+    assert check.detail.startswith(detail), check.detail
+
+
 def test_missing_socket_is_a_clear_failure(tmp_path):
     checks, status = doctor.check_daemon(f"ipc://{tmp_path}/gpu0.sock", 0.5)
     assert status is None and checks[0].status == "fail" and "does not exist" in checks[0].detail
@@ -307,6 +327,7 @@ def test_doctor_passes_on_a_healthy_node(node):
         "/healthz",
         "/readyz",
         "caches",
+        "read path",
         f"prefill {node['prefill']}",
         f"negotiation {node['prefill']}",
         "test pull",
@@ -314,6 +335,9 @@ def test_doctor_passes_on_a_healthy_node(node):
     ):
         assert checks[name]["status"] in ("pass", "warn"), (name, checks[name])
     assert checks["daemon"]["status"] == "pass" and checks["caches"]["status"] == "pass"
+    # the CPU twin reads direct, and its descriptors are cheap: no warning
+    read_path = checks["read path"]
+    assert (read_path["status"], read_path["detail"]) == ("pass", "pull_mode 'auto', no staging pool")
     assert checks["completion socket"]["status"] == "pass", checks["completion socket"]
     assert checks["completion socket"]["detail"].startswith(f"Pong over {node['socket'][6:]}.done")
     assert (
