@@ -512,6 +512,26 @@ def test_mapped_mode_reads_host_memory_prefills_the_usual_way(daemon_factory, em
 
 
 @pytest.mark.e2e
+def test_auto_reads_a_pull_longer_than_the_pool_direct_and_a_short_one_staged(daemon_factory, emulator):
+    """pull_mode auto with a pool of 3 blocks' pages (all layers): a 5-block pull is read direct, a 2-block
+    one staged, both bit-exact over real NIXL, nothing outside their blocks written, nothing refused."""
+    d = daemon_factory("--remotes", remotes_flag(), "--pull-mode", "auto", "--staging-bytes",
+                       str(3 * L * STANDARD.page_bytes))
+    d.ready(emulator)
+    pulls = {"long": [3, 19, 7, 26, 11], "short": [15, 0]}
+    for name, local in pulls.items():
+        r = emulator.client.new_request(num_tokens=len(local) * N)
+        done = d.shim.ask(pull_of(r.kv_transfer_params, name, local))
+        assert done.ok, done
+        d.decoder.check(r, local)
+    assert d.decoder.untouched([b for b in range(B) if b not in pulls["long"] + pulls["short"]])
+    text = d.metrics()
+    assert metric(text, 'kv_sidecar_read_modes_total{mode="direct"}') == 1
+    assert metric(text, 'kv_sidecar_read_modes_total{mode="staged"}') == 1
+    assert metric(text, 'kv_sidecar_requests_total{outcome="refused"}') == 0
+
+
+@pytest.mark.e2e
 def test_overload_then_sigterm_fails_in_flight_pulls_and_exits(daemon_factory, emulator, silent_prefill):
     d = daemon_factory("--remotes", remotes_flag(), "--max-inflight", "1", "--max-queued", "1",
                        "--shutdown-grace-s", "0.5", "--handshake-timeout-s", "30")
