@@ -97,11 +97,20 @@ class Staging:
         self._cut: _Cut | None = None
         self._views: dict[tuple, Any] = {}  # (first, count, slot bytes, dtype, layers, blocks) -> source view
         self._queue: deque[_Waiter] = deque()  # pulls waiting for slots, served in order
+        if metrics is not None:
+            metrics.staging_bytes.set(nbytes)
+            # computed when scraped: a pull's take and give cost nothing more
+            metrics.staging_bytes_in_use.set_function(self.bytes_in_use)
 
     @property
     def waiting(self) -> int:
         """Pulls waiting for staging slots now."""
         return sum(not w.fut.done() for w in self._queue)
+
+    def bytes_in_use(self) -> int:
+        """Bytes of the slots lent to pulls now."""
+        cut = self._cut
+        return 0 if cut is None else (cut.allocator.num_slots - cut.allocator.free) * cut.slot_bytes
 
     def holds(self, page_bytes: int, slots: int) -> bool:
         """Whether the whole pool, idle, could lend ``slots`` slots of ``page_bytes`` (``take`` refuses if
@@ -277,3 +286,6 @@ class Staging:
 
     def close(self) -> None:
         self._port.deregister(self._registration)
+        if self._metrics is not None:
+            self._metrics.staging_bytes.set(0)
+            self._metrics.staging_bytes_in_use.set_function(lambda: 0)

@@ -79,6 +79,14 @@ class Metrics:
             "Staged pulls waiting in line for staging slots (served first come, first served)",
             registry=r,
         )
+        self.staging_bytes = Gauge(
+            "kv_sidecar_staging_bytes", "Size of the staging pool (staging_bytes; 0: none)", registry=r
+        )
+        self.staging_bytes_in_use = Gauge(
+            "kv_sidecar_staging_bytes_in_use",
+            "Staging pool bytes lent to pulls now (their pages and gap blocks), read when scraped",
+            registry=r,
+        )
         self.refusals = Counter(
             "kv_sidecar_refusals", "Refusals by the field that refused", ["field"], registry=r
         )

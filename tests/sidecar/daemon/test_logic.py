@@ -825,6 +825,28 @@ def test_a_pull_larger_than_the_whole_pool_is_refused_naming_staging_bytes():
     run(main())
 
 
+def test_the_staging_gauges_show_the_pool_and_what_a_pull_holds_of_it(blocked_conversion):
+    """kv_sidecar_staging_bytes is the pool; _in_use, read when scraped, is the slots a pull holds until its
+    answer (3 blocks x LAYERS pages while it converts), then 0 again."""
+    gate, started_conversion = blocked_conversion
+
+    async def main():
+        async with started(pull_mode="staged", staging_bytes=64 * PAGE_BYTES + 5) as h:
+            sample = h.daemon.metrics.registry.get_sample_value
+            assert sample("kv_sidecar_staging_bytes") == 64 * PAGE_BYTES + 5
+            assert sample("kv_sidecar_staging_bytes_in_use") == 0
+            h.pull("a", blocks=[1, 2, 3], remote=[7, 9, 8])  # no gaps: ids 7..9 are one run
+            while not started_conversion.is_set():
+                await asyncio.sleep(0.002)
+            assert sample("kv_sidecar_staging_bytes_in_use") == 3 * LAYERS * PAGE_BYTES
+            gate.set()
+            assert (await h.reply(p.Done, "a")).ok
+            await h.staging_all_free()
+            assert sample("kv_sidecar_staging_bytes_in_use") == 0
+
+    run(main())
+
+
 @pytest.mark.parametrize("mode", ["auto", "mapped"])
 def test_auto_reads_a_pull_larger_than_the_whole_pool_direct(mode, caplog):
     """auto (and mapped, for a prefill that does not map) promise a read: a pull the pool could never hold
