@@ -62,7 +62,7 @@ def _without_conversion() -> Iterator[None]:
         yield
 
 
-class Rig:
+class LoopRig:
     """A daemon on FakePort with registered caches of ``num_blocks`` blocks, Pulls in, replies counted."""
 
     def __init__(self, num_blocks: int, settings: dict[str, Any] | None = None) -> None:
@@ -140,7 +140,7 @@ def payloads(count: int, blocks: int, burst: int, num_blocks: int, seed: int) ->
     return out
 
 
-async def _bursts(rig: Rig, data: list[bytes], burst: int, idle_s: float,
+async def _bursts(rig: LoopRig, data: list[bytes], burst: int, idle_s: float,
                   profile: cProfile.Profile | None = None) -> list[float]:
     """Thread CPU per pull of each burst after the warm-up ones."""
     per_pull = []
@@ -166,7 +166,7 @@ async def cell(blocks: int, burst: int, idle_ms: float, bursts: int, seed: int,
                settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """One cell: timed bursts, then a profiled pass of as many for the calls per pull."""
     num_blocks = max(2048, burst * blocks)
-    rig = Rig(num_blocks, settings)
+    rig = LoopRig(num_blocks, settings)
     await rig.start()
     try:
         n = (bursts + WARMUP_BURSTS) * burst

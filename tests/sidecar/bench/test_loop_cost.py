@@ -30,7 +30,7 @@ def test_every_cell_is_timed_with_its_pulls_answered_ok(capsys, tmp_path):
 
 def test_a_refused_pull_counts_as_failed():
     async def run() -> list[str]:
-        rig = loop_cost.Rig(64)
+        rig = loop_cost.LoopRig(64)
         await rig.start()
         try:
             answered = rig.answered(1)
