@@ -53,7 +53,7 @@ def pull(req_id: str) -> p.Pull:
     )
 
 
-class Peer:
+class DaemonEnd:
     """A ROUTER the test drives step by step; every frame it gets is decoded as the daemon would."""
 
     def __init__(self, address: str) -> None:
@@ -100,7 +100,7 @@ def wait_events(client: SidecarClient, n: int, timeout_s: float = 5.0) -> list:
 
 
 def test_hello_register_pull_done(address: str) -> None:
-    peer = Peer(address)
+    peer = DaemonEnd(address)
     client = SidecarClient(address, hello(), register_msg())
     try:
         reg = peer.welcome_and_register()
@@ -125,7 +125,7 @@ def test_daemon_down_refuses_sends_then_registers_when_it_appears(address: str) 
         assert not client.wait_ready(0.2)
         with pytest.raises(NotReady, match="connecting"):
             client.send(pull("r1"))
-        peer = Peer(address)
+        peer = DaemonEnd(address)
         try:
             peer.welcome_and_register()
             assert client.wait_ready(5)
@@ -138,7 +138,7 @@ def test_daemon_down_refuses_sends_then_registers_when_it_appears(address: str) 
 
 
 def test_disconnect_is_reported_and_reconnect_reregisters(address: str) -> None:
-    peer = Peer(address)
+    peer = DaemonEnd(address)
     client = SidecarClient(address, hello(), register_msg())
     try:
         peer.welcome_and_register()
@@ -148,7 +148,7 @@ def test_disconnect_is_reported_and_reconnect_reregisters(address: str) -> None:
         assert isinstance(ev, Lost) and "disconnected" in ev.reason
         with pytest.raises(NotReady, match="lost"):
             client.send(pull("r1"))
-        peer = Peer(address)
+        peer = DaemonEnd(address)
         peer.welcome_and_register()  # Hello and RegisterCaches again, unprompted
         assert client.wait_ready(5)
     finally:
@@ -157,7 +157,7 @@ def test_disconnect_is_reported_and_reconnect_reregisters(address: str) -> None:
 
 
 def test_refused_registration_fails_with_the_reason(address: str) -> None:
-    peer = Peer(address)
+    peer = DaemonEnd(address)
     client = SidecarClient(address, hello(), register_msg())
     try:
         peer.welcome_until_register()
@@ -176,7 +176,7 @@ def test_a_slow_registration_fails_for_now_and_a_late_registered_completes_it(ad
     register timeout is its own (the connector's sidecar_register_timeout_s was never passed down), and a
     Registered after it makes the client ready: it used to be ignored, the shim 'failed' for good while the
     daemon held the caches registered."""
-    peer = Peer(address)
+    peer = DaemonEnd(address)
     client = SidecarClient(address, hello(), register_msg(), reply_timeout_s=5.0, register_timeout_s=0.3)
     try:
         peer.welcome_until_register()
@@ -199,7 +199,7 @@ def test_a_slow_registration_fails_for_now_and_a_late_registered_completes_it(ad
 def test_an_error_about_another_message_does_not_refuse_the_registration(address: str) -> None:
     """An Error about a Heartbeat (or Unregister) of the connection before arriving while RegisterCaches
     waits for its answer used to be taken as the registration's refusal."""
-    peer = Peer(address)
+    peer = DaemonEnd(address)
     client = SidecarClient(address, hello(), register_msg())
     try:
         peer.welcome_until_register()
@@ -212,7 +212,7 @@ def test_an_error_about_another_message_does_not_refuse_the_registration(address
 
 
 def test_protocol_mismatch_fails(address: str) -> None:
-    peer = Peer(address)
+    peer = DaemonEnd(address)
     client = SidecarClient(address, hello(), register_msg())
     try:
         assert isinstance(peer.recv(), p.Hello)
@@ -225,7 +225,7 @@ def test_protocol_mismatch_fails(address: str) -> None:
 
 
 def test_invalid_frame_is_dropped_and_client_keeps_running(address: str) -> None:
-    peer = Peer(address)
+    peer = DaemonEnd(address)
     client = SidecarClient(address, hello(), register_msg())
     try:
         peer.welcome_and_register()
@@ -239,7 +239,7 @@ def test_invalid_frame_is_dropped_and_client_keeps_running(address: str) -> None
         peer.close()
 
 
-class FastPeer(Peer):
+class FastPeer(DaemonEnd):
     """The scripted peer with a completion socket, as the daemon offers one (``sidecar/daemon/completions.py``)."""
 
     def __init__(self, address: str, path: str) -> None:

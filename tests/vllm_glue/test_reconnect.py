@@ -17,7 +17,7 @@ from typing import Any
 import zmq
 
 from sidecar.wire import protocol as p
-from tests.vllm_glue.test_client import Peer, register_msg
+from tests.vllm_glue.test_client import DaemonEnd, register_msg
 from vllm_glue.client import Reply, SidecarClient
 from vllm_glue.orders import PullOrder, RemoteRef, StepOrders
 from vllm_glue.worker import WorkerHalf
@@ -30,7 +30,7 @@ def order(req_id: str, blocks: list[int], **remote: Any) -> PullOrder:
     return PullOrder(req_id=req_id, remote=ref, local_block_ids=blocks, awaiting=True)
 
 
-def connected(address: str, peer: Peer) -> WorkerHalf:
+def connected(address: str, peer: DaemonEnd) -> WorkerHalf:
     """A worker half registered with ``peer`` (answered here, so not through the blocking ``connect``)."""
     w = WorkerHalf(address, pull_timeout_s=30.0, grace_s=1.0, register_timeout_s=5.0)
     w.client = SidecarClient(address, w._hello, register_msg())
@@ -40,9 +40,9 @@ def connected(address: str, peer: Peer) -> WorkerHalf:
 
 
 @contextlib.contextmanager
-def session(address: str) -> Iterator[tuple[Peer, WorkerHalf]]:
+def session(address: str) -> Iterator[tuple[DaemonEnd, WorkerHalf]]:
     """A scripted daemon and a worker half registered with it, both closed on the way out."""
-    peer = Peer(address)
+    peer = DaemonEnd(address)
     w = connected(address, peer)
     try:
         yield peer, w
@@ -58,20 +58,20 @@ def wait_until(cond, timeout_s: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def recv_all(peer: Peer, n: int) -> list[p.ToDaemon]:
+def recv_all(peer: DaemonEnd, n: int) -> list[p.ToDaemon]:
     return [peer.recv() for _ in range(n)]
 
 
 def test_reconnect_before_the_next_step_fails_only_the_old_connections_loads(address: str) -> None:
     """Today's main: the queued Lost fails r2 too (sent after the reconnect) and r2's Done is 'unknown'."""
-    peer = Peer(address)
+    peer = DaemonEnd(address)
     w = connected(address, peer)
     try:
         w.start_step(StepOrders(pulls=[order("r1", [3, 4])]))
         assert isinstance(peer.recv(), p.Pull)
         peer.close()  # the daemon restarts while the engine idles: no collect() in between
         wait_until(lambda: not w.client.is_ready())
-        peer = Peer(address)
+        peer = DaemonEnd(address)
         peer.welcome_and_register()
         assert w.client.wait_ready(5)
         w.start_step(StepOrders(pulls=[order("r2", [5, 6])]))
@@ -106,7 +106,7 @@ def test_reconnect_before_the_next_step_fails_only_the_old_connections_loads(add
 def test_blocks_of_a_dropped_load_are_held_while_the_same_daemon_could_write(address: str) -> None:
     """Today's main: r1 is failed (blocks handed back) at the first step after the drop, while the daemon
     that got its Pull is still alive and may write."""
-    peer = Peer(address)
+    peer = DaemonEnd(address)
     w = connected(address, peer)
     try:
         w.start_step(StepOrders(pulls=[order("r1", [7])]))
@@ -141,13 +141,13 @@ def test_blocks_of_a_dropped_load_are_held_while_the_same_daemon_could_write(add
 
 def test_message_queued_for_an_ended_connection_is_never_sent_on_the_next(address: str) -> None:
     from vllm_glue.client import _DATA, _EPOCH
-    peer = Peer(address)
+    peer = DaemonEnd(address)
     w = connected(address, peer)
     try:
         old = w.client.epoch
         peer.close()
         wait_until(lambda: not w.client.is_ready())
-        peer = Peer(address)
+        peer = DaemonEnd(address)
         peer.welcome_and_register()
         assert w.client.wait_ready(5)
         w.client.poll_events()

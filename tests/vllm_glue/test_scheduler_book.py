@@ -46,7 +46,7 @@ class FakeBlocks:
         return self.groups
 
 
-class Clock:
+class FakeClock:
     def __init__(self) -> None:
         self.t = 1000.0
 
@@ -107,7 +107,7 @@ def test_full_local_hit_notifies_the_prefill_without_waiting() -> None:
 
 
 def test_heartbeats_from_first_sight_every_lease_sixth() -> None:
-    clock = Clock()
+    clock = FakeClock()
     book = SchedulerBook(lease_s=30, clock=clock)
     book.on_new_request(FakeRequest("r1", params()))
     book.on_new_request(FakeRequest("r2", params(remote_request_id="cmpl-2-def")))
@@ -129,7 +129,7 @@ def test_heartbeats_from_first_sight_every_lease_sixth() -> None:
 
 
 def test_heartbeats_stop_at_finished_recving_and_request_finished() -> None:
-    clock = Clock()
+    clock = FakeClock()
     book = SchedulerBook(lease_s=6, clock=clock)  # period 1 s
     r1, r2 = FakeRequest("r1", params()), FakeRequest("r2", params(remote_request_id="cmpl-2"))
     for r in (r1, r2):
@@ -226,7 +226,7 @@ def test_parse_remote_refuses_values_the_daemon_would(change, needle) -> None:
 
 
 def test_pull_carries_when_the_lease_started_and_the_token_count() -> None:
-    clock = Clock()
+    clock = FakeClock()
     book = SchedulerBook(clock=clock, wall=lambda: 5000.0)
     req = FakeRequest("r1", params())
     req.arrival_time = 4998.5  # reached the API server 1.5 s before the scheduler saw it

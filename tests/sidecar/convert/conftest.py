@@ -54,7 +54,7 @@ def write_shuffled(k_plane: np.ndarray, v_plane: np.ndarray, key: np.ndarray, va
 
 
 @dataclass
-class Case:
+class ConversionCase:
     """One conversion: what the planes hold before (in place / out of place), the staged pages, the truth."""
 
     in_place_k: np.ndarray  # [L, B, HND]: chosen blocks hold the standard page's byte halves
@@ -68,7 +68,7 @@ class Case:
 
 
 def make_case(layers: int, blocks: int, ids: list[int], h: int, n: int, d: int, word: int,
-              seed: int = 0) -> Case:
+              seed: int = 0) -> ConversionCase:
     rng = np.random.default_rng(seed)
     ids_a = np.asarray(ids, dtype=np.int64)
     _m, half = len(ids), h * n * d
@@ -89,7 +89,7 @@ def make_case(layers: int, blocks: int, ids: list[int], h: int, n: int, d: int, 
     in_place_k, in_place_v = before_k.copy(), before_v.copy()
     in_place_k[:, ids_a], in_place_v[:, ids_a] = std[:, ids_a, :half], std[:, ids_a, half:]
     src = np.ascontiguousarray(std[:, ids_a])
-    return Case(in_place_k, in_place_v, before_k, before_v, src, want_k, want_v, ids_a)
+    return ConversionCase(in_place_k, in_place_v, before_k, before_v, src, want_k, want_v, ids_a)
 
 
 def planes(arr: np.ndarray, dtype: torch.dtype, device: str = "cpu") -> list[torch.Tensor]:

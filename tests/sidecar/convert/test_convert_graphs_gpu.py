@@ -22,7 +22,7 @@ DEV = "cuda:0"
 BLOCKS = 64
 
 
-class Rig:
+class GraphRig:
     """Two copies of random planes: one converted by graphs, one by the ordinary launch, then compared."""
 
     def __init__(self, h: int, n: int, d: int, layers: int = 3, seed: int = 0, dtype=torch.bfloat16) -> None:
@@ -76,7 +76,7 @@ class Rig:
 def test_replays_convert_each_new_request_like_the_ordinary_launch(h, n, d, indexed):
     from sidecar.convert.graph_tables import bucket
 
-    rig = Rig(h, n, d, seed=h + n + d)
+    rig = GraphRig(h, n, d, seed=h + n + d)
     # sizes that share a bucket (17 and 18), pad (19 -> 20), come back after others, and one block
     sizes, groups = (5, 5, 17, 18, 19, 5, 1, 33, 33, 20, 18, 5), ((0, 3), (0, 1), (1, 3))
     for m in sizes:
@@ -94,8 +94,8 @@ def test_replays_convert_each_new_request_like_the_ordinary_launch(h, n, d, inde
 def test_a_graph_taken_by_another_layer_range_or_source_gets_that_ones_meta():
     """Layer ranges of one length share a graph; a table is given a new meta only when the launch's layers or
     source differ from its last one, so alternating them must still convert each request from its own."""
-    rig = Rig(8, 16, 128, seed=9)
-    other = Rig._random(tuple(rig.src.shape), torch.Generator(device=DEV).manual_seed(99), rig.src.dtype)
+    rig = GraphRig(8, 16, 128, seed=9)
+    other = GraphRig._random(tuple(rig.src.shape), torch.Generator(device=DEV).manual_seed(99), rig.src.dtype)
     plan = [((0, 1), rig.src), ((1, 2), rig.src), ((1, 2), other), ((2, 3), other), ((0, 1), rig.src),
             ((0, 1), rig.src), ((2, 3), rig.src)]
     for i, (layers, src) in enumerate(plan):
@@ -109,7 +109,7 @@ def test_a_graph_taken_by_another_layer_range_or_source_gets_that_ones_meta():
 def test_a_busy_graph_is_never_rewritten():
     """Launches queued behind a long kernel: each key's graphs are in use, so the third launch of a key is
     declined (per_key 2) and converts nothing; the two taken convert their own requests exactly."""
-    rig = Rig(8, 16, 128, seed=5)
+    rig = GraphRig(8, 16, 128, seed=5)
     ids, src, rows = rig.request(8, True)
     rig.both(ids, src, rows, (0, 3))  # captured
     rig.assert_same("first")
@@ -127,7 +127,7 @@ def test_a_busy_graph_is_never_rewritten():
 
 
 def test_a_failed_capture_leaves_the_request_converted_and_graphs_off(monkeypatch):
-    rig = Rig(8, 16, 128, seed=6)
+    rig = GraphRig(8, 16, 128, seed=6)
 
     def refuse(*_args, **_kwargs):
         raise RuntimeError("no capture here")
@@ -153,7 +153,7 @@ def test_a_failed_capture_leaves_the_request_converted_and_graphs_off(monkeypatc
     ],
 )
 def test_bad_input_is_refused_before_anything_is_queued(ids, rows, match):
-    rig = Rig(8, 16, 128, seed=7)
+    rig = GraphRig(8, 16, 128, seed=7)
     src = rig.src if rows is not None else rig.src[:, : len(ids)]
     with pytest.raises(ValueError, match=match):
         rig.graphs.launch(rig.stream, ids, src, (0, 3), rows)
@@ -161,7 +161,7 @@ def test_bad_input_is_refused_before_anything_is_queued(ids, rows, match):
 
 
 def test_a_source_of_the_wrong_shape_is_refused():
-    rig = Rig(8, 16, 128, seed=8)
+    rig = GraphRig(8, 16, 128, seed=8)
     with pytest.raises(ValueError, match="src shape"):
         rig.graphs.launch(rig.stream, np.array([1, 2, 3]), rig.src[:, :2], (0, 3), None)
     with pytest.raises(ValueError, match="layers"):

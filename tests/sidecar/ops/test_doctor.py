@@ -167,7 +167,7 @@ def test_stale_socket_file_is_reported(tmp_path):
 # ------------------------------------------------------------------------------------------------ e2e
 
 
-class Decoder:
+class DoctorDecoder:
     """A decoder's K/V planes in /dev/shm and the shim's DEALER that registers them with the daemon."""
 
     def __init__(self, endpoint: str, factors: dict) -> None:
@@ -247,7 +247,7 @@ def _node(tmp_path: Path):
         emu.stop()  # a daemon that failed to start must not leave the emulator running
         raise
     # The decoder's hash factors: the prefill's, with the decoder's own backend name.
-    decoder = Decoder(sock, {**emu.ready.compat_factors, "attn_backend_name": "ROCM_AITER_FA"})
+    decoder = DoctorDecoder(sock, {**emu.ready.compat_factors, "attn_backend_name": "ROCM_AITER_FA"})
     info = {
         "emulator": emu,
         "daemon": daemon,
