@@ -74,26 +74,35 @@ def plan_gaps(needed: np.ndarray, page_bytes: int, cost: ReadCost | None, budget
     ``cost.max_gap_blocks``, shortest first (every gap saves the same one descriptor), at most
     ``budget_blocks`` gap ids in all. ``cost`` None: no gaps."""
     ids = np.asarray(needed, dtype=_I64)
-    if cost is None or budget_blocks <= 0 or ids.size < 2:
-        return np.empty(0, _I64)
-    if (np.diff(ids) <= 0).any():
+    if ids.size >= 2 and (np.diff(ids) <= 0).any():
         raise ValueError("needed ids must be sorted and unique")
+    after, sizes = _gap_runs(ids, page_bytes, cost, budget_blocks)
+    return _run_ids(ids[after] + 1, sizes)
+
+
+def _gap_runs(
+    ids: np.ndarray, page_bytes: int, cost: ReadCost | None, budget: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``plan_gaps``' choice as runs: the ascending indices ``j`` whose gap (``ids[j]+1 .. ids[j+1]-1``) is
+    read, and each gap's length."""
+    none = np.empty(0, _I64)
+    if cost is None or budget <= 0 or ids.size < 2:
+        return none, none
     limit = cost.max_gap_blocks(page_bytes)
     if limit <= 0:
-        return np.empty(0, _I64)
+        return none, none
     lens = np.diff(ids) - 1
     cand = np.flatnonzero((lens > 0) & (lens <= limit))
-    if cand.size == 0:
-        return np.empty(0, _I64)
-    order = cand[np.argsort(lens[cand], kind="stable")]
-    taken = order[np.cumsum(lens[order]) <= budget_blocks]
-    if taken.size == 0:
-        return np.empty(0, _I64)
-    taken = np.sort(taken)
-    # every id of every taken gap, vectorised: gap j is ids[j]+1 .. ids[j+1]-1
-    sizes = lens[taken]
-    starts = np.repeat(ids[taken] + 1 - (np.cumsum(sizes) - sizes), sizes)
-    return starts + np.arange(int(sizes.sum()), dtype=_I64)
+    if int(lens[cand].sum()) > budget:  # not every candidate fits: the shortest first
+        order = cand[np.argsort(lens[cand], kind="stable")]
+        cand = np.sort(order[np.cumsum(lens[order]) <= budget])
+    return cand, lens[cand]
+
+
+def _run_ids(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Every id of the runs ``starts[j] .. starts[j] + sizes[j] - 1``, in order, vectorised."""
+    offsets = np.repeat(starts - (np.cumsum(sizes) - sizes), sizes)
+    return offsets + np.arange(int(sizes.sum()), dtype=_I64)
 
 
 def plan_span(remote_ids: np.ndarray, page_bytes: int, cost: ReadCost | None, budget_blocks: int) -> Span:
@@ -109,18 +118,20 @@ def plan_span(remote_ids: np.ndarray, page_bytes: int, cost: ReadCost | None, bu
     needed = rk[order]
     if n > 1 and (needed[1:] == needed[:-1]).any():
         return Span(n, np.arange(n, dtype=_I64), none, none)
-    gaps = plan_gaps(needed, page_bytes, cost, budget_blocks)
-    if gaps.size == 0:  # the common case: one sort, no search
-        pos = np.empty(n, _I64)
-        pos[order] = np.arange(n, dtype=_I64)
+    after, sizes = _gap_runs(needed, page_bytes, cost, budget_blocks)
+    rows = np.arange(n, dtype=_I64)  # sorted block i's slot: i, plus the gap blocks read before it
+    if after.size:
+        shift = np.zeros(n, _I64)
+        shift[after + 1] = sizes
+        rows += np.cumsum(shift)
+    pos = np.empty(n, _I64)
+    pos[order] = rows
+    if after.size == 0:
         return Span(n, pos, none, none)
-    every = np.sort(np.concatenate([needed, gaps]))
-    return Span(
-        width=int(every.size),
-        pos=np.searchsorted(every, rk).astype(_I64),
-        gap_ids=gaps,
-        gap_pos=np.searchsorted(every, gaps).astype(_I64),
-    )
+    gaps = _run_ids(needed[after] + 1, sizes)
+    # a gap's blocks follow the block before it, in the slots after that block's
+    gap_pos = _run_ids(rows[after] + 1, sizes)
+    return Span(width=n + int(sizes.sum()), pos=pos, gap_ids=gaps, gap_pos=gap_pos)
 
 
 @dataclass(frozen=True, eq=False)

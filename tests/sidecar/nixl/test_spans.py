@@ -112,6 +112,21 @@ def test_plan_span_lays_blocks_out_in_remote_order():
         assert (every >= 0).all() and (np.diff(every) > 0).all()  # a permutation, ascending remote ids
         assert count_runs(every) <= count_runs(np.sort(rk))
         assert span.gap_blocks <= budget
+        assert span.gap_ids.tolist() == plan_gaps(np.sort(rk), 1000, cost, budget).tolist()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_plan_span_on_long_requests_matches_a_merge_of_the_sorted_ids(seed):
+    """The slots ``plan_span`` computes from gap runs are where a sort of needed and gap ids puts them."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 400))
+    rk = rng.choice(int(rng.integers(n, 6 * n)), size=n, replace=False).astype(np.int64)
+    cost = ReadCost(8.0, float(rng.choice([0.05, 1.0, 20.0])))
+    span = plan_span(rk, 1000, cost, int(rng.integers(0, 3 * n)))
+    every = np.sort(np.concatenate([rk, span.gap_ids]))
+    assert span.width == every.size
+    assert span.pos.tolist() == np.searchsorted(every, rk).tolist()
+    assert span.gap_pos.tolist() == np.searchsorted(every, span.gap_ids).tolist()
 
 
 def test_a_span_planned_with_a_cost_but_no_gaps_is_the_plain_plan():
