@@ -49,9 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     a(
         "--pull-mode",
-        default="direct",
-        choices=("direct", "staged"),
-        help="direct: half pages into the planes, converted in place; staged: whole pages via a staging pool",
+        default="auto",
+        choices=("auto", "direct", "staged"),
+        help="auto (as deploy/kv-sidecar.toml): staged through a staging pool sized for every request; "
+        "direct: half pages into the planes, converted in place; staged: as auto, asked for by name",
     )
     a("--seed", type=int, default=0)
     a("--timeout", type=float, default=30.0, help="per-request deadline in seconds")
@@ -134,7 +135,7 @@ def daemon_config(args: argparse.Namespace, socket: str, staging_bytes: int) -> 
         'log_level = "WARNING"',
         f'pull_mode = "{args.pull_mode}"',
     ]
-    if args.pull_mode == "staged":
+    if args.pull_mode != "direct":
         lines.append(f"staging_bytes = {staging_bytes}")
     lines += [
         "",
@@ -347,6 +348,8 @@ def metrics_check(url: str | None, summary: dict[str, Any]) -> dict[str, Any]:
         "in_flight": sample(s, "kv_sidecar_requests_in_flight"),
         "handshakes_ok": sample(s, "kv_sidecar_handshakes_total", outcome="ok"),
         "end_to_end_count": sample(s, "kv_sidecar_stage_seconds_count", stage="end_to_end"),
+        "read_modes": {m: sample(s, "kv_sidecar_read_modes_total", mode=m) for m in ("staged", "direct")},
+        "staging_bytes_in_use": sample(s, "kv_sidecar_staging_bytes_in_use"),
     }
     problems = []
     if got["ok"] != summary["requests"] - summary["failed"]:
@@ -359,6 +362,8 @@ def metrics_check(url: str | None, summary: dict[str, Any]) -> dict[str, Any]:
         problems.append(f"bytes_pulled_total {got['bytes']:g} != {summary['bytes']}")
     if got["in_flight"] != 0:
         problems.append(f"requests_in_flight {got['in_flight']:g} after the session")
+    if got["staging_bytes_in_use"] != 0:
+        problems.append(f"staging_bytes_in_use {got['staging_bytes_in_use']:g} after the session")
     if got["end_to_end_count"] != summary["requests"]:
         problems.append(
             f"stage_seconds_count{{end_to_end}} {got['end_to_end_count']:g} != {summary['requests']}"

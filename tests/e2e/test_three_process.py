@@ -270,6 +270,9 @@ def test_demo_command_passes_and_cleans_up() -> None:
     assert proc.returncode == 0, (summary, proc.stderr[-3000:])
     assert summary["ok_overall"] and summary["ok"] == 16 and summary["metrics"]["consistent"]
     assert summary["prefill_not_freed"] == [] and "cleanup_errors" not in summary
+    # read as the shipped config reads: staged through a pool, every slot given back
+    assert summary["metrics"]["read_modes"] == {"staged": 16, "direct": 0}
+    assert summary["metrics"]["staging_bytes_in_use"] == 0
     assert time.monotonic() - t0 < 120
 
 
