@@ -1,8 +1,11 @@
-"""The daemon loop thread's CPU per mapped pull, without a GPU: bursts of Pulls, back to back or after idling.
+"""The daemon loop thread's CPU per pull, without a GPU: bursts of Pulls, back to back or after idling.
 
 A ``Daemon`` runs in this process on ``FakePort`` (the CPU twin's stand-in prefill, whose pages are a CPU
 tensor "mapped" here), so a pull takes the mapped path: receipt, pairing, the conversion's hand-off, the
-answer and the prefill's notification. The conversion itself is left out (it runs on a worker thread here
+answer and the prefill's notification. With ``--daemon-set pull_mode='"staged"'`` and a ``staging_bytes`` it
+takes the staged path instead (span and slots, the post's hand-off to the poster thread, the read's poll, the
+release), against FakePort's reads; ``--remote-order`` picks the prefill's blocks of a pull, scattered or back
+to back. The conversion itself is left out (it runs on a worker thread here
 and on the GPU in production), and so is what a GPU launch costs, so the numbers are the loop's Python
 around the launch. Each Pull goes in as the completion socket hands it over: msgpack bytes, decoded, then
 dispatched; replies are collected instead of sent.
@@ -124,14 +127,22 @@ class LoopRig:
         self.daemon.router.dispatch([b"shim"], p.decode_on_completions(payload), time.monotonic())
 
 
-def payloads(count: int, blocks: int, burst: int, num_blocks: int, seed: int) -> list[bytes]:
-    """Encoded Pulls: each burst's pulls own disjoint local blocks; remote blocks are scattered."""
+ORDERS = ("random", "contiguous")
+
+
+def payloads(
+    count: int, blocks: int, burst: int, num_blocks: int, seed: int, order: str = "random"
+) -> list[bytes]:
+    """Encoded Pulls: each burst's pulls own disjoint local blocks; remote blocks scattered over the prefill's
+    ``num_blocks`` (``random``) or back to back, as a fresh prefill hands them out (``contiguous``)."""
+    if order not in ORDERS:
+        raise ValueError(f"order {order!r} is not one of {ORDERS}")
     rng = np.random.default_rng(seed)
     out = []
     for i in range(count):
         j = i % burst
         local = np.arange(j * blocks, (j + 1) * blocks)
-        remote = rng.permutation(num_blocks)[:blocks]
+        remote = rng.permutation(num_blocks)[:blocks] if order == "random" else local
         out.append(p.encode(p.Pull(
             req_id=f"q{i}", remote_engine_id="prefill-0", remote_host="127.0.0.1", remote_port=5600,
             remote_request_id=f"r{i}", remote_block_ids=p.pack_block_ids(remote),
@@ -163,14 +174,14 @@ async def _bursts(rig: LoopRig, data: list[bytes], burst: int, idle_s: float,
 
 
 async def cell(blocks: int, burst: int, idle_ms: float, bursts: int, seed: int,
-               settings: dict[str, Any] | None = None) -> dict[str, Any]:
+               settings: dict[str, Any] | None = None, order: str = "random") -> dict[str, Any]:
     """One cell: timed bursts, then a profiled pass of as many for the calls per pull."""
     num_blocks = max(2048, burst * blocks)
     rig = LoopRig(num_blocks, settings)
     await rig.start()
     try:
         n = (bursts + WARMUP_BURSTS) * burst
-        data = payloads(2 * n, blocks, burst, num_blocks, seed)
+        data = payloads(2 * n, blocks, burst, num_blocks, seed, order)
         with _without_conversion():
             per_pull = await _bursts(rig, data[:n], burst, idle_ms / 1e3)
             dones = rig.timings[WARMUP_BURSTS * burst:n]  # the timed bursts of the first pass
@@ -182,7 +193,7 @@ async def cell(blocks: int, burst: int, idle_ms: float, bursts: int, seed: int,
     us = sorted(x * 1e6 for x in per_pull)
     queue = sorted(t.get("queue", 0.0) * 1e3 for t in dones)
     return {
-        "blocks": blocks, "burst": burst, "idle_ms": idle_ms, "bursts": len(us),
+        "blocks": blocks, "remote_order": order, "burst": burst, "idle_ms": idle_ms, "bursts": len(us),
         "cpu_us_per_pull_p50": round(statistics.median(us), 1),
         "cpu_us_per_pull_p90": round(us[int(0.9 * (len(us) - 1))], 1),
         "calls_per_pull": round(calls / (bursts * burst), 1),
@@ -200,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle-ms", default="0,20", help="idle between bursts, comma-separated (0: none)")
     ap.add_argument("--bursts", type=int, default=200, help="timed bursts per cell (after 5 untimed)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--remote-order", choices=ORDERS, default="random",
+                    help="the prefill's blocks of a pull: scattered over its pool, or back to back")
     ap.add_argument("--daemon-set", action="append", default=[], metavar="KEY=VALUE",
                     help="a daemon config key for every cell (TOML value), e.g. poll_linger_s=0.05")
     ap.add_argument("--out", default=None, help="write the JSON here too")
@@ -213,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop  # the loop ``kv-sidecar serve`` runs on
 
     cells = [
-        uvloop.run(cell(int(blocks), int(burst), float(idle), args.bursts, args.seed, settings))
+        uvloop.run(
+            cell(int(blocks), int(burst), float(idle), args.bursts, args.seed, settings, args.remote_order)
+        )
         for blocks in args.blocks.split(",")
         for burst in args.bursts_of.split(",")
         for idle in args.idle_ms.split(",")

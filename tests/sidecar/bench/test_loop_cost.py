@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import numpy as np
+import pytest
 
 from sidecar.bench import loop_cost
 from sidecar.wire import protocol as p
@@ -26,6 +27,26 @@ def test_every_cell_is_timed_with_its_pulls_answered_ok(capsys, tmp_path):
         assert 0 < c["queue_ms_p50"] <= c["queue_ms_p99"] < 1000
         # a pull is hundreds of Python calls (decode, pairing, hand-off, answer); none of the bench's own
         assert 100 < c["calls_per_pull"] < 5000, c
+
+
+def test_staged_pulls_of_back_to_back_blocks(capsys):
+    """--remote-order contiguous with a staging pool: every pull staged and answered, the order reported."""
+    args = ["--blocks", "16", "--bursts-of", "2", "--idle-ms", "0", "--bursts", "4", "--remote-order",
+            "contiguous", "--daemon-set", 'pull_mode="staged"', "--daemon-set", "staging_bytes=16777216"]
+    assert loop_cost.main(args) == 0
+    (c,) = json.loads(capsys.readouterr().out)["cells"]
+    assert (c["remote_order"], c["failed"], c["bursts"]) == ("contiguous", 0, 4), c
+
+
+def test_payload_orders():
+    for order, back_to_back in (("contiguous", True), ("random", False)):
+        for i, raw in enumerate(loop_cost.payloads(4, 32, 2, 2048, seed=1, order=order)):
+            remote = p.unpack_block_ids(p.decode_on_completions(raw).remote_block_ids)
+            assert (np.diff(remote) == 1).all() == back_to_back and remote.size == 32
+            if back_to_back:
+                assert remote[0] == (i % 2) * 32  # disjoint within a burst
+    with pytest.raises(ValueError, match="order"):
+        loop_cost.payloads(1, 4, 1, 64, seed=0, order="churn")
 
 
 def test_a_refused_pull_counts_as_failed():
