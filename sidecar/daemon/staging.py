@@ -21,7 +21,15 @@ from sidecar.daemon.errors import Refused
 from sidecar.daemon.port import TransferPort
 from sidecar.daemon.slots import SlotAllocator
 from sidecar.nixl.geometry import StagingPool
-from sidecar.nixl.spans import GapRead, ReadCost, SpanSlots, plan_span, span_saving_us, worth_waiting
+from sidecar.nixl.spans import (
+    GapRead,
+    ReadCost,
+    SpanSlots,
+    identity_rows,
+    plan_span,
+    span_saving_us,
+    worth_waiting,
+)
 from sidecar.ops.metrics import Metrics
 from sidecar.wire import ipc as ipc_mod
 from sidecar.wire.formats import PageFormat
@@ -71,9 +79,11 @@ class Staged:
     def source_index(self) -> np.ndarray | None:
         """The converter's source rows (``pos``), or None where block ``i`` is row ``i`` (no gaps, blocks
         already in remote order): the plain out-of-place launch then does (fewer checks, no index table)."""
-        if self.width == self.pos.size and (self.pos == np.arange(self.width)).all():
-            return None
-        return self.pos
+        pos = self.pos
+        if self.width != pos.size:
+            return pos
+        rows = identity_rows(pos.size)
+        return None if pos is rows or (pos == rows).all() else pos
 
     def gap_bytes(self, page_bytes: int) -> int:
         return 0 if self.gaps is None else int(self.gaps.slots.size) * page_bytes

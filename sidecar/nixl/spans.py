@@ -12,6 +12,7 @@ layer count, so the choice is the same for every layer.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,6 +106,15 @@ def _run_ids(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return offsets + np.arange(int(sizes.sum()), dtype=_I64)
 
 
+@functools.lru_cache(maxsize=64)
+def identity_rows(n: int) -> np.ndarray:
+    """``0 .. n-1`` (int64, read-only, shared): the rows of a span whose blocks are in remote order already.
+    Made once per length: on the loop each numpy call of a pull costs microseconds when its code is cold."""
+    rows = np.arange(n, dtype=_I64)
+    rows.flags.writeable = False
+    return rows
+
+
 def plan_span(remote_ids: np.ndarray, page_bytes: int, cost: ReadCost | None, budget_blocks: int) -> Span:
     """Slots in remote-address order for a request's remote kernel ids (request order), with the gaps worth
     reading (``plan_gaps``). Repeated ids (never sent by a prefill) keep the request order and no gaps."""
@@ -113,11 +123,11 @@ def plan_span(remote_ids: np.ndarray, page_bytes: int, cost: ReadCost | None, bu
     none = np.empty(0, _I64)
     if n and int(rk[-1]) - int(rk[0]) == n - 1 and bool((rk[1:] > rk[:-1]).all()):
         # back to back already (a fresh prefill's blocks): no sort, which would let go of the GIL
-        return Span(n, np.arange(n, dtype=_I64), none, none)
+        return Span(n, identity_rows(n), none, none)
     order = np.argsort(rk, kind="stable")
     needed = rk[order]
     if n > 1 and (needed[1:] == needed[:-1]).any():
-        return Span(n, np.arange(n, dtype=_I64), none, none)
+        return Span(n, identity_rows(n), none, none)
     after, sizes = _gap_runs(needed, page_bytes, cost, budget_blocks)
     rows = np.arange(n, dtype=_I64)  # sorted block i's slot: i, plus the gap blocks read before it
     if after.size:

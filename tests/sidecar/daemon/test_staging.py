@@ -35,6 +35,13 @@ def test_every_other_order_keeps_its_index(perm):
     assert got is not None and got.tolist() == list(perm)
 
 
+@pytest.mark.parametrize("n", [1, 3, 256])
+def test_a_contiguous_span_needs_no_index_whether_its_rows_are_shared_or_not(n):
+    shared = plan_span(np.arange(9, 9 + n), 4096, None, 0)  # back to back: identity_rows(n) itself
+    assert _staged(n, shared.pos.tolist()).source_index is None  # a copy: compared
+    assert Staged(pool=None, slots=SpanSlots(0, 1, n, shared.pos), run=(0, n), gaps=None).source_index is None
+
+
 def test_a_span_with_gap_rows_keeps_its_index_even_when_ascending():
     # rows 0, 2, 3 of a 4-row span: ascending, yet row 1 is a gap block
     assert _staged(4, [0, 2, 3]).source_index.tolist() == [0, 2, 3]

@@ -11,6 +11,7 @@ from sidecar.nixl.spans import (
     ReadCost,
     count_runs,
     fit_read_cost,
+    identity_rows,
     plan_gaps,
     plan_span,
     span_saving_us,
@@ -209,6 +210,10 @@ def test_back_to_back_ids_are_their_own_span(n):
     """The shortcut (no sort) gives what the sort would: row i for block i, no gaps."""
     span = plan_span(np.arange(40, 40 + n), PAGE, ReadCost(8.0, 0.001), 100)
     assert span.width == n and span.pos.tolist() == list(range(n)) and span.gap_blocks == 0
+    # the shared identity rows: made once per length, and nobody may write into them
+    assert span.pos is identity_rows(n) and not span.pos.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        span.pos[0] = 1
 
 
 def test_near_misses_of_back_to_back_take_the_sorting_path():
