@@ -52,8 +52,14 @@ BENCHES = {
         "sidecar.bench.interference",
         "what conversions cost a decoder's running steps on the same GPU, and the settings that bound it",
     ),
-    "break-even": ("sidecar.bench.break_even", "output tokens after which converting pays, from a results file"),
-    "soak": ("sidecar.bench.soak", "random faults injected into a live rig: pulls, causes, RSS and fds as JSON"),
+    "break-even": (
+        "sidecar.bench.break_even",
+        "output tokens after which converting pays, from a results file",
+    ),
+    "soak": (
+        "sidecar.bench.soak",
+        "random faults injected into a live rig: pulls, causes, RSS and fds as JSON",
+    ),
     "map": (
         "sidecar.bench.remote_map",
         "map a prefill's KV pages with UCX (ucp_rkey_ptr) and time a read through the mapping against NIXL's",

@@ -37,8 +37,8 @@ def markdown_table(result: dict[str, Any]) -> str:
             continue
         b = g["baseline"]
         mps = f"{g['mps_percent']}%" if g["mps"] and g["mps_percent"] else ("on" if g["mps"] else "off")
-        rows.append(f"| (no conversions) | {mps} | - | 0 | {_fmt(b['p50'])} | {_fmt(b['p99'])} | {_fmt(b['max'])} "
-                    "| - | - |")
+        rows.append(f"| (no conversions) | {mps} | - | 0 | {_fmt(b['p50'])} | {_fmt(b['p99'])} "
+                    f"| {_fmt(b['max'])} | - | - |")
         for p in g["phases"]:
             s, e = p["step"], p["conversion_e2e"]
             rows.append(f"| {p['setting']} | {mps} | {p['context']} | {p['rate']:g} | {_fmt(s['p50'])} "
@@ -74,7 +74,8 @@ def break_even_markdown(rows: list[dict], savings: list[tuple[str, float, int]] 
         f"break-even tokens ({lab})" for lab, _, _ in savings) + " |"
     out = [head, "|" + "---|" * (4 + len(savings))]
     for r in rows:
-        out.append(f"| {r['setting']} | {r['context']} | {_fmt(r['kernel_ms'])} | {_fmt(r['interference_ms'])} | "
+        out.append(f"| {r['setting']} | {r['context']} | {_fmt(r['kernel_ms'])} "
+                   f"| {_fmt(r['interference_ms'])} | "
                    + " | ".join(f"{r['break_even'][lab]:.1f}" for lab, _, _ in savings) + " |")
     return "\n".join(out)
 
@@ -102,7 +103,8 @@ def plot(rows: list[dict], path: Path, savings: list[tuple[str, float, int]] = S
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kv-sidecar bench break-even", description=__doc__.split("\n")[0])
     p.add_argument("results", type=Path, help="interference.json")
-    p.add_argument("--out", type=Path, default=None, help="directory for break-even.json/.png (default: beside)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory for break-even.json/.png (default: beside)")
     args = p.parse_args(argv)
     result = json.loads(args.results.read_text())
     out = args.out or args.results.parent

@@ -140,8 +140,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", action="append", type=parse_variant, default=None,
                         help="GPU kernel tuning, name:field=value,... (repeatable; default: the shipped one)")
     parser.add_argument("--cache-blocks", type=int, default=8192,
-                        help="blocks per layer in the cache the request's random ids are drawn from (GPU; the "
-                             "CPU uses the request's blocks + 25 %%)")
+                        help="blocks per layer in the cache the request's random ids are drawn from (GPU; "
+                             "the CPU uses the request's blocks + 25 %%)")
     parser.add_argument("--check", action="store_true", help="exit 1 unless the must-show ratios hold")
 
 

@@ -81,7 +81,8 @@ class DecodeStep:
         qkv = (shape.q_heads + 2 * shape.kv_heads) * shape.head_size
         self.w = [(w(shape.hidden, qkv), w(shape.q_heads * shape.head_size, shape.hidden),
                    w(shape.hidden, 2 * shape.mlp), w(shape.mlp, shape.hidden)) for _ in range(shape.layers)]
-        self.x = torch.randn((self.batch, shape.hidden), generator=gen, device=dev, dtype=torch.float32).to(dt)
+        self.x = torch.randn((self.batch, shape.hidden), generator=gen, device=dev,
+                             dtype=torch.float32).to(dt)
         self.dtype = dt
         self.triton = dev.type == "cuda"
         if self.triton:

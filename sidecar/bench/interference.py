@@ -60,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--context-min", type=int, default=4096)
     a("--context-max", type=int, default=16384)
     a("--contexts", default="4096,16384", help="tokens of the converted requests, comma-separated")
-    a("--rates", default="2,5,10,20,50", help="conversions per second (Poisson), comma-separated (0 = baseline)")
+    a("--rates", default="2,5,10,20,50",
+      help="conversions per second (Poisson), comma-separated (0 = baseline)")
     a("--settings", default="none,mps-cap", help="comma-separated names: " + ", ".join(
         ["none", "slice", "paced", "grid", "priority", "mps", "mps-cap", "mps-cap-paced"]))
     a("--phase-s", type=float, default=3.0, help="seconds per phase (and per baseline)")
@@ -135,7 +136,8 @@ def analyse(steps: list[tuple[float, float]], convs: list[dict[str, float]], bas
         "step": q,
         "step_p50_ratio": st.ratio(q["p50"], base["p50"]),
         "step_p99_ratio": st.ratio(q["p99"], base["p99"]),
-        "collided": {"count": int(sum(hit)), **st.quantiles_ms([d for d, h in zip(durs, hit, strict=True) if h])},
+        "collided": {"count": int(sum(hit)),
+                     **st.quantiles_ms([d for d, h in zip(durs, hit, strict=True) if h])},
         "conversions": len(convs),
         "conversion_e2e": st.quantiles_ms([c["gpu_end"] - c["arrival"] for c in convs]),
         "conversion_gpu": st.quantiles_ms([c["gpu_end"] - c["gpu_start"] for c in convs]),
@@ -184,8 +186,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             if mps_ctl is not None:
                 mps_ctl.start()
-            out["groups"].append(_run_group(args, device, table, members, contexts, rates, spare, mps_ctl, pct,
-                                            t_start))
+            out["groups"].append(_run_group(args, device, table, members, contexts, rates, spare, mps_ctl,
+                                            pct, t_start))
         finally:
             if mps_ctl is not None:
                 mps_ctl.quit()

@@ -188,7 +188,8 @@ def run_group(args: argparse.Namespace, device: str, plan: DaemonPlan, cells: li
         if not ready.registered:
             raise RuntimeError(f"the decoder did not register its caches with the daemon: {ready.reason}")
         if not ready.attention_rel_err < 0.05:  # also catches NaN: the step must compute real attention
-            raise RuntimeError(f"the decode step's attention is off from torch's by {ready.attention_rel_err}")
+            raise RuntimeError(
+                f"the decode step's attention is off from torch's by {ready.attention_rel_err}")
         g.update(attention_rel_err=ready.attention_rel_err, kv_bytes_per_step=ready.kv_bytes_per_step)
         g["alone"] = {}
         g["alone_ms"] = {plan.setting: {}}

@@ -1,4 +1,5 @@
-"""The interference bench's processes (see ``interference``): what conversions cost a decoder's running requests on the same GPU.
+"""The interference bench's processes (see ``interference``): what conversions cost a decoder's running
+requests on the same GPU.
 
 Three processes: this one (orchestrator), a decoder stand-in (``decode_step.DecodeStep`` in a loop, one CUDA
 graph per step, every step's start/end from GPU events) owning the paged KV cache, and a converter that
@@ -153,7 +154,8 @@ def role_decoder(cfg: dict[str, Any]) -> None:
     gen = torch.Generator(device=dev).manual_seed(cfg["seed"])
     for layer in range(s.layers):  # random finite values (random bf16 bits would hold NaNs)
         cache[layer].normal_(generator=gen)
-    step = DecodeStep(s, [cache[lay, 0] for lay in range(s.layers)], [cache[lay, 1] for lay in range(s.layers)],
+    step = DecodeStep(s, [cache[lay, 0] for lay in range(s.layers)],
+                      [cache[lay, 1] for lay in range(s.layers)],
                       tables, torch.from_numpy(lens.astype(np.int32)), seed=cfg["seed"])
     err = step.check_attention() if cuda else 0.0
     step.capture()
@@ -306,13 +308,14 @@ def _verify(ps: Any, dev: Any, s: Any, settings: dict[str, Setting], limits_of: 
             c = base.clone()
             planes = PlaneSet([c[i, 0] for i in range(s.layers)], [c[i, 1] for i in range(s.layers)],
                               num_heads=s.kv_heads, block_size=s.block_size, head_size=s.head_size)
-            convert_blocks(types.SimpleNamespace(plane_set=planes), ids, AITER_SHUFFLED, src if staged else None,
-                           None, lim)
+            convert_blocks(types.SimpleNamespace(plane_set=planes), ids, AITER_SHUFFLED,
+                           src if staged else None, None, lim)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             results[(name, staged)] = c.view(torch.int16)
     for name in settings:
-        out[name] = all(torch.equal(results[(name, st_)], results[("__default__", st_)]) for st_ in (False, True))
+        out[name] = all(torch.equal(results[(name, st_)], results[("__default__", st_)])
+                        for st_ in (False, True))
     return out
 
 

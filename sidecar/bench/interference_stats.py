@@ -44,7 +44,8 @@ def collided(steps: Sequence[tuple[float, float]], busy: Sequence[tuple[float, f
     ends = np.maximum.accumulate(np.array([e for _, e in b]))
     out = []
     for s, e in steps:
-        i = int(np.searchsorted(starts, e, side="left")) - 1  # last busy interval starting before the step ends
+        # last busy interval starting before the step ends
+        i = int(np.searchsorted(starts, e, side="left")) - 1
         out.append(i >= 0 and ends[i] > s)
     return out
 
@@ -56,7 +57,8 @@ def interference_per_conversion_ms(base_mean_s: float, mean_s: float, steps: int
     return (mean_s - base_mean_s) * steps / conversions * 1e3
 
 
-def break_even_tokens(kernel_ms: float, interference_ms: float, saved_ms_per_step: float, batch: int) -> float:
+def break_even_tokens(kernel_ms: float, interference_ms: float, saved_ms_per_step: float,
+                      batch: int) -> float:
     """Output tokens of a converted request after which converting paid off.
 
     Cost: the conversion's GPU time (``kernel_ms``) plus the extra decode-step time it caused

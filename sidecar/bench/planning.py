@@ -8,9 +8,9 @@ NIXL agent) per request, interleaved call by call so load on the host hits both 
 give the same descriptors. ``--orders`` picks the request's ids: ``contiguous`` (a fresh engine) or
 ``churned`` (vLLM's free queue after a busy while, ``block_orders.churned``); staging slots are laid out as
 the daemon lays them out: in remote-address order (before 2026-12-02's third session in request order, which
-left churned descriptors unmerged and overstated their cost), and compact, a ``SpanSlots`` (from the fourth). ``--against`` another tree's
-``geometry.py`` (e.g. main's, before the poster took the pairs) times its pairing and its poster path (from
-the ids) in the same loop: a before/after on one host at one time.
+left churned descriptors unmerged and overstated their cost), and compact, a ``SpanSlots`` (from the fourth).
+``--against`` another tree's ``geometry.py`` (e.g. main's, before the poster took the pairs) times its pairing
+and its poster path (from the ids) in the same loop: a before/after on one host at one time.
 """
 
 from __future__ import annotations

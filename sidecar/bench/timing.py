@@ -1,4 +1,5 @@
-"""Timing a call on a device: CUDA events on a GPU, the clock on the CPU (``bench convert``, ``bench map``)."""
+"""Timing a call on a device: CUDA events on a GPU, the clock on the CPU (``bench convert``, ``bench map``).
+"""
 
 from __future__ import annotations
 

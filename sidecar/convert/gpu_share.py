@@ -46,7 +46,8 @@ class MpsControl:
                "CUDA_MPS_LOG_DIRECTORY": os.path.join(self.root, "log")}
         if active_thread_percentage is not None:
             if not 0 < active_thread_percentage <= 100:
-                raise ValueError(f"active_thread_percentage must be in (0, 100], got {active_thread_percentage}")
+                raise ValueError(
+                    f"active_thread_percentage must be in (0, 100], got {active_thread_percentage}")
             out["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(int(active_thread_percentage))
         return out
 

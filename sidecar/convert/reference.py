@@ -1,10 +1,11 @@
 """Reference converter in plain torch (any device): the permute formula of page-formats.md, vectorised.
 
 Only copies, never arithmetic, so no bit pattern (NaNs included) can change: planes are handled as int16
-(uint8 for 1-byte dtypes such as fp8), and as 16-byte elements (complex128, moved as opaque 16-byte units) where every tensor is 16-byte aligned,
-which makes the row gathers, the row scatters and the K permutation (whole 16-byte x-groups) far cheaper on
-the CPU. On the CPU the blocks go in cache-sized chunks so the temporaries never leave the cache. An fp8
-re-encode (``job.lut``) maps each permuted byte through its tensor's table before the scatter.
+(uint8 for 1-byte dtypes such as fp8), and as 16-byte elements (complex128, moved as opaque 16-byte units)
+where every tensor is 16-byte aligned, which makes the row gathers, the row scatters and the K permutation
+(whole 16-byte x-groups) far cheaper on the CPU. On the CPU the blocks go in cache-sized chunks so the
+temporaries never leave the cache. An fp8 re-encode (``job.lut``) maps each permuted byte through its
+tensor's table before the scatter.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def run_reference(job: ConversionJob) -> None:
     base = BASE[job.elem_bytes]
     unit = x if aligned16(job) else 1  # base elements per moved element
     elem = WIDE if unit > 1 else base
-    chunk = m_all if job.device.type != "cpu" else max(1, min(m_all, CPU_CHUNK_BYTES // (2 * job.elem_bytes * half)))
+    chunk = (m_all if job.device.type != "cpu"
+             else max(1, min(m_all, CPU_CHUNK_BYTES // (2 * job.elem_bytes * half))))
     ids_all = job.ids.to(job.device)
     pages = torch.empty((chunk, 2 * half), dtype=base, device=job.device) if job.srcs is None else None
     k_out = torch.empty((chunk, half), dtype=base, device=job.device)

@@ -160,13 +160,15 @@ def convert_kernel(anchor, meta, ids, M, H, pair0, HC: tl.constexpr, HCHUNKS: tl
                            FROM_SRC, KD, EVICT)
     if not FROM_SRC:
         tl.debug_barrier()  # every load of the pair is performed before any thread of the CTA stores into it
-    _store_tiles(anchor, k_base, v_base, kv, vv, h0, n0, d0, HC, NC, DC, H, N, D, X, KD, EVICT, lut, cnt, REENC)
+    _store_tiles(anchor, k_base, v_base, kv, vv, h0, n0, d0, HC, NC, DC, H, N, D, X, KD, EVICT, lut, cnt,
+                 REENC)
 
 
 @triton.jit
 def _convert_chunk(anchor, meta, ids, M, H, pair0, q, HC: tl.constexpr, HCHUNKS: tl.constexpr,
-                   NC: tl.constexpr, DC: tl.constexpr, N: tl.constexpr, D: tl.constexpr, X: tl.constexpr, KD: tl.constexpr,
-                   EVICT: tl.constexpr, lut, cnt, REENC: tl.constexpr, SRC_IDX: tl.constexpr):
+                   NC: tl.constexpr, DC: tl.constexpr, N: tl.constexpr, D: tl.constexpr, X: tl.constexpr,
+                   KD: tl.constexpr, EVICT: tl.constexpr, lut, cnt, REENC: tl.constexpr,
+                   SRC_IDX: tl.constexpr):
     """Out of place: ``convert_kernel``'s program ``q``."""
     per_pair = HCHUNKS * (N // NC) * (D // DC)
     pair = pair0 + q // per_pair
@@ -223,16 +225,19 @@ def in_place_split_kernel(anchor, meta, ids, M, H, HR: tl.constexpr, G: tl.const
             kn, vn = _load_sources(anchor, k_base, v_base, 0, h + G, 0, 0, G, N, D, lo, True, H, N, D, X,
                                    False, KD, EVICT)
             tl.debug_barrier()  # the readers of the slots written next (h//2.., resident) are loaded CTA-wide
-            _store_tiles(anchor, k_base, v_base, kh, vh, h, 0, 0, G, N, D, lo, N, D, X, KD, EVICT, anchor, anchor, False)
+            _store_tiles(anchor, k_base, v_base, kh, vh, h, 0, 0, G, N, D, lo, N, D, X, KD, EVICT,
+                         anchor, anchor, False)
             kh, vh = kn, vn
     else:
         for h in range(0, lo, G):
             kh, vh = _load_sources(anchor, k_base, v_base, 0, h, 0, 0, G, N, D, lo, True, H, N, D, X, False,
                                    KD, EVICT)
             tl.debug_barrier()  # the readers of the slots written next (h//2.., resident) are loaded CTA-wide
-            _store_tiles(anchor, k_base, v_base, kh, vh, h, 0, 0, G, N, D, lo, N, D, X, KD, EVICT, anchor, anchor, False)
+            _store_tiles(anchor, k_base, v_base, kh, vh, h, 0, 0, G, N, D, lo, N, D, X, KD, EVICT,
+                         anchor, anchor, False)
     tl.debug_barrier()
-    _store_tiles(anchor, k_base, v_base, kr, vr, lo, 0, 0, HR, N, D, H, N, D, X, KD, EVICT, anchor, anchor, False)
+    _store_tiles(anchor, k_base, v_base, kr, vr, lo, 0, 0, HR, N, D, H, N, D, X, KD, EVICT, anchor, anchor,
+                 False)
 
 
 @triton.jit(do_not_specialize=["M", "H", "total"])
@@ -255,7 +260,8 @@ def in_place_pipe_kernel(anchor, meta, ids, M, H, total, HP: tl.constexpr, N: tl
         kn, vn = _load_sources(anchor, k_next, v_next, 0, 0, 0, 0, HP, N, D, H, more, H, N, D, X, False, KD,
                                EVICT)
         tl.debug_barrier()
-        _store_tiles(anchor, k_base, v_base, kc, vc, 0, 0, 0, HP, N, D, H, N, D, X, KD, EVICT, anchor, anchor, False)
+        _store_tiles(anchor, k_base, v_base, kc, vc, 0, 0, 0, HP, N, D, H, N, D, X, KD, EVICT, anchor, anchor,
+                     False)
         kc, vc, k_base, v_base = kn, vn, k_next, v_next
 
 

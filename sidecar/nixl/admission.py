@@ -126,7 +126,8 @@ def admit_remote(
         rule = None if getattr(meta, "page_format", None) is not None else _declaration(address, settings)
         if rule is not None and plan.field in _DECLARED_SHAPE:
             raise RemoteRefused(
-                _blame_declaration(rule, plan, meta, remote_format, local_format, layers, settings), plan.field
+                _blame_declaration(rule, plan, meta, remote_format, local_format, layers, settings),
+                plan.field,
             )
         raise RemoteRefused(plan.reason, plan.field)
     try:

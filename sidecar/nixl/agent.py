@@ -91,7 +91,8 @@ class TransferSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Memory type of remote regions when the metadata has no region_mem_types.
     remote_mem_type: str = "VRAM"
     conversion_enabled: bool = True
-    # The matching [[remotes]] rule's fp8_lossy_reencode: accept e4m3fn -> e4m3fnuz re-encodes that can lose values.
+    # The matching [[remotes]] rule's fp8_lossy_reencode: accept e4m3fn -> e4m3fnuz re-encodes that can lose
+    # values.
     allow_lossy_fp8: bool = False
     # GPU whose memory this agent registers; None on the CPU twin.
     cuda_device: int | None = None
@@ -445,7 +446,9 @@ class NixlTransfer:
 
     # -- reads --
 
-    def start(self, peer: Peer, remote_request_id: str, *, readers: int = 1, timeout_s: float = 30.0) -> ReadOp:
+    def start(
+        self, peer: Peer, remote_request_id: str, *, readers: int = 1, timeout_s: float = 30.0
+    ) -> ReadOp:
         """A pull of one request from one prefill rank; add transfers, then ``seal`` and ``poll``."""
         _encode(vllm_wire.encode_notification, remote_request_id, readers)  # refuse now, not when owed
         return ReadOp(

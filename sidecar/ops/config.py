@@ -189,19 +189,20 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     layer_groups: Annotated[
         int,
         _doc(
-            "READs per request and prefill rank (layer groups), so conversion can overlap the read; 0 (auto): "
-            "4 for a request of at least 1 GiB, else 1 (where the two-H200 runs in bench/HISTORY.md measured a "
-            "win: a lone 16k-token Qwen3-8B request, 11.6 -> 9.9 ms; 4k requests were 8-9 % slower with 4 groups)",
+            "READs per request and prefill rank (layer groups), so conversion can overlap the read; "
+            "0 (auto): 4 for a request of at least 1 GiB, else 1 (where the two-H200 runs in "
+            "bench/HISTORY.md measured a win: a lone 16k-token Qwen3-8B request, 11.6 -> 9.9 ms; "
+            "4k requests were 8-9 % slower with 4 groups)",
             ge=0,
         ),
     ] = 0
     gap_coalescing: Annotated[
         bool,
         _doc(
-            "staged reads: also read small gaps between a request's remote blocks into free staging slots "
-            "when one more descriptor costs more than the gap's bytes (read_descriptor_us, read_gbps), so "
-            "runs merge into fewer descriptors. A gap's bytes are another request's KV from the same prefill: "
-            "read into staging only, never converted, never written to decoder memory"
+            "staged reads: also read small gaps between a request's remote blocks into free staging "
+            "slots when one more descriptor costs more than the gap's bytes (read_descriptor_us, "
+            "read_gbps), so runs merge into fewer descriptors. A gap's bytes are another request's KV "
+            "from the same prefill: read into staging only, never converted, never written to decoder memory"
         ),
     ] = True
     read_descriptor_us: Annotated[

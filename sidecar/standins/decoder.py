@@ -6,9 +6,9 @@ connector's worker half) exactly as vLLM's worker does: Hello, RegisterCaches, P
 collected. :func:`run_session` creates requests at a prefill emulator, pulls them and checks every converted
 block bit for bit against ``sidecar.convert``'s reference applied to the emulator's expected pages.
 
-``python -m sidecar.standins.decoder --socket ipc://... --emulator-ready-file F`` runs one session and prints a
-JSON summary (exit 0 only if every request was pulled and is bit-exact). ``--socket a,b`` acts as a decoder at
-TP 2: one stand-in rank per daemon socket, every request pulled by both ranks, each holding its head slice.
+``python -m sidecar.standins.decoder --socket ipc://... --emulator-ready-file F`` runs one session and prints
+a JSON summary (exit 0 only if every request was pulled and is bit-exact). ``--socket a,b`` acts as a decoder
+at TP 2: one stand-in rank per daemon socket, every request pulled by both ranks, each holding its head slice.
 
 Size: a whole stand-in process (planes, shim worker half, canary checks) with its CLI.
 """

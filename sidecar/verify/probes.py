@@ -3,8 +3,8 @@ imported memory with one local read, and the decoder flags the local vLLM knows.
 
 The second process is this module run as ``python -m sidecar.verify.probes``, as the daemon is a second
 process to vLLM: it imports the buffer with ``sidecar.wire.ipc`` (the daemon's import path), registers it
-with ``sidecar.nixl.agent.NixlTransfer`` (the daemon's agent) and lets a second NIXL agent read it back. UCX logs
-at info level there, so the endpoint lines say which transports carried the read.
+with ``sidecar.nixl.agent.NixlTransfer`` (the daemon's agent) and lets a second NIXL agent read it back. UCX
+logs at info level there, so the endpoint lines say which transports carried the read.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def pattern(n: int, salt: int) -> Any:
 
 
 def _nixl_read(t: Any, device: str) -> tuple[str, str]:
-    """Register ``t`` (the imported buffer) with the daemon's NixlTransfer; a second agent reads it; compare."""
+    """Register ``t`` (the imported buffer) with the daemon's NixlTransfer; a second agent reads it; compare.
+    """
     if importlib.util.find_spec("nixl") is None:
         return "skip", "nixl is not installed"
     import numpy as np

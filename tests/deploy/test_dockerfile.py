@@ -144,7 +144,9 @@ def test_build_stage_replayed_from_the_docker_context(tmp_path):
     )
     # What the install-shim init container copies for vLLM: the connector and the protocol it imports.
     assert (shim / "vllm_glue" / "__init__.py").is_file()
-    assert (shim / "sidecar" / "wire" / "protocol.py").is_file() and (shim / "sidecar" / "wire" / "ipc.py").is_file()
+    assert (shim / "sidecar" / "wire" / "protocol.py").is_file() and (
+        shim / "sidecar" / "wire" / "ipc.py"
+    ).is_file()
     probe = (
         "import sys; sys.path.insert(0, sys.argv[1]); import vllm_glue, sidecar.wire.protocol; "
         "assert vllm_glue.__file__.startswith(sys.argv[1]), vllm_glue.__file__"

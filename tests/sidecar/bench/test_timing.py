@@ -24,8 +24,8 @@ def test_cpu_time_is_the_best_of_the_runs():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 def test_gpu_time_leaves_out_a_slow_launch():
-    """A call that spends 0.2 ms of Python before a tiny kernel: timed without that 0.2 ms (the spin before the
-    start event covers it), and timed with it once the Python outlasts the spin."""
+    """A call that spends 0.2 ms of Python before a tiny kernel: timed without that 0.2 ms (the spin before
+    the start event covers it), and timed with it once the Python outlasts the spin."""
     x = torch.zeros(1024, device="cuda")
     timer = device_timer(torch.device("cuda"), warmup=2, reps=10)
 

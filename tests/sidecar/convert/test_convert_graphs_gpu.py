@@ -1,7 +1,7 @@
 """Graph-replayed staged launches (``GraphLaunches``) on a GPU: the same bytes as the ordinary launch for
-every request, captured once and replayed with each new request's tables, nothing written outside a request's own
-blocks (the planes are compared whole: every other block is canary), the ordinary way taken when no graph is
-free or a capture failed, and bad input refused before anything is queued."""
+every request, captured once and replayed with each new request's tables, nothing written outside a request's
+own blocks (the planes are compared whole: every other block is canary), the ordinary way taken when no graph
+is free or a capture failed, and bad input refused before anything is queued."""
 
 from __future__ import annotations
 

