@@ -123,8 +123,8 @@ class Staging:
         return 0 if cut is None else (cut.allocator.num_slots - cut.allocator.free) * cut.slot_bytes
 
     def holds(self, page_bytes: int, slots: int) -> bool:
-        """Whether the whole pool, idle, could lend ``slots`` slots of ``page_bytes`` (``take`` refuses if
-        not)."""
+        """Whether the whole pool, idle, could lend ``slots`` slots of ``page_bytes`` (``take`` refuses
+        if not; a cut of that page size has ``nbytes // page_bytes`` slots)."""
         return slots <= self.nbytes // page_bytes
 
     def _cut_for(self, page_bytes: int) -> _Cut:
@@ -157,7 +157,7 @@ class Staging:
         while True:
             cut = self._cut_for(fmt.page_bytes)
             need = layers * blocks
-            if need > cut.allocator.num_slots:
+            if not self.holds(fmt.page_bytes, need):  # the rule auto's fallback to direct asks first
                 raise Refused(
                     "staging_bytes",
                     f"the request needs {need} slots of {fmt.page_bytes} bytes, "
