@@ -1,5 +1,4 @@
-"""Timing a call on a device: CUDA events on a GPU, the clock on the CPU (``bench convert``, ``bench map``).
-"""
+"""Timing a call on a device (``bench convert``, ``bench map``): CUDA events on a GPU, the CPU's clock."""
 
 from __future__ import annotations
 

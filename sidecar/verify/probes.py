@@ -56,8 +56,7 @@ def pattern(n: int, salt: int) -> Any:
 
 
 def _nixl_read(t: Any, device: str) -> tuple[str, str]:
-    """Register ``t`` (the imported buffer) with the daemon's NixlTransfer; a second agent reads it; compare.
-    """
+    """Register ``t`` (the imported buffer) with the daemon's NixlTransfer; another agent reads it; check."""
     if importlib.util.find_spec("nixl") is None:
         return "skip", "nixl is not installed"
     import numpy as np

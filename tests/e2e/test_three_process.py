@@ -278,8 +278,7 @@ def test_demo_command_passes_and_cleans_up() -> None:
 
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e4m3fnuz"])
 def test_fp8_pages_of_the_same_flavour_are_bit_exact_and_freed(work, make_standin, dtype) -> None:
-    """fp8 KV on both sides, one flavour, equal (default) scales: shuffled with x = 16 elements, bit for bit.
-    """
+    """fp8 KV on both sides, one flavour, equal (default) scales: shuffled with x = 16, bit for bit."""
     import msgspec
 
     fmt = msgspec.structs.replace(REMOTE_FMT, dtype=dtype)

@@ -1,5 +1,4 @@
-"""MPS helper (with a fake control command: a unit test of the quit path), CU masks, the daemon's mode line.
-"""
+"""MPS helper (a fake control command: a unit test of the quit path), CU masks, the daemon's mode line."""
 
 from __future__ import annotations
 
