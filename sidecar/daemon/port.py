@@ -140,7 +140,8 @@ class TransferPort(Protocol):
         pairs: BlockPairs | None = None,
     ) -> Any:
         """Post the request's READs (one per layer group); the prefill is notified once all are DONE.
-        ``gaps``: staged only, a ``spans.GapRead`` of blocks read into staging just to merge runs.
+        ``gaps``: staged only, a ``spans.GapRead`` (or ``SpanGaps``) of blocks read into staging just to
+        merge runs.
         ``pairs``: ``blocks``'s answer for these ids (else they are paired here); one checked under another
         pairing rule (ratios, block size) or out of this read's block counts is refused naming the field."""
         ...

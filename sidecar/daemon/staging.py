@@ -24,6 +24,7 @@ from sidecar.nixl.geometry import StagingPool
 from sidecar.nixl.spans import (
     GapRead,
     ReadCost,
+    SpanGaps,
     SpanSlots,
     identity_rows,
     plan_span,
@@ -63,7 +64,7 @@ class Staged:
     pool: StagingPool
     slots: SpanSlots  # the slot of each (layer, block), compact (np.asarray gives the [layers, n] matrix)
     run: tuple[int, int]  # (first slot, count) to give back
-    gaps: GapRead | None  # blocks read only to merge runs
+    gaps: GapRead | SpanGaps | None  # blocks read only to merge runs
     waited: str | None = None  # waited for its gap span: "taken" or "gave_up" (kv_sidecar_gap_span_waits)
 
     @property
@@ -86,7 +87,7 @@ class Staged:
         return None if pos is rows or (pos == rows).all() else pos
 
     def gap_bytes(self, page_bytes: int) -> int:
-        return 0 if self.gaps is None else int(self.gaps.slots.size) * page_bytes
+        return 0 if self.gaps is None else self.gaps.size * page_bytes
 
 
 class Staging:
@@ -262,7 +263,7 @@ class Staging:
                     need = layers * span.width
                     first = cut.allocator.take(need) if span.gap_blocks else None
                 if first is not None:
-                    gaps = GapRead(span.gap_ids, SpanSlots(first, layers, span.width, span.gap_pos))
+                    gaps = SpanGaps(span, first, layers)
                     slots = SpanSlots(first, layers, span.width, span.pos)
                     return Staged(cut.pool, slots, (first, need), gaps, waited)
         if span is None or span.gap_blocks:  # a span without gaps is the plain plan already

@@ -561,7 +561,8 @@ class NixlTransfer:
         """Build the request's descriptors (unless ``table`` gives them, from :meth:`table`; from ``pairs``,
         the ids' checked pairing, when given) and post them in ``layer_groups`` READs; returns the sealed
         pull.
-        ``gaps`` (staged): a ``spans.GapRead`` of blocks read into staging only, to merge runs.
+        ``gaps`` (staged): a ``spans.GapRead`` or ``SpanGaps`` of blocks read into staging only, to merge
+        runs.
 
         Staged mode reads into ``pool`` (see ``staging``) at ``slots[layer, i]``. With no block to read (a
         full local prefix hit) nothing is posted and the pull completes with just the notification."""

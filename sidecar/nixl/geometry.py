@@ -640,7 +640,8 @@ class PairGeometry:
     ) -> Descs:
         """Whole remote pages into pool slots: ``slots[layer, i]`` receives remote block ``i`` of the paired
         tail: the last ``slots.shape[1]`` kernel blocks, those paired with ``local_block_ids``, or ``pairs``.
-        ``gaps`` (a ``spans.GapRead``): more remote kernel blocks read into their own slots (staging only).
+        ``gaps`` (a ``spans.GapRead`` or ``SpanGaps``): more remote kernel blocks read into their own slots
+        (staging only).
         Pages go in remote-id order, so blocks adjacent on both sides merge whatever the request order."""
         if self.mode != "staged" or self.pool is None:
             raise GeometryError("mode", "staged_descs needs a geometry built in staged mode with a pool")

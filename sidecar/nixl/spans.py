@@ -49,17 +49,32 @@ class ReadCost:
 class Span:
     """A request's staged layout: ``width`` slots per layer in remote order.
 
-    ``pos[i]``: the slot (within a layer) of the request's block ``i``; ``gap_ids`` / ``gap_pos``: the remote
-    ids read only to merge runs, and their slots."""
+    ``pos[i]``: the slot (within a layer) of the request's block ``i``. The gaps read only to merge runs are
+    kept as runs (``gap_starts``, ``gap_sizes``, ``gap_rows``: each gap's first remote id, length and first
+    slot); ``gap_ids`` / ``gap_pos`` spell them out when first asked for, which is the poster thread when it
+    builds the descriptors, not the loop that planned the span."""
 
     width: int
     pos: np.ndarray  # int64 (n,)
-    gap_ids: np.ndarray  # int64 (g,)
-    gap_pos: np.ndarray  # int64 (g,)
+    gap_starts: np.ndarray  # int64 (runs,)
+    gap_sizes: np.ndarray  # int64 (runs,)
+    gap_rows: np.ndarray  # int64 (runs,)
+    gap_blocks: int = 0  # gap_sizes' sum
 
     @property
-    def gap_blocks(self) -> int:
-        return int(self.gap_ids.size)
+    def gap_runs(self) -> int:
+        """Gaps read: each merges two runs of needed blocks (two gaps are never adjacent)."""
+        return int(self.gap_sizes.size)
+
+    @functools.cached_property
+    def gap_ids(self) -> np.ndarray:
+        """int64 (gap_blocks,): the gap blocks' remote ids, ascending."""
+        return _run_ids(self.gap_starts, self.gap_sizes)
+
+    @functools.cached_property
+    def gap_pos(self) -> np.ndarray:
+        """int64 (gap_blocks,): their slots within a layer (each gap follows the block before it)."""
+        return _run_ids(self.gap_rows, self.gap_sizes)
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,6 +83,35 @@ class GapRead:
 
     remote_ids: np.ndarray  # int64 (g,)
     slots: np.ndarray | SpanSlots  # (layers, g)
+
+    @property
+    def size(self) -> int:
+        """Pages read for the gaps (every layer)."""
+        return int(self.slots.size)
+
+
+@dataclass(frozen=True, eq=False)
+class SpanGaps:
+    """A span's gaps at its staging run (``first``), read like a ``GapRead``; their ids and slots are made
+    when first read (``Span.gap_ids``)."""
+
+    span: Span
+    first: int
+    layers: int
+
+    @property
+    def remote_ids(self) -> np.ndarray:
+        return self.span.gap_ids
+
+    @functools.cached_property
+    def slots(self) -> SpanSlots:
+        span = self.span
+        return SpanSlots(self.first, self.layers, span.width, span.gap_pos)
+
+    @property
+    def size(self) -> int:
+        """Pages read for the gaps (every layer)."""
+        return self.layers * self.span.gap_blocks
 
 
 def plan_gaps(needed: np.ndarray, page_bytes: int, cost: ReadCost | None, budget_blocks: int) -> np.ndarray:
@@ -120,14 +164,13 @@ def plan_span(remote_ids: np.ndarray, page_bytes: int, cost: ReadCost | None, bu
     reading (``plan_gaps``). Repeated ids (never sent by a prefill) keep the request order and no gaps."""
     rk = np.asarray(remote_ids, dtype=_I64)
     n = rk.size
-    none = np.empty(0, _I64)
     if n and int(rk[-1]) - int(rk[0]) == n - 1 and bool((rk[1:] > rk[:-1]).all()):
         # back to back already (a fresh prefill's blocks): no sort, which would let go of the GIL
-        return Span(n, identity_rows(n), none, none)
+        return _no_gaps(n, identity_rows(n))
     order = np.argsort(rk, kind="stable")
     needed = rk[order]
     if n > 1 and (needed[1:] == needed[:-1]).any():
-        return Span(n, identity_rows(n), none, none)
+        return _no_gaps(n, identity_rows(n))
     after, sizes = _gap_runs(needed, page_bytes, cost, budget_blocks)
     rows = np.arange(n, dtype=_I64)  # sorted block i's slot: i, plus the gap blocks read before it
     if after.size:
@@ -137,11 +180,18 @@ def plan_span(remote_ids: np.ndarray, page_bytes: int, cost: ReadCost | None, bu
     pos = np.empty(n, _I64)
     pos[order] = rows
     if after.size == 0:
-        return Span(n, pos, none, none)
-    gaps = _run_ids(needed[after] + 1, sizes)
+        return _no_gaps(n, pos)
+    gap_blocks = int(sizes.sum())
     # a gap's blocks follow the block before it, in the slots after that block's
-    gap_pos = _run_ids(rows[after] + 1, sizes)
-    return Span(width=n + int(sizes.sum()), pos=pos, gap_ids=gaps, gap_pos=gap_pos)
+    return Span(n + gap_blocks, pos, needed[after] + 1, sizes, rows[after] + 1, gap_blocks)
+
+
+_NONE = np.empty(0, _I64)
+_NONE.flags.writeable = False
+
+
+def _no_gaps(n: int, pos: np.ndarray) -> Span:
+    return Span(n, pos, _NONE, _NONE, _NONE)
 
 
 @dataclass(frozen=True, eq=False)
@@ -179,8 +229,7 @@ def span_slots(first_slot: int, layers: int, width: int, pos: np.ndarray) -> np.
 def span_saving_us(span: Span, layers: int, page_bytes: int, cost: ReadCost) -> float:
     """What reading ``span``'s gaps saves over reading the request's blocks alone (µs, every layer): each
     gap merges two runs (one descriptor less a layer) and costs its pages' bytes."""
-    gaps = count_runs(span.gap_ids)  # two gaps are never adjacent: a needed block sits between them
-    return layers * (gaps * cost.descriptor_us - cost.bytes_us(span.gap_blocks * page_bytes))
+    return layers * (span.gap_runs * cost.descriptor_us - cost.bytes_us(span.gap_blocks * page_bytes))
 
 
 def worth_waiting(saving_us: float, page_bytes: int, cost: ReadCost, missing_slots: int) -> bool:

@@ -229,7 +229,7 @@ class FakePort:
         read = FakeRead(peer, remote_request_id, deadline, groups, mode, slots, gaps, pairs)
         read.handles = [object() for _ in groups]
         if pool is not None and slots is not None:  # what a real staged read's descriptors would cover
-            read.nbytes = (slots.size + (0 if gaps is None else gaps.slots.size)) * pool.slot_bytes
+            read.nbytes = (slots.size + (0 if gaps is None else gaps.size)) * pool.slot_bytes
         self.reads.append(read)
         return read
 

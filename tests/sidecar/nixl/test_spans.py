@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from sidecar.nixl.spans import (
+    GapRead,
     ReadCost,
+    SpanGaps,
     count_runs,
     fit_read_cost,
     identity_rows,
@@ -128,6 +130,25 @@ def test_plan_span_on_long_requests_matches_a_merge_of_the_sorted_ids(seed):
     assert span.width == every.size
     assert span.pos.tolist() == np.searchsorted(every, rk).tolist()
     assert span.gap_pos.tolist() == np.searchsorted(every, span.gap_ids).tolist()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_span_gaps_are_made_when_first_read_and_match_the_eager_gap_read(seed):
+    """The loop plans the span; the gap ids and slots are spelled out by whoever reads them first (the
+    poster thread), and are what an eager ``GapRead`` of the same span holds."""
+    rng = np.random.default_rng(100 + seed)
+    n = int(rng.integers(2, 300))
+    rk = rng.choice(3 * n, size=n, replace=False).astype(np.int64)
+    span = plan_span(rk, 1000, ReadCost(8.0, 1.0), 3 * n)
+    first, layers = int(rng.integers(0, 50)), int(rng.integers(1, 5))
+    lazy = SpanGaps(span, first, layers)
+    assert "gap_ids" not in vars(span) and "gap_pos" not in vars(span)  # nothing spelled out yet
+    assert lazy.size == layers * span.gap_blocks == layers * span.gap_ids.size
+    assert span.gap_runs == count_runs(span.gap_ids)  # two gaps never touch
+    eager = GapRead(span.gap_ids, span_slots(first, layers, span.width, span.gap_pos))
+    assert np.asarray(lazy.remote_ids).tolist() == eager.remote_ids.tolist()
+    assert np.asarray(lazy.slots).tolist() == eager.slots.tolist()
+    assert lazy.size == eager.size
 
 
 def test_a_span_planned_with_a_cost_but_no_gaps_is_the_plain_plan():
