@@ -203,7 +203,7 @@ class Daemon:
             lambda k, peer: self._admitted(k, peer),
             self._spawn,
             reads.sent,
-            reads.on_poster,
+            reads.in_background,
         )
         self.heartbeats = Heartbeats(
             leases=self.leases,

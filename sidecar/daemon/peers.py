@@ -64,7 +64,7 @@ class Peers:
         later: Callable[..., Any] | None = None,
     ) -> None:
         self._port = port
-        self._later = later  # runs a call on the poster thread (Reads.on_poster), when one is given
+        self._later = later  # runs a call on the poster thread (Reads.in_background), when one is given
         self._config = config
         self._metrics = metrics
         self._on_admitted = on_admitted

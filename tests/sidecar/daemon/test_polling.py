@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 import time
 from types import SimpleNamespace
 
@@ -249,6 +251,43 @@ def test_reads_pass_reports_progress_and_in_flight():
     assert landed == (True, True)
     assert last == (True, False)
     assert idle == (False, False)
+
+
+def test_background_calls_run_in_order_on_the_poster_then_come_back_to_the_loop(caplog):
+    """``in_background``: after the poster's earlier calls, off the loop's thread; a failure is logged, not
+    raised; ``then`` and the poller's wake run on the loop once the call is over; a closed poster refuses."""
+
+    async def main():
+        reads = Reads(FakePort(), lambda: woken.append(threading.get_ident()), lambda job, a, b: None)
+        loop_thread = threading.get_ident()
+        order: list[tuple[str, int]] = []
+        first = reads.on_poster(lambda: (time.sleep(0.05), order.append(("awaited", threading.get_ident()))))
+        came_back = asyncio.Event()
+
+        def then(name: str) -> None:
+            order.append((name, threading.get_ident()))
+            if name == "then-2":
+                came_back.set()
+
+        bg = lambda: order.append(("bg-1", threading.get_ident()))  # noqa: E731
+        reads.in_background(bg, then=lambda: then("then-1"))
+        reads.in_background(lambda: 1 / 0, then=lambda: then("then-2"))
+        await first
+        await asyncio.wait_for(came_back.wait(), 5)
+        reads.close()
+        with pytest.raises(RuntimeError):
+            reads.in_background(lambda: None)
+        return loop_thread, order
+
+    woken: list[int] = []
+    with caplog.at_level(logging.WARNING, logger="kv_sidecar.reads"):
+        loop_thread, order = asyncio.run(main())
+    names = [name for name, _ in order]
+    assert names.index("awaited") < names.index("bg-1") < names.index("then-1") < names.index("then-2")
+    threads = dict(order)
+    assert threads["bg-1"] != loop_thread and threads["then-1"] == threads["then-2"] == loop_thread
+    assert len(woken) >= 3 and set(woken) == {loop_thread}  # each poster call woke the poller, on the loop
+    assert "ZeroDivisionError" in caplog.text
 
 
 # ---------------------------------------------------------------------------------------------- the events
