@@ -155,33 +155,29 @@ class Reads:
             raise asyncio.CancelledError
 
     def on_poster(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-        """Run ``fn`` on the poster thread, after the calls before it; the poller is woken when it returns
-        (a pass that found the transport busy skipped the reads in flight)."""
+        """Run ``fn`` on the poster thread, after the calls before it: a loop future of its result, settled in
+        the one hop back that also wakes the poller (a pass that found the transport busy skipped the reads
+        in flight). A call whose future was cancelled before its turn does not run."""
         loop = asyncio.get_running_loop()
+        fut = loop.create_future()
 
-        def run() -> Any:
-            try:
-                return fn(*args)
-            finally:
-                self._returned += 1
-                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                    loop.call_soon_threadsafe(self._wake)
+        def run() -> None:
+            result = error = None
+            if not fut.cancelled():  # pending -> done only: a stale read just runs a call nobody awaits
+                try:
+                    result = fn(*args)
+                except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the future
+                    error = exc
+            self._back(loop, _settle, fut, result, error)
 
-        self._submitted += 1
-        try:
-            return loop.run_in_executor(self._poster, run)
-        except RuntimeError:  # the poster is shut down: nothing was handed over
-            self._submitted -= 1
-            raise
+        self._submit(run)
+        return fut
 
     def in_background(
         self, fn: Callable[..., Any], *args: Any, then: Callable[[], None] | None = None
     ) -> None:
         """Run ``fn`` on the poster thread after the calls before it, for calls nobody awaits (a release, a
-        notification): a failure is logged, and ``then`` runs on the loop once ``fn`` has returned or failed.
-        No asyncio future and one hop back to the loop, where ``on_poster``'s future chains two (70 Python
-        calls less a staged pull on the loop, ``bench/results/loop-cpu-background-handoff-2026-12-05.json``).
-        Raises RuntimeError when the poster is shut down (nothing was handed over)."""
+        notification): a failure is logged; ``then`` runs on the loop once ``fn`` has returned or failed."""
         loop = asyncio.get_running_loop()
 
         def run() -> None:
@@ -189,22 +185,34 @@ class Reads:
                 fn(*args)
             except Exception as exc:  # noqa: BLE001 - nobody awaits this call: its failure is logged
                 log.warning("poster thread (release, notify): %s: %s", type(exc).__name__, exc)
-            finally:
-                self._returned += 1
-                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                    loop.call_soon_threadsafe(self._background_returned, then)
+            self._back(loop, then)
 
+        self._submit(run)
+
+    def _submit(self, run: Callable[[], None]) -> None:
+        """Hand ``run`` to the poster thread. Not ``run_in_executor``: its future chains to the executor's and
+        comes back to the loop twice (130 more Python calls a staged pull, in bench/results
+        ``loop-cpu-background-handoff-2026-12-05.json`` and ``loop-cpu-poster-futures-2026-12-05.json``),
+        and a call it cancels before its turn never runs ``run``, so it is never counted as returned. Raises
+        RuntimeError when the poster is shut down (nothing was handed over)."""
         self._submitted += 1
         try:
             self._poster.submit(run)
-        except RuntimeError:  # the poster is shut down: nothing was handed over
+        except RuntimeError:
             self._submitted -= 1
             raise
 
-    def _background_returned(self, then: Callable[[], None] | None) -> None:
-        self._wake()  # as after ``on_poster``'s calls: a poll pass may have skipped while it held the port
+    def _back(self, loop: asyncio.AbstractEventLoop, then: Callable[..., None] | None, *args: Any) -> None:
+        """On the poster thread, once a call is over: count it, and on the loop wake the poller, then
+        ``then(*args)``."""
+        self._returned += 1
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(self._returned_to_loop, then, args)
+
+    def _returned_to_loop(self, then: Callable[..., None] | None, args: tuple) -> None:
+        self._wake()
         if then is not None:
-            then()
+            then(*args)
 
     def _post_timed(self, ran: list[float], *args: Any) -> Any:
         ran.append(time.monotonic())
@@ -385,6 +393,16 @@ class Reads:
                         self._port.progress()
             except Exception as exc:  # noqa: BLE001 - progress is best effort; errors surface on transfers
                 log.debug("progress: %s", exc)
+
+
+def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """Give a poster call's outcome to its future, unless it was cancelled meanwhile."""
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(result)
+    else:
+        fut.set_exception(error)
 
 
 def log_poster_failure(fut: asyncio.Future) -> None:

@@ -290,6 +290,25 @@ def test_background_calls_run_in_order_on_the_poster_then_come_back_to_the_loop(
     assert "ZeroDivisionError" in caplog.text
 
 
+def test_poster_calls_settle_their_futures_and_a_call_cancelled_before_its_turn_never_runs():
+    async def main():
+        reads = Reads(FakePort(), lambda: None, lambda job, a, b: None)
+        ran: list[str] = []
+        slow = reads.on_poster(lambda: (time.sleep(0.05), ran.append("slow"))[1] or "slow done")
+        skipped = reads.on_poster(lambda: ran.append("skipped"))
+        failing = reads.on_poster(lambda: 1 / 0)
+        skipped.cancel()  # before the poster reached it
+        assert await slow == "slow done"
+        with pytest.raises(ZeroDivisionError):
+            await failing
+        reads.close()
+        return ran, reads._submitted, reads._returned
+
+    ran, submitted, returned = asyncio.run(main())
+    assert ran == ["slow"]
+    assert submitted == returned == 3  # the skipped call still counts as returned (the inline post's check)
+
+
 # ---------------------------------------------------------------------------------------------- the events
 
 
