@@ -406,7 +406,7 @@ def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> No
 
 
 def log_poster_failure(fut: asyncio.Future) -> None:
-    """A done-callback for poster-thread calls nobody waits for (release, notify, unmap): log a failure."""
+    """A done-callback for an ``on_poster`` call nobody waits for (the mapped path's unmap): log a failure."""
     exc = None if fut.cancelled() else fut.exception()
     if exc is not None:
         log.warning("poster thread (release, notify, unmap): %s: %s", type(exc).__name__, exc)
