@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from sidecar.nixl.runs import layer_uniform_runs, merge_runs
+from sidecar.nixl.spans import span_slots
 
 
 def test_merge_runs_edges():
@@ -19,8 +20,6 @@ def test_merge_runs_edges():
 
 
 def _staged_case(rng, layers, n, stride_gap, uniform_slots):
-    from sidecar.nixl.spans import span_slots
-
     unit = 4096
     stride = unit + stride_gap
     base = (np.arange(layers, dtype=np.uint64) + 1) * np.uint64(1 << 32)
@@ -70,3 +69,36 @@ def test_layer_uniform_runs_leave_unequal_regions_to_merge_runs():
     base, stride, unit, ids, slots = _staged_case(rng, 3, 8, 0, True)
     unit[2] //= 2
     assert layer_uniform_runs(base, stride, unit, ids, slots, 1 << 40, 4096, 0, 0) is None
+
+
+def test_back_to_back_blocks_into_back_to_back_slots_are_one_descriptor_a_layer():
+    """The shortcut for a fresh prefill's blocks in an in-order span gives merge_runs's rows; near misses
+    (a hole in the ids or the slots, a padded stride, a slot of another size) take the general path, which
+    must agree too."""
+    rng = np.random.default_rng(5)
+    for case in range(300):
+        layers, n, unit = int(rng.integers(1, 6)), int(rng.integers(1, 40)), 4096
+        ids = np.arange(n, dtype=np.int64) + int(rng.integers(0, 50))
+        width = n + int(rng.integers(0, 3))
+        first = int(rng.integers(0, 100))
+        pos = np.arange(n, dtype=np.int64)
+        stride, slot_bytes = unit, unit
+        miss = case % 4
+        if miss == 1 and n > 1:
+            ids[int(rng.integers(1, n)) :] += 1  # a hole between two remote blocks
+        elif miss == 2 and n > 1 and width > n:
+            pos[int(rng.integers(1, n)) :] += 1  # a hole between two slots
+        elif miss == 3:
+            stride, slot_bytes = (unit + 512, unit) if rng.random() < 0.5 else (unit, 2 * unit)
+        base = (np.arange(layers, dtype=np.uint64) + 1) * np.uint64(1 << 32)
+        strides, units = np.full(layers, stride, np.int64), np.full(layers, unit, np.int64)
+        slots = span_slots(first, layers, width, pos)
+        got = layer_uniform_runs(base, strides, units, ids, slots, 1 << 40, slot_bytes, 3, 5)
+        ra = base[:, None] + ids.astype(np.uint64)[None, :] * np.uint64(stride)
+        la = np.uint64(1 << 40) + slots.astype(np.uint64) * np.uint64(slot_bytes)
+        want = merge_runs(ra, la, units, 3, 5)
+        assert got is not None
+        assert np.array_equal(got.local, want.local) and np.array_equal(got.remote, want.remote)
+        assert np.array_equal(got.layer_rows, want.layer_rows)
+        if miss == 0:
+            assert got.count == layers  # one descriptor a layer
