@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sidecar.wire.block_ids import consecutive
+
 _I64, _U64 = np.int64, np.uint64
 
 
@@ -111,7 +113,7 @@ def shifted_runs(
     if (stride != st).any() or (unit != u).any():
         return None
     ids = remote_ids.astype(_I64, copy=False)
-    if st == u == slot_bytes and _consecutive(ids) and _consecutive(row):
+    if st == u == slot_bytes and consecutive(ids) and consecutive(row):
         return _one_run_a_layer(remote_base, ids, row, shift, u, pool_base, remote_dev, local_dev)
     start = np.ones(n, bool)  # slices, not np.diff: a third of its cost on a request's few hundred ids
     start[1:] = ((ids[1:] - ids[:-1]) * st != u) | ((row[1:] - row[:-1]) * slot_bytes != u)
@@ -129,12 +131,6 @@ def shifted_runs(
     local[:, :, 1], local[:, :, 2] = lens, local_dev
     return Descs(local=local.reshape(-1, 3), remote=remote.reshape(-1, 3),
                  layer_rows=np.arange(g + 1, dtype=_I64) * runs)
-
-
-def _consecutive(a: np.ndarray) -> bool:
-    """``a`` is ``a[0], a[0] + 1, ...``: a first-last test, then the order (strictly increasing)."""
-    n = a.size
-    return int(a[-1]) - int(a[0]) == n - 1 and (n < 2 or bool((a[1:] > a[:-1]).all()))
 
 
 def _one_run_a_layer(

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sidecar.wire.block_ids import consecutive
+
 _I64 = np.int64
 
 
@@ -164,8 +166,8 @@ def plan_span(remote_ids: np.ndarray, page_bytes: int, cost: ReadCost | None, bu
     reading (``plan_gaps``). Repeated ids (never sent by a prefill) keep the request order and no gaps."""
     rk = np.asarray(remote_ids, dtype=_I64)
     n = rk.size
-    if n and int(rk[-1]) - int(rk[0]) == n - 1 and bool((rk[1:] > rk[:-1]).all()):
-        # back to back already (a fresh prefill's blocks): no sort, which would let go of the GIL
+    # back to back already (a fresh prefill's blocks): no sort, which would let go of the GIL
+    if consecutive(rk):
         return _no_gaps(n, identity_rows(n))
     order = np.argsort(rk, kind="stable")
     needed = rk[order]

@@ -1,4 +1,5 @@
-"""Block id checks shared by the Pull's decode, the pairing and the converter (pure numpy, no I/O).
+"""Block id checks shared by the Pull's decode, the pairing, the staged-read planning and the converter
+(pure numpy, no I/O).
 
 They only answer; each caller words its own refusal, naming its own field.
 """
@@ -11,6 +12,12 @@ import numpy as np
 def increasing(ids: np.ndarray) -> bool:
     """Strictly increasing (contiguous ids and slots are): then unique, and bounded by the first and last."""
     return ids.size < 2 or bool((ids[1:] > ids[:-1]).all())  # slices: a third of np.diff's cost
+
+
+def consecutive(ids: np.ndarray) -> bool:
+    """``ids[0], ids[0] + 1, ...`` (a fresh prefill's blocks, an in-order span's slots): a first-last test,
+    then ``increasing``. Empty ids are not."""
+    return ids.size > 0 and int(ids[-1]) - int(ids[0]) == ids.size - 1 and increasing(ids)
 
 
 def repeat_in_sorted(ordered: np.ndarray) -> int | None:

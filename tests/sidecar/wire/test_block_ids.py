@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from sidecar.wire.block_ids import increasing, repeat_in_sorted, within
+from sidecar.wire.block_ids import consecutive, increasing, repeat_in_sorted, within
 
 VALUES = (-(2**31), -2, -1, 0, 1, 2, 3, 4, 2**31 - 1)
 
@@ -25,6 +25,7 @@ def _arrays(dtype):
 def test_each_answer_matches_the_rule(dtype):
     for ids, arr in _arrays(dtype):
         assert increasing(arr) == all(a < b for a, b in itertools.pairwise(ids)), ids
+        assert consecutive(arr) == (len(ids) > 0 and all(b == a + 1 for a, b in itertools.pairwise(ids))), ids
         repeats = [v for v in set(ids) if ids.count(v) > 1]
         assert repeat_in_sorted(np.sort(arr)) == (min(repeats) if repeats else None), ids
         for limit in (0, 1, 3, 4, 5, 2**31):
