@@ -9,7 +9,8 @@ from there (one unix packet instead of ZMQ's four thread hops; see ``sidecar/dae
 registered, it sends Pulls, Heartbeats and Aborts there too, straight from the caller's thread when no
 earlier one waits in the inbox (one syscall, no hop to the I/O thread; ZMQ carries the rest, and everything
 when the socket is not bound). A Pull's ``sent_at_ns`` is stamped in ``send``, so its Done says how long it
-took to reach the daemon (``timings["delivery"]``). Importable without vLLM and without torch.
+took to reach the daemon (``timings["delivery"]``); the worker adds the Done's own trip back (``"return"``).
+Importable without vLLM and without torch.
 
 Epochs: each connection to a daemon gets a number. ``send`` returns the epoch a message goes out on, every
 reply and loss carries the epoch it belongs to, and a message queued for an epoch that has ended is never

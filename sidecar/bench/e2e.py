@@ -13,7 +13,9 @@ same requests and block ids:
   into the K/V planes; staged: whole pages, adjacent runs merged, into a staging pool), all requests posted
   at once, no conversion;
 - ``kv-sidecar``: the Pulls sent in one step through the shim, until the last Done arrived (read, convert on
-  the daemon's stream, completion notification to the prefill, Done), with the daemon's per-stage timings.
+  the daemon's stream, completion notification to the prefill, Done), with the daemon's per-stage timings,
+  the two messages' trips (``delivery``, ``return``) and what the shim's round trip holds beyond them and
+  the daemon's end to end (``round_trip_rest``: the shim's work before its send, the daemon's after the job).
 
 Must show: bare NIXL ≥ 0.8 × the peer copy's bandwidth, and kv-sidecar ≤ 1.05 × bare + 0.2 ms per request.
 UCX writes its own log per process (``UCX_LOG_LEVEL=info``, ``UCX_PROTO_INFO=y``): the report says which
@@ -703,6 +705,9 @@ def run_cell(
             rt = standin.round_trip_s(o)
             if rt is not None:
                 cell.round_trip_s.append(rt)
+                hops = [o.timings.get(k) for k in ("delivery", "end_to_end", "return")]
+                if None not in hops:  # the shim's work before its send, the daemon's after the job ended
+                    cell.stages_s.setdefault("round_trip_rest", []).append(rt - sum(hops))
 
 
 def _verify(

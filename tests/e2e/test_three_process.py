@@ -68,6 +68,7 @@ def test_many_concurrent_requests_bit_exact_freed_and_counted(work, emulator, da
     stages = {"handshake", "transfer", "convert", "end_to_end", "delivery"}
     assert all(set(r.timings) >= stages for r in results)
     assert all(0 < r.timings["delivery"] < r.timings["end_to_end"] + 1.0 for r in results)
+    assert all(0 < r.timings["return"] < 1.0 for r in results)  # the Done's way back (its send time)
 
 
 @pytest.mark.parametrize("inline", [False, True], ids=["poster", "inline"])

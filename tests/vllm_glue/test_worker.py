@@ -3,6 +3,8 @@ request's heartbeat. Real ZMQ ipc against the scripted ROUTER peer of test_clien
 
 from __future__ import annotations
 
+import time
+
 from sidecar.wire import protocol as p
 from tests.vllm_glue.test_reconnect import order, session, wait_until
 from vllm_glue.orders import HeartbeatOrder, StepOrders
@@ -40,3 +42,24 @@ def test_an_unsafe_done_keeps_the_blocks_from_vllm(address: str) -> None:
         wait_until(lambda: w.transfer_results() is not None and "r" in w.tracker.orphans())
         res = w.transfer_results()
         assert "r" not in res.finished and w.load_errors() == set()
+
+
+def test_a_done_with_its_send_time_says_how_long_its_way_back_took(address: str) -> None:
+    """``return``: from the daemon's send of the Done to the shim's receipt, the mirror of the Pull's
+    "delivery"; a Done without a send time claims none."""
+    with session(address) as (peer, w):
+        w.start_step(StepOrders(pulls=[order("r", [3, 4]), order("s", [5])]))
+        assert isinstance(peer.recv(), p.Pull) and isinstance(peer.recv(), p.Pull)
+        sent = time.monotonic_ns()
+        peer.send(p.Done(req_id="r", ok=True, timings={"end_to_end": 0.001}, sent_at_ns=sent))
+        peer.send(p.Done(req_id="s", ok=True, timings={"end_to_end": 0.001}))
+
+        def both_in() -> bool:
+            w.collect()
+            return {o.req_id for o in w.tracker.outcomes} == {"r", "s"}
+
+        wait_until(both_in)
+        got = {o.req_id: o for o in w.tracker.outcomes}
+        assert 0 < got["r"].timings["return"] <= (time.monotonic_ns() - sent) / 1e9
+        assert got["r"].timings["end_to_end"] == 0.001
+        assert "return" not in got["s"].timings
