@@ -6,7 +6,7 @@
 #   steps: tests launchtests graphtests daemontests launch graphlaunch sweep convertgraph contiguous defaults
 #          graphsab groupsab gilab headcheck ab orders groups poll interference profile daemonprofile map
 #          mapped lingerab convertlead convertsweep pieces loopbench
-#          coldab
+#          coldab alltests hops
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -47,6 +47,12 @@ run() {
 
 for step in "$@"; do
   case $step in
+    # every GPU test of the repository (about 390 s on an H100)
+    alltests) TAIL=12 run alltests 450 python3 -m pytest -m gpu -p no:cacheprovider -q -rfE --durations=8 \
+      tests/sidecar tests/gpu ;;
+    # where a lone pull's round trip goes (delivery, the daemon, return, the rest), staged and mapped
+    hops) TAIL=8 run hops 100 "${ONE_GPU[@]}" --contexts 4096,16384 --concurrency 1,8 --reps 10 \
+      --pairs staged/contiguous,mapped/contiguous --budget-s 85 --out "$OUT/e2e-$GPU_TAG-hops.json" ;;
     tests) run tests 240 python3 -m pytest -m gpu -p no:cacheprovider -q tests/sidecar/convert \
       tests/sidecar/daemon tests/gpu/test_gpu_slice.py ;;
     launchtests) TAIL=40 run launchtests 100 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
