@@ -116,6 +116,10 @@ class SpanGaps:
         return self.layers * self.span.gap_blocks
 
 
+_NONE = np.empty(0, _I64)  # "no gaps", shared (read-only)
+_NONE.flags.writeable = False
+
+
 def plan_gaps(needed: np.ndarray, page_bytes: int, cost: ReadCost | None, budget_blocks: int) -> np.ndarray:
     """Remote ids of the gaps worth reading between the sorted unique ``needed`` ids: each gap shorter than
     ``cost.max_gap_blocks``, shortest first (every gap saves the same one descriptor), at most
@@ -132,12 +136,11 @@ def _gap_runs(
 ) -> tuple[np.ndarray, np.ndarray]:
     """``plan_gaps``' choice as runs: the ascending indices ``j`` whose gap (``ids[j]+1 .. ids[j+1]-1``) is
     read, and each gap's length."""
-    none = np.empty(0, _I64)
     if cost is None or budget <= 0 or ids.size < 2:
-        return none, none
+        return _NONE, _NONE
     limit = cost.max_gap_blocks(page_bytes)
     if limit <= 0:
-        return none, none
+        return _NONE, _NONE
     lens = np.diff(ids) - 1
     cand = np.flatnonzero((lens > 0) & (lens <= limit))
     if int(lens[cand].sum()) > budget:  # not every candidate fits: the shortest first
@@ -186,10 +189,6 @@ def plan_span(remote_ids: np.ndarray, page_bytes: int, cost: ReadCost | None, bu
     gap_blocks = int(sizes.sum())
     # a gap's blocks follow the block before it, in the slots after that block's
     return Span(n + gap_blocks, pos, needed[after] + 1, sizes, rows[after] + 1, gap_blocks)
-
-
-_NONE = np.empty(0, _I64)
-_NONE.flags.writeable = False
 
 
 def _no_gaps(n: int, pos: np.ndarray) -> Span:
