@@ -9,9 +9,8 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from sidecar.bench.e2e_common import BenchError, parse_device
+from sidecar.nixl.runs import layer_group_bounds
 from sidecar.wire.formats import PageFormat
 
 if TYPE_CHECKING:
@@ -118,8 +117,7 @@ class BareReader:
         from sidecar.daemon.read_plan import layer_groups_for
 
         groups = layer_groups_for(self.layer_groups, request_bytes)
-        b = np.linspace(0, self.layers, max(1, min(groups, self.layers)) + 1).astype(int)
-        return list(zip(b[:-1].tolist(), b[1:].tolist(), strict=True))
+        return layer_group_bounds(self.layers, groups)
 
     def _wait(self, handles: list[Any], deadline: float) -> None:
         agent = self.tx.agent

@@ -42,6 +42,7 @@ import numpy as np
 
 from sidecar.bench import block_orders
 from sidecar.nixl.geometry import LocalRegions, PairGeometry, RemoteRegions, StagingPool, contiguous_slots
+from sidecar.nixl.runs import layer_group_bounds
 from sidecar.wire.formats import AITER_SHUFFLED, STANDARD, PageFormat, Plan, negotiate
 
 INDEX_BUDGET_S = 1e-3  # must show: 36 x 256 indices in <= 1 ms on the CPU machine
@@ -506,10 +507,10 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
 
             def bare(remote_ids, mode=mode, geo=geo):
                 # the very same descriptors (built outside the timing), NIXL called directly
-                bounds = np.linspace(0, layers, max(1, min(args.layer_groups, layers)) + 1).astype(int)
+                bounds = layer_group_bounds(layers, args.layer_groups)
                 if mode == "staged":
                     d = geo.staged_descs(remote_ids, slots, local_block_ids=local_ids)
-                    parts = [d.layer_slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+                    parts = [d.layer_slice(a, b) for a, b in bounds]
                     t = time.perf_counter()
                     handles = []
                     for loc, rem in parts:
@@ -520,7 +521,7 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
                 else:
                     idx = geo.indices(local_ids, remote_ids)
                     lh, rh = tx.prepare(peer, dest, mode)
-                    parts = [idx.layer_slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+                    parts = [idx.layer_slice(a, b) for a, b in bounds]
                     t = time.perf_counter()
                     handles = []
                     for li, ri in parts:

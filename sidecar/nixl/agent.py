@@ -54,7 +54,7 @@ from sidecar.nixl.geometry import (
     RemoteRegions,
     StagingPool,
 )
-from sidecar.nixl.runs import Descs
+from sidecar.nixl.runs import Descs, layer_group_bounds
 from sidecar.wire import prefill as vllm_wire
 from sidecar.wire.formats import Plan
 
@@ -591,8 +591,7 @@ class NixlTransfer:
 
     def _post_groups(self, pull: ReadOp, geo: PairGeometry, table: Any, dest: Destination, mode: Mode,
                      pool: StagingPool | None, layer_groups: int) -> None:
-        bounds = np.linspace(0, geo.layers, max(1, min(layer_groups, geo.layers)) + 1).astype(int)
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        for a, b in layer_group_bounds(geo.layers, layer_groups):
             posted = len(pull.handles)
             if isinstance(table, Descs):
                 loc, rem = table.layer_slice(a, b)
@@ -602,9 +601,9 @@ class NixlTransfer:
                 li, ri = table.layer_slice(a, b)
                 self.read_indices(pull, dest, mode, li, ri, nbytes=self._index_bytes(geo, li.size))
             if len(pull.handles) > posted:
-                pull.layer_ranges.append((int(a), int(b)))
+                pull.layer_ranges.append((a, b))
                 if pull.done_flags[-1]:  # a transport that copies while posting (shm) is DONE at once
-                    pull.landed.append((int(a), int(b)))
+                    pull.landed.append((a, b))
 
     @staticmethod
     def _index_bytes(geo: PairGeometry, count: int) -> int:

@@ -18,6 +18,13 @@ from sidecar.wire.block_ids import consecutive
 _I64, _U64 = np.int64, np.uint64
 
 
+def layer_group_bounds(layers: int, groups: int) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` layers of each of ``groups`` READs (clamped to 1..``layers``), as even as whole
+    layers allow: cut at ``layers * i // groups`` for ``i`` in ``0..groups``, in integers."""
+    g = max(1, min(groups, layers))
+    return [(layers * i // g, layers * (i + 1) // g) for i in range(g)]
+
+
 @dataclass(frozen=True, eq=False)
 class Descs:
     """Explicit per-request descriptors (Nx3 uint64), grouped by layer: layer l owns rows

@@ -29,6 +29,7 @@ from sidecar.nixl.errors import (
     TransferTimeout,
 )
 from sidecar.nixl.geometry import BlockPairs, LocalRegions, PairRule, StagingPool, regions_per_layer
+from sidecar.nixl.runs import layer_group_bounds
 from sidecar.wire.formats import STANDARD, Plan, negotiate
 
 
@@ -221,8 +222,7 @@ class FakePort:
             layers = int(slots.shape[0])
         else:
             layers = dest[1].num_regions // regions_per_layer(_members(peer)[0].plan.local)
-        bounds = np.linspace(0, layers, max(1, min(layer_groups, layers)) + 1).astype(int)
-        groups = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        groups = layer_group_bounds(layers, layer_groups)
         if self.reverse:
             groups.reverse()
         deadline = time.monotonic() + timeout_s

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sidecar.nixl.runs import layer_uniform_runs, merge_runs
+from sidecar.nixl.runs import layer_group_bounds, layer_uniform_runs, merge_runs
 from sidecar.nixl.spans import span_slots
 
 
@@ -102,3 +102,19 @@ def test_back_to_back_blocks_into_back_to_back_slots_are_one_descriptor_a_layer(
         assert np.array_equal(got.layer_rows, want.layer_rows)
         if miss == 0:
             assert got.count == layers  # one descriptor a layer
+
+
+def test_layer_group_bounds_cover_every_layer_once_as_evenly_as_whole_layers_allow():
+    """Every (layers, groups) up to 128 layers, groups past the layer count and below one included: the
+    groups tile [0, layers) in order and their sizes differ by at most one. Exact in integers: the float cut
+    the posts used before (``np.linspace``) put a boundary one layer early now and then (30 layers in 22
+    groups: 14, not 15, after the eleventh)."""
+    for layers in range(1, 129):
+        for groups in range(-1, layers + 3):
+            bounds = layer_group_bounds(layers, groups)
+            g = max(1, min(groups, layers))
+            assert len(bounds) == g
+            assert [a for a, _ in bounds] == [0] + [b for _, b in bounds[:-1]] and bounds[-1][1] == layers
+            sizes = [b - a for a, b in bounds]
+            assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+    assert layer_group_bounds(30, 22)[10:12] == [(13, 15), (15, 16)]
