@@ -230,7 +230,8 @@ class Daemon:
             ),
         )
         self.mapped = MappedReads(
-            port, reads.on_poster, self.conversions, self.metrics, lambda: self.config.mapping_idle_s
+            port, reads.on_poster, reads.in_background, self.conversions, self.metrics,
+            lambda: self.config.mapping_idle_s,
         )
         self.pipeline = Pipeline(
             config=lambda: self.config,

@@ -28,7 +28,6 @@ from typing import Any
 from sidecar.daemon.conversion import Conversions
 from sidecar.daemon.jobs import Job
 from sidecar.daemon.port import TransferPort
-from sidecar.daemon.reads import log_poster_failure
 from sidecar.nixl.errors import MappingUnavailable
 from sidecar.ops.metrics import Metrics
 
@@ -42,6 +41,7 @@ class MappedReads:
         self,
         port: TransferPort,
         on_poster: Callable[..., Any],
+        in_background: Callable[..., None],
         conversions: Conversions,
         metrics: Metrics,
         idle_s: Callable[[], float],
@@ -50,6 +50,7 @@ class MappedReads:
         self._port = port
         self._idle_s = idle_s
         self._on_poster = on_poster  # Reads.on_poster: the port's calls that need the CUDA context
+        self._in_background = in_background  # Reads.in_background: the same, for a call nobody awaits
         self._conversions = conversions
         self._metrics = metrics
         # peer -> the mapping of its pages: a future of a [layers, blocks, page] tensor, or of None when they
@@ -109,7 +110,7 @@ class MappedReads:
                 getattr(peer, "address", "?"),
                 now - last,
             )
-            self._on_poster(self._port.unmap_pages, peer).add_done_callback(log_poster_failure)
+            self._in_background(self._port.unmap_pages, peer)
         self._metrics.mapped_peers.set(self._held())
         return released
 

@@ -177,14 +177,15 @@ class Reads:
         self, fn: Callable[..., Any], *args: Any, then: Callable[[], None] | None = None
     ) -> None:
         """Run ``fn`` on the poster thread after the calls before it, for calls nobody awaits (a release, a
-        notification): a failure is logged; ``then`` runs on the loop once ``fn`` has returned or failed."""
+        notification, an unmap): a failure is logged; ``then`` runs on the loop once ``fn`` has returned or
+        failed."""
         loop = asyncio.get_running_loop()
 
         def run() -> None:
             try:
                 fn(*args)
             except Exception as exc:  # noqa: BLE001 - nobody awaits this call: its failure is logged
-                log.warning("poster thread (release, notify): %s: %s", type(exc).__name__, exc)
+                log.warning("poster thread (release, notify, unmap): %s: %s", type(exc).__name__, exc)
             self._back(loop, then)
 
         self._submit(run)
@@ -403,10 +404,3 @@ def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> No
         fut.set_result(result)
     else:
         fut.set_exception(error)
-
-
-def log_poster_failure(fut: asyncio.Future) -> None:
-    """A done-callback for an ``on_poster`` call nobody waits for (the mapped path's unmap): log a failure."""
-    exc = None if fut.cancelled() else fut.exception()
-    if exc is not None:
-        log.warning("poster thread (release, notify, unmap): %s: %s", type(exc).__name__, exc)
