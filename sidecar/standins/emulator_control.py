@@ -151,19 +151,21 @@ class EmulatorClient:
         if self._sock is None:
             sock = self._ctx.socket(zmq.REQ)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVTIMEO, int(self.timeout_s * 1000))
             sock.connect(self.address)
             self._sock = sock
         return self._sock
 
-    def call(self, request: ControlRequest) -> ControlReply:
+    def call(self, request: ControlRequest, timeout_s: float | None = None) -> ControlReply:
+        """One request and its reply, waited for ``timeout_s`` (default: the client's)."""
         sock = self._socket()
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        sock.setsockopt(zmq.RCVTIMEO, int(wait_s * 1000))
         sock.send(ENCODER.encode(request))
         try:
             reply = REPLY_DECODER.decode(sock.recv())
         except zmq.Again:
             self.close()  # a REQ that missed its reply cannot send again
-            raise ControlError("control", f"no reply from {self.address} within {self.timeout_s} s") from None
+            raise ControlError("control", f"no reply from {self.address} within {wait_s} s") from None
         if isinstance(reply, ErrorReply):
             raise ControlError(reply.field, reply.reason)
         return reply
@@ -177,8 +179,8 @@ class EmulatorClient:
     def stats(self) -> StatsReply:
         return self.call(Stats())
 
-    def shutdown(self) -> None:
-        self.call(Shutdown())
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        self.call(Shutdown(), timeout_s)
 
     def wait_state(self, request_id: str, state: RequestState, timeout_s: float) -> StatusReply:
         """Poll status until ``state`` or the deadline (then ControlError with the last status)."""
@@ -209,10 +211,11 @@ class EmulatorProcess:
         self.client = EmulatorClient(ready.control)
 
     def stop(self, timeout_s: float = 10.0) -> int:
-        """Shut down via the control channel, then SIGTERM/SIGKILL this pid if needed; returns rc."""
+        """Shut down via the control channel, then SIGTERM/SIGKILL this pid if needed, each step waited for
+        at most ``timeout_s``; returns rc."""
         if self.proc.poll() is None:
             try:
-                self.client.shutdown()
+                self.client.shutdown(timeout_s)
             except ControlError:
                 self.proc.send_signal(signal.SIGTERM)
             try:

@@ -194,23 +194,16 @@ class Reader:
         self.agent.send_notif(self.connect(meta), msg)
 
 
+EMU_ARGS = [
+    *("--layers", str(LAYERS), "--heads", str(HEADS), "--head-size", str(HEAD), "--block-size", str(BLOCK)),
+    *("--blocks-per-logical", str(RATIO), "--num-blocks", "48", "--seed", str(SEED)),
+    "--no-progress-thread",  # a spinning thread would take one of CI's two cores for the whole module
+]
+
+
 @pytest.fixture(scope="module")
 def emu():
-    args = [
-        *(
-            "--layers",
-            str(LAYERS),
-            "--heads",
-            str(HEADS),
-            "--head-size",
-            str(HEAD),
-            "--block-size",
-            str(BLOCK),
-        ),
-        *("--blocks-per-logical", str(RATIO), "--num-blocks", "48", "--seed", str(SEED)),
-        "--no-progress-thread",  # a spinning thread would take one of CI's two cores for the whole module
-    ]
-    with spawn_emulator(args) as proc:
+    with spawn_emulator(EMU_ARGS) as proc:
         yield proc
     assert proc.proc.returncode == 0
 
@@ -449,6 +442,18 @@ def test_control_refusals(emu: EmulatorProcess) -> None:
     sock.send(msgspec.msgpack.encode({"type": "format_disk"}))
     assert b"error" in sock.recv()
     sock.close(linger=0)
+
+
+def test_stopping_an_emulator_that_does_not_answer_takes_its_timeout_not_the_clients() -> None:
+    """A SIGSTOPped emulator answers no shutdown request: ``stop(timeout_s)`` gives up on the request after
+    ``timeout_s`` (not the control client's 10 s), then signals the process (SIGKILL ends even a stopped
+    one)."""
+    stalled = spawn_emulator(EMU_ARGS)
+    os.kill(stalled.proc.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    stalled.stop(timeout_s=0.5)  # request, SIGTERM, SIGKILL: 0.5 s each at most
+    assert time.monotonic() - started < 0.5 * 3 + 1.0
+    assert stalled.proc.returncode == -signal.SIGKILL
 
 
 @pytest.mark.e2e
