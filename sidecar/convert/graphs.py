@@ -15,6 +15,11 @@ last replay; a launch takes a graph of its key whose event is complete, captures
 does a request this cannot take (a source 16-byte vectors do not fit) and, for good, a ``GraphLaunches``
 whose capture failed once. Only the out-of-place form without an fp8 re-encode replays; in place has no
 padding that is safe (a block converted twice in place is scrambled).
+
+Ahead of the data: ``prepare`` does a launch's host work (the checks, a graph taken and held, its table
+written) while the request still reads, and ``fire`` queues it once the bytes have landed, so only the replay
+is left on a lone request's critical path. A held graph is nobody else's until fired or ``drop``ped; at most
+half a key's graphs are held at once, so launches at landing still find one.
 """
 
 from __future__ import annotations
@@ -52,10 +57,30 @@ class _Graph:
     graph: Any = None  # torch.cuda.CUDAGraph, once captured
     last: Any = None  # the event recorded after its latest launch (None: never launched)
     meta: np.ndarray | None = None  # the (read-only, cached) meta table ``host`` holds
+    held: bool = False  # prepared for a launch not yet fired: its table is that launch's
 
     def free(self) -> bool:
-        """Whether the copy of its latest launch has run (the table may be rewritten)."""
-        return self.last is None or self.last.query()
+        """Whether it is not held and the copy of its latest launch has run (the table may be rewritten)."""
+        return not self.held and (self.last is None or self.last.query())
+
+
+@dataclass(eq=False)
+class Prepared:
+    """A launch made ready ahead of its data (``GraphLaunches.prepare``): its graph held, its table written.
+    ``fire`` it once the bytes have landed, or ``drop`` it; either lets the graph go."""
+
+    owner: GraphLaunches
+    entry: _Graph
+    key: tuple[int, int]  # (layers, bucket)
+
+    def fire(self, stream: Any) -> Any:
+        """Queue the launch on ``stream``; the event after it."""
+        return self.owner._fire(self.entry, self.key, stream)
+
+    def drop(self) -> None:
+        """Let the graph go unfired (the request ended before its bytes landed): nothing was queued, and the
+        next launch that takes the graph rewrites its whole table."""
+        self.entry.held = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,6 +127,17 @@ class GraphLaunches:
         """Queue the conversion of layers ``[first, last)`` of blocks ``ids`` from ``src`` ([layers, rows,
         page], rows picked by ``src_index``, else row i) on ``stream``; return the event after it, or None
         when this launch is not taken (nothing queued, nothing written). Bad input raises ValueError."""
+        prepared = self.prepare(ids, src, layers, src_index, hold_limit=self.per_key)
+        return None if prepared is None else prepared.fire(stream)
+
+    def prepare(
+        self, ids: np.ndarray, src: torch.Tensor, layers: tuple[int, int], src_index: Any = None,
+        hold_limit: int | None = None,
+    ) -> Prepared | None:
+        """``launch``'s host work, done before the bytes are there: the checks, a graph of the request's key
+        taken and held, its table written. None when not taken (then nothing is held). ``hold_limit``: how
+        many of the key's graphs may be held at once (default half of ``per_key``). Bad input raises
+        ValueError."""
         p = self.planes.planes
         first, last = layer_range(p, layers)  # the ordinary launch's checks, in its order (check_launch)
         ids = launch_ids(p, ids)
@@ -115,12 +151,18 @@ class GraphLaunches:
             self.stats["declined"] += 1
             return None
         key = (last - first, bucket(m))
-        entry = self._take(key)
+        limit = max(1, self.per_key // 2) if hold_limit is None else hold_limit
+        entry = self._take(key, limit)
         if entry is None:
             self.stats["declined"] += 1
             return None
         fill(entry.table, key[1], ids, rows, None if entry.meta is source.meta else source.meta)
         entry.meta = source.meta
+        entry.held = True
+        return Prepared(owner=self, entry=entry, key=key)
+
+    def _fire(self, entry: _Graph, key: tuple[int, int], stream: Any) -> Any:
+        """``Prepared.fire``: the launch's replay and event; its graph is let go whatever happens."""
         previous = _use_stream(stream)
         try:
             if entry.graph is None:
@@ -132,6 +174,7 @@ class GraphLaunches:
             entry.last = torch.cuda.Event()
             entry.last.record(stream)
         finally:
+            entry.held = False
             _restore_stream(previous)
         return entry.last
 
@@ -154,12 +197,15 @@ class GraphLaunches:
         self._sources[key] = found
         return found
 
-    def _take(self, key: tuple[int, int]) -> _Graph | None:
-        """A graph of ``key`` free to rewrite, a new one (not yet captured) if none is, or None."""
+    def _take(self, key: tuple[int, int], hold_limit: int) -> _Graph | None:
+        """A graph of ``key`` free to rewrite, a new one (not yet captured) if none is, or None; None too when
+        ``hold_limit`` of the key's graphs are held already."""
         entries = self._graphs.get(key)
         if entries is None:
             entries = self._graphs[key] = []
         self._graphs.move_to_end(key)
+        if sum(e.held for e in entries) >= hold_limit:
+            return None
         for entry in entries:
             if entry.free():
                 return entry

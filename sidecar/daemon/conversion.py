@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,8 @@ from sidecar.convert.launch import ConversionLimits, convert_blocks, launch_gpu,
 from sidecar.daemon.errors import Failed, reason_of
 from sidecar.daemon.jobs import Job
 from sidecar.wire.formats import Plan
+
+log = logging.getLogger("kv_sidecar.conversion")
 
 
 def reencode_planes(caches: Any, plan: Plan) -> Any:
@@ -63,6 +66,7 @@ class JobConversion:
     counts: list[Any] = field(default_factory=list)  # re-encode (saturated, NaN) counts per launch
     groups: list[asyncio.Future] = field(default_factory=list)  # CPU twin: one per layer group
     last_event: Any = None  # GPU: the event after the latest group (one stream, in order)
+    prepared: dict[tuple[int, int], Any] = field(default_factory=dict)  # GPU: launches made ready, by group
     layers: int = 0  # layers started
     all_done: asyncio.Future | None = None
 
@@ -131,14 +135,44 @@ class Conversions:
             planes = reencode_planes(job.caches, plan)
         job.conversion = JobConversion(src=src, planes=planes, src_index=src_index)
 
+    def prepare(self, job: Job, groups: list[tuple[int, int]]) -> None:
+        """While the job's layer groups still read: make each one's graph launch ready (``GraphLaunches.
+        prepare``), so that when it lands only its replay is left to do. Where a group's launch cannot be
+        made ready (not a graph launch, no graph to hold), it is built when the group lands."""
+        conv: JobConversion | None = job.conversion
+        if conv is None or job.caches is None or not self._graph_launch(conv):
+            return
+        t0 = time.perf_counter()
+        try:
+            graphs = _graph_launches(job.caches)
+            for first, last in groups:
+                src = self._group_source(conv, first, last)
+                prepared = graphs.prepare(job.pairs.local, src, (first, last), conv.src_index)
+                if prepared is not None:
+                    conv.prepared[(first, last)] = prepared
+        except Exception:  # noqa: BLE001 - the launch at landing meets the same error and fails the group
+            log.debug("pull %s: launch not prepared", job.req_id, exc_info=True)
+        job.timings["launch_prep"] = time.perf_counter() - t0
+
+    def _graph_launch(self, conv: JobConversion) -> bool:
+        """Whether this conversion's launches may replay graphs: staged, on a GPU, unsliced, no re-encode,
+        config ``conversion_graphs``."""
+        return (self._stream is not None and conv.src is not None and conv.planes is None
+                and self.limits.unbounded and self._graphs())
+
+    @staticmethod
+    def _group_source(conv: JobConversion, first: int, last: int) -> Any:
+        src = conv.src
+        if src is not None and (first, last) != (0, src.shape[0]):
+            src = src[first:last]  # a layer group (a whole source, mapped pages above all, is used as it is)
+        return src
+
     def convert_group(self, job: Job, first: int, last: int) -> None:
         """Start converting layers [first, last) of a job whose reads of them are DONE."""
         conv: JobConversion | None = job.conversion
         if conv is None or job.caches is None:
             return
-        src = conv.src
-        if src is not None and (first, last) != (0, src.shape[0]):
-            src = src[first:last]  # a layer group (a whole source, mapped pages above all, is used as it is)
+        src = self._group_source(conv, first, last)
         loop = asyncio.get_running_loop()
         try:
             if self._stream is None:
@@ -160,7 +194,10 @@ class Conversions:
         caches, ids, layers = job.caches, job.pairs.local, (first, last)
         t0, c0 = time.perf_counter(), time.thread_time()
         event = None
-        if src is not None and conv.planes is None and self.limits.unbounded and self._graphs():
+        prepared = conv.prepared.pop(layers, None)
+        if prepared is not None:
+            event = prepared.fire(self._stream)
+        elif self._graph_launch(conv):
             event = _graph_launches(caches).launch(self._stream, ids, src, layers, conv.src_index)
         self._on_launch("graph" if event is not None else "ordinary")
         if event is None:  # not taken: in place, sliced, re-encoding, or no graph free
@@ -208,11 +245,22 @@ class Conversions:
             raise Failed(f"convert: {converted} of {layers} layers were converted")
 
     async def settle(self, job: Job) -> None:
-        """Wait until nothing the job started converting can still write (errors ignored)."""
+        """Wait until nothing the job started converting can still write (errors ignored); graph launches
+        made ready for groups that never landed are let go unfired."""
+        self.drop_prepared(job)
         done = self.done(job)
         if done is not None and not done.done():
             with contextlib.suppress(Exception):  # only the wait matters here
                 await asyncio.shield(done)
+
+    @staticmethod
+    def drop_prepared(job: Job) -> None:
+        """Let go the job's prepared launches that were never fired."""
+        conv: JobConversion | None = job.conversion
+        if conv is not None:
+            for prepared in conv.prepared.values():
+                prepared.drop()
+            conv.prepared.clear()
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

@@ -13,8 +13,9 @@ What the daemon reads off the objects the port returns:
 - a peer (``connect``, one prefill rank; ``blocks``/``read``/``notify`` take a ``PeerSet`` of them): ``plan``
   (``sidecar.wire.formats.Plan``: ``.convert``, ``.remote``), ``generation``
   (settable: a handshake started by a heartbeat learns it from the first Pull), ``address``;
-- a read (``read``): ``finished``, ``done_at``, ``nbytes``, ``handles`` (truthy while some are held) and
-  ``landed``, a list of ``(first, last)`` layer ranges seen DONE that the daemon pops to convert them.
+- a read (``read``): ``finished``, ``done_at``, ``nbytes``, ``handles`` (truthy while some are held),
+  ``layer_ranges``, the ``(first, last)`` layer ranges it posted, and ``landed``, a list of those seen DONE
+  that the daemon pops to convert them.
 """
 
 from __future__ import annotations

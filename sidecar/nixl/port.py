@@ -49,6 +49,11 @@ class ReadGroup:
         return all(op.finished for op in self.ops)
 
     @property
+    def layer_ranges(self) -> list[tuple[int, int]]:
+        """Every layer range posted (each rank posts the same ones), in post order."""
+        return list(dict.fromkeys(r for op in self.ops for r in op.layer_ranges))
+
+    @property
     def done_at(self) -> float | None:
         times = [op.done_at for op in self.ops]
         return None if None in times else max(times)  # type: ignore[type-var]

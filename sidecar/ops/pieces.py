@@ -6,10 +6,11 @@ starts: every call adds its thread's CPU time (``time.thread_time``) and its wal
 ``{piece: {"p50_us", "p90_us", "wall_p50_us", "wall_p90_us", "n", "calls"}}`` goes to ``<path>`` every
 ``DUMP_EVERY_S`` and at exit (the latest ``KEEP`` samples of each). Wall well above CPU means the call waited
 (for the GIL, a lock, the device). A coroutine's piece has wall time only: its CPU is spread over the loop's
-other work. A piece includes what it calls, so ``launch`` holds the ``launch.*`` pieces. Each wrapped call
-costs four clock reads and two appends (about 1 µs on the 2-core CI VM, more on a slower host), so compare
-only runs that both had pieces on. ``bench e2e`` starts one daemon per read mode, each writing the same
-file: time one mode per run. Unset, nothing is wrapped.
+other work. A piece includes what it calls, so ``launch`` holds the ``launch.*`` pieces (``launch.prep``
+holds the checks, take and fill of a launch made ready while its bytes were on their way). Each wrapped
+call costs four clock reads and two appends (about 1 µs on the 2-core CI VM, more on a slower host), so
+compare only runs that both had pieces on. ``bench e2e`` starts one daemon per read mode, each writing the
+same file: time one mode per run. Unset, nothing is wrapped.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ KEEP = 20_000  # latest samples kept per piece (the busy poll passes many times 
 PIECES = {
     "receipt": "sidecar.daemon.router:Router._on_completion_request",
     "pairing": "sidecar.daemon.reads:Reads.blocks",
+    "launch.prep": "sidecar.daemon.conversion:Conversions.prepare",
     "launch": "sidecar.daemon.conversion:Conversions._launch",
     "launch.ids": "sidecar.convert.graphs:launch_ids",
     "launch.source": "sidecar.convert.graphs:GraphLaunches._source",

@@ -56,6 +56,7 @@ class FakeRead:
     slots: Any = None
     gaps: Any = None  # the GapRead a staged read was posted with
     pairs: Any = None  # the BlockPairs it was posted with (None: it paired the ids itself)
+    layer_ranges: list[tuple[int, int]] = field(default_factory=list)  # every group posted, in post order
     landed: list[tuple[int, int]] = field(default_factory=list)
     finished: bool = False
     done_at: float | None = None
@@ -226,7 +227,7 @@ class FakePort:
         if self.reverse:
             groups.reverse()
         deadline = time.monotonic() + timeout_s
-        read = FakeRead(peer, remote_request_id, deadline, groups, mode, slots, gaps, pairs)
+        read = FakeRead(peer, remote_request_id, deadline, groups, mode, slots, gaps, pairs, list(groups))
         read.handles = [object() for _ in groups]
         if pool is not None and slots is not None:  # what a real staged read's descriptors would cover
             read.nbytes = (slots.size + (0 if gaps is None else gaps.size)) * pool.slot_bytes

@@ -142,6 +142,53 @@ def test_a_failed_capture_leaves_the_request_converted_and_graphs_off(monkeypatc
     rig.assert_same("declined after it")  # the declined launch wrote nothing
 
 
+def test_prepared_launches_write_nothing_until_fired_then_convert_like_the_ordinary_launch():
+    """Launches made ready ahead of their bytes (the daemon does this while a read is on its way): preparing
+    queues nothing, each fires with its own table in whatever order the groups land, and the first of a key
+    (not yet captured) still converts the ordinary way and captures."""
+    from sidecar.convert.graphs import GraphLaunches
+
+    rig = GraphRig(8, 16, 128, seed=11)
+    rig.graphs = GraphLaunches(rig.ps)  # the daemon's default: 8 graphs a key, 4 of them held at most
+    ids, _, rows = rig.request(12, True)
+    groups = [(0, 1), (1, 2), (2, 3)]
+    prepared = [rig.graphs.prepare(ids, rig.src[a:b], (a, b), rows) for a, b in groups]
+    assert all(p is not None for p in prepared)
+    rig.assert_same("prepared, none fired")  # both copies untouched: nothing was queued
+    for i in (2, 0, 1):
+        a, b = groups[i]
+        assert prepared[i].fire(rig.stream) is not None
+        part = rig.src[a:b]
+        launch_gpu(rig.stream, rig.ordinary, ids, AITER_SHUFFLED, part, (a, b), None, None, None, rows)
+        rig.assert_same(f"group {groups[i]} fired")
+    assert rig.graphs.stats == {"captures": 1, "replays": 2, "declined": 0}
+
+
+def test_a_held_graph_is_not_given_to_another_launch_and_a_dropped_one_writes_nothing():
+    """per_key 2: one graph of a key may be held; the next prepare is declined, a launch takes the other graph
+    and the held one's table is still its own request's when it fires. A dropped launch queues nothing and
+    its graph is free again."""
+    rig = GraphRig(8, 16, 128, seed=12)
+    ids_a, src, rows_a = rig.request(8, True)
+    first = rig.graphs.prepare(ids_a, src, (0, 3), rows_a)
+    assert first is not None
+    ids_b, _, rows_b = rig.request(8, True)
+    assert rig.graphs.prepare(ids_b, src, (0, 3), rows_b) is None  # half the key's graphs held already
+    assert rig.both(ids_b, src, rows_b, (0, 3)) is not None  # a launch takes the key's other graph
+    rig.assert_same("the other graph")
+    first.fire(rig.stream)
+    launch_gpu(rig.stream, rig.ordinary, ids_a, AITER_SHUFFLED, src, (0, 3), None, None, None, rows_a)
+    rig.assert_same("the held graph, fired after the other")
+    ids_c, _, rows_c = rig.request(8, True)
+    dropped = rig.graphs.prepare(ids_c, src, (0, 3), rows_c)
+    assert dropped is not None
+    dropped.drop()
+    rig.assert_same("dropped")  # nothing of ids_c was converted in either copy
+    assert rig.graphs.count == 2  # the dropped launch's graph was free for the next: no third one
+    ids_d, _, rows_d = rig.request(8, True)
+    assert rig.graphs.prepare(ids_d, src, (0, 3), rows_d) is not None
+
+
 @pytest.mark.parametrize(
     ("ids", "rows", "match"),
     [

@@ -7,11 +7,13 @@ import asyncio
 import types
 
 import numpy as np
+import pytest
 import torch
 
 from sidecar.convert import PlaneSet
 from sidecar.convert.launch import convert_blocks
 from sidecar.daemon.conversion import Conversions, reencode_planes
+from sidecar.daemon.errors import Failed
 from sidecar.wire.formats import AITER_SHUFFLED, STANDARD, PageFormat, Plan, negotiate
 
 H, N, D, BLOCKS, LAYERS = 2, 16, 64, 6, 2
@@ -68,3 +70,119 @@ def test_a_reencoding_pairing_converts_through_its_table_on_the_cpu_twin():
             assert not torch.equal(got[layer], unmapped[layer])  # the table changed the bytes
     assert reported == [tuple(int(c) for c in counts.tolist())]
     assert reported[0][1] > 0  # random bytes hold e4m3fn NaNs (0x7f, 0xff): counted, not hidden
+
+
+class _Event:
+    def query(self) -> bool:
+        return True
+
+
+class _Prepared:
+    def __init__(self, calls: list, layers: tuple[int, int]) -> None:
+        self.calls, self.layers = calls, layers
+
+    def fire(self, stream) -> _Event:
+        self.calls.append(("fire", self.layers))
+        return _Event()
+
+    def drop(self) -> None:
+        self.calls.append(("drop", self.layers))
+
+
+class _Graphs:
+    """``GraphLaunches``' calls as the daemon makes them: prepared ahead, fired, dropped or launched whole."""
+
+    def __init__(self, take: bool = True, fail: bool = False) -> None:
+        self.calls: list[tuple[str, tuple[int, int]]] = []
+        self.take, self.fail = take, fail
+
+    def prepare(self, ids, src, layers, src_index):
+        if self.fail:
+            raise ValueError("block_ids: bad")
+        self.calls.append(("prepare", layers))
+        assert src.shape[0] == layers[1] - layers[0]  # the group's own layers of the staged source
+        return _Prepared(self.calls, layers) if self.take else None
+
+    def launch(self, stream, ids, src, layers, src_index):
+        if self.fail:
+            raise ValueError("block_ids: bad")
+        self.calls.append(("launch", layers))
+        return _Event()
+
+
+def _graph_job(graphs: _Graphs, groups_on: bool = True):
+    conversions = Conversions(None, graphs=lambda: groups_on)
+    conversions._stream = object()  # as on a GPU: launches go through the graphs, not the worker thread
+    caches = types.SimpleNamespace(graphs=graphs, page_format=LOCAL)
+    job = types.SimpleNamespace(caches=caches, pairs=types.SimpleNamespace(local=np.array([0, 1])),
+                                conversion=None, timings={}, req_id="r")
+    conversions.begin(job, torch.zeros((3, 2, 8)), negotiate(REMOTE, REMOTE))
+    return conversions, job
+
+
+async def _settle(conversions: Conversions, job) -> None:
+    task = asyncio.ensure_future(conversions.settle(job))
+    await asyncio.sleep(0)
+    conversions.poll(0.0)  # the daemon's Poller: the events are complete
+    await task
+
+
+def test_prepared_launches_fire_as_their_groups_land_and_the_unlanded_are_dropped():
+    graphs = _Graphs()
+    conversions, job = _graph_job(graphs)
+
+    async def main():
+        conversions.prepare(job, [(0, 1), (1, 2), (2, 3)])
+        conversions.convert_group(job, 1, 2)  # groups land in any order
+        conversions.convert_group(job, 0, 1)
+        await _settle(conversions, job)  # the job ends before (2, 3) lands: its graph is let go unfired
+
+    try:
+        asyncio.run(main())
+    finally:
+        conversions.close()
+    assert graphs.calls == [("prepare", (0, 1)), ("prepare", (1, 2)), ("prepare", (2, 3)),
+                            ("fire", (1, 2)), ("fire", (0, 1)), ("drop", (2, 3))]
+    assert job.conversion.prepared == {} and job.conversion.layers == 2
+    assert "launch_prep" in job.timings and "launch" in job.timings
+
+
+def test_a_group_not_prepared_launches_whole_when_it_lands():
+    """No graph to hold (``prepare`` declined) or graphs off: the launch at landing does everything."""
+    for graphs, on in ((_Graphs(take=False), True), (_Graphs(), False)):
+        conversions, job = _graph_job(graphs, groups_on=on)
+
+        async def main(conversions=conversions, job=job, on=on):
+            conversions.prepare(job, [(0, 3)])
+            if on:
+                conversions.convert_group(job, 0, 3)
+                await _settle(conversions, job)
+
+        try:
+            asyncio.run(main())
+        finally:
+            conversions.close()
+        want = [("prepare", (0, 3)), ("launch", (0, 3))] if on else []
+        assert graphs.calls == want
+        assert job.conversion.prepared == {}
+
+
+def test_a_prepare_that_fails_leaves_the_error_to_the_launch_at_landing():
+    """Bad input fails the job as it did before launches were prepared: at the group's launch, as a Failed
+    naming the conversion, not from inside the post."""
+    graphs = _Graphs(fail=True)
+    conversions, job = _graph_job(graphs)
+
+    async def main():
+        conversions.prepare(job, [(0, 1), (1, 3)])
+        assert job.conversion.prepared == {}
+        conversions.convert_group(job, 0, 1)
+        conversions.convert_group(job, 1, 3)
+        await conversions.finish(job, 3)
+
+    try:
+        with pytest.raises(Failed, match="convert: block_ids: bad"):
+            asyncio.run(main())
+    finally:
+        conversions.close()
+    assert graphs.calls == []
