@@ -144,24 +144,25 @@ def test_a_failed_capture_leaves_the_request_converted_and_graphs_off(monkeypatc
 
 def test_prepared_launches_write_nothing_until_fired_then_convert_like_the_ordinary_launch():
     """Launches made ready ahead of their bytes (the daemon does this while a read is on its way): preparing
-    queues nothing, each fires with its own table in whatever order the groups land, and the first of a key
-    (not yet captured) still converts the ordinary way and captures."""
+    queues nothing, each fires with its own table in whatever order the groups land; a graph's first launch
+    (not yet captured) still converts the ordinary way and captures, and the next request's replay."""
     from sidecar.convert.graphs import GraphLaunches
 
     rig = GraphRig(8, 16, 128, seed=11)
     rig.graphs = GraphLaunches(rig.ps)  # the daemon's default: 8 graphs a key, 4 of them held at most
-    ids, _, rows = rig.request(12, True)
-    groups = [(0, 1), (1, 2), (2, 3)]
-    prepared = [rig.graphs.prepare(ids, rig.src[a:b], (a, b), rows) for a, b in groups]
-    assert all(p is not None for p in prepared)
-    rig.assert_same("prepared, none fired")  # both copies untouched: nothing was queued
-    for i in (2, 0, 1):
-        a, b = groups[i]
-        assert prepared[i].fire(rig.stream) is not None
-        part = rig.src[a:b]
-        launch_gpu(rig.stream, rig.ordinary, ids, AITER_SHUFFLED, part, (a, b), None, None, None, rows)
-        rig.assert_same(f"group {groups[i]} fired")
-    assert rig.graphs.stats == {"captures": 1, "replays": 2, "declined": 0}
+    groups = [(0, 1), (1, 2), (2, 3)]  # one key: three graphs held at once
+    for request in range(2):
+        ids, _, rows = rig.request(12, True)
+        prepared = [rig.graphs.prepare(ids, rig.src[a:b], (a, b), rows) for a, b in groups]
+        assert all(p is not None for p in prepared)
+        rig.assert_same(f"request {request}: prepared, none fired")  # nothing was queued
+        for i in (2, 0, 1):
+            a, b = groups[i]
+            assert prepared[i].fire(rig.stream) is not None
+            part = rig.src[a:b]
+            launch_gpu(rig.stream, rig.ordinary, ids, AITER_SHUFFLED, part, (a, b), None, None, None, rows)
+            rig.assert_same(f"request {request}: group {groups[i]} fired")
+    assert rig.graphs.stats == {"captures": 3, "replays": 3, "declined": 0}
 
 
 def test_a_held_graph_is_not_given_to_another_launch_and_a_dropped_one_writes_nothing():
