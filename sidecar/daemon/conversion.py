@@ -123,6 +123,11 @@ class Conversions:
         self._events = left
         return changed, bool(left)
 
+    @property
+    def on_gpu(self) -> bool:
+        """Whether conversions run on a GPU stream (else the CPU twin's worker thread)."""
+        return self._stream is not None
+
     def make_stream(self) -> None:
         """Create the GPU stream (call in a worker thread at start; nothing to do on the CPU twin)."""
         if self._gpu is not None:
@@ -157,8 +162,8 @@ class Conversions:
     def _graph_launch(self, conv: JobConversion) -> bool:
         """Whether this conversion's launches may replay graphs: staged, on a GPU, unsliced, no re-encode,
         config ``conversion_graphs``."""
-        return (self._stream is not None and conv.src is not None and conv.planes is None
-                and self.limits.unbounded and self._graphs())
+        return (self.on_gpu and conv.src is not None and conv.planes is None and self.limits.unbounded
+                and self._graphs())
 
     @staticmethod
     def _group_source(conv: JobConversion, first: int, last: int) -> Any:
