@@ -177,7 +177,7 @@ class Pipeline:
         converting = await self._post(job, caches, mode, cfg.layer_groups)
         posted = time.monotonic()
         job.timings["post"] = posted - job.stage_started
-        if converting:  # the launches' host work while the bytes are on their way, not after they land
+        if converting and self._conversions.on_gpu:  # launches made ready while the bytes are on their way
             self._conversions.prepare(job, job.read.layer_ranges)
         await self._reads.wait(job)  # layer groups convert as they land, while later ones still read
         done_at = job.read.done_at or time.monotonic()
