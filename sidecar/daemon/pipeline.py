@@ -244,7 +244,7 @@ class Pipeline:
         if mode == "staged" and self._config().pull_mode != "staged":
             mode = self._fitting_mode(job, fmt.page_bytes, layers * blocks)
         self._metrics.read_mode(mode)
-        layer_groups = layer_groups_for(layer_groups, layers * blocks * fmt.page_bytes, self._lone(job, mode))
+        layer_groups = layer_groups_for(layer_groups, layers * blocks * fmt.page_bytes)
         if mode == "staged":
             if self._staging is None:
                 raise Refused("pull_mode", "staged reads need a staging pool (staging_bytes = 0)")
@@ -276,13 +276,6 @@ class Pipeline:
             job.req_id, slots, page_bytes, self._staging.nbytes, self._staging.nbytes // page_bytes,
         )
         return "direct"
-
-    def _lone(self, job: Job, mode: ReadMode) -> bool:
-        """The daemon's only pull, read staged and converted through graph launches (made ready while it
-        reads): then converting layer groups as they land shortens it (``layer_groups_for``)."""
-        cfg, plan = self._config(), job.peer.plan
-        return (mode == "staged" and len(self._jobs) == 1 and self._conversions.on_gpu
-                and cfg.conversion_graphs and plan.convert and plan.reencode is None)
 
     def _inline(self, job: Job, mode: ReadMode, layers: int) -> bool:
         """Post on the loop (config ``inline_post_max_descriptors``): a short staged read, the daemon's only

@@ -10,22 +10,16 @@ from sidecar.nixl.spans import ReadCost, count_runs
 from sidecar.wire.block_ids import increasing
 
 AUTO_GROUPS_MIN_BYTES = 1 << 30  # README (two H200s): 4 groups won for a 16k request (2.4 GB), lost at 4k
-# One H100 with launches prepared during the read (e2e-h100-groups-prepared-2026-12-05.json): 4 groups won
-# for a lone 4k request (576 MiB; 1.87 / 1.91 ms against 1.97-2.10 in one) and lost at 8 in flight
-# (10.7-11.9 ms against 8.3-9.0), where other requests' reads already overlap each conversion.
-AUTO_GROUPS_LONE_MIN_BYTES = 512 << 20
 AUTO_GROUPS = 4
 
 
-def layer_groups_for(setting: int, request_bytes: int, lone: bool = False) -> int:
-    """``layer_groups`` as configured, or for 0 (auto): 4 for a request of at least 1 GiB, or of at least
-    512 MiB when ``lone`` (the daemon's only pull, read staged with graph launches); else 1."""
+def layer_groups_for(setting: int, request_bytes: int) -> int:
+    """``layer_groups`` as configured, or for 0 (auto): 4 for a request of at least 1 GiB, else 1."""
     if setting < 0:
         raise ValueError(f"layer_groups must be >= 0, got {setting}")
     if setting:
         return setting
-    floor = AUTO_GROUPS_LONE_MIN_BYTES if lone else AUTO_GROUPS_MIN_BYTES
-    return AUTO_GROUPS if request_bytes >= floor else 1
+    return AUTO_GROUPS if request_bytes >= AUTO_GROUPS_MIN_BYTES else 1
 
 
 def gap_cost(cfg: Any, peer: Any) -> ReadCost | None:

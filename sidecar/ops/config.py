@@ -190,10 +190,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         int,
         _doc(
             "READs per request and prefill rank (layer groups), so conversion can overlap the read; "
-            "0 (auto): 4 for a request of at least 1 GiB (the two-H200 runs in bench/HISTORY.md: a lone "
-            "16k-token Qwen3-8B request 11.6 -> 9.9 ms), or of at least 512 MiB when it is the daemon's only "
-            "pull, staged, with graph launches on a GPU (one H100: a lone 4k request, 576 MiB, 0.1-0.2 ms "
-            "faster; at 8 in flight 4 groups were slower), else 1",
+            "0 (auto): 4 for a request of at least 1 GiB, else 1 (where the two-H200 runs in "
+            "bench/HISTORY.md measured a win: a lone 16k-token Qwen3-8B request, 11.6 -> 9.9 ms; "
+            "4k requests were 8-9 % slower with 4 groups)",
             ge=0,
         ),
     ] = 0

@@ -1243,52 +1243,12 @@ def test_a_pull_waiting_for_its_gap_span_can_be_aborted():
     run(main())
 
 
-HALF_GIB = 512 << 20
-
-
-@pytest.mark.parametrize(
-    ("setting", "nbytes", "lone", "want"),
-    [(0, 0, False, 1), (0, (1 << 30) - 1, False, 1), (0, 1 << 30, False, 4), (0, 10 << 30, False, 4),
-     (0, HALF_GIB, False, 1), (0, 0, True, 1), (0, HALF_GIB - 1, True, 1), (0, HALF_GIB, True, 4),
-     (0, 10 << 30, True, 4), (1, 10 << 30, False, 1), (1, 10 << 30, True, 1), (12, 1, False, 12),
-     (12, 1, True, 12)],
-)
-def test_layer_groups_auto_is_four_from_one_gib_or_half_a_gib_alone(setting, nbytes, lone, want):
+@pytest.mark.parametrize(("setting", "nbytes", "want"), [(0, 0, 1), (0, (1 << 30) - 1, 1), (0, 1 << 30, 4),
+                                                          (0, 10 << 30, 4), (1, 10 << 30, 1), (12, 1, 12)])
+def test_layer_groups_auto_is_four_from_one_gib(setting, nbytes, want):
     from sidecar.daemon.read_plan import layer_groups_for
 
-    assert layer_groups_for(setting, nbytes, lone) == want
-
-
-@pytest.mark.parametrize(("graphs", "second", "want"), [(True, False, 4), (True, True, 1), (False, False, 1)],
-                         ids=["lone", "not-alone", "graphs-off"])
-def test_layer_groups_auto_gives_a_lone_staged_pull_on_a_gpu_four_groups(monkeypatch, graphs, second, want):
-    """The pipeline's side of auto: 4 groups for the daemon's only pull when it is staged and its launches
-    replay graphs on a GPU (the GPU stands in here: the launches' own making-ready is tested on one), else
-    one; the size line is lowered so the test's small pulls cross it."""
-    from sidecar.daemon import read_plan
-
-    monkeypatch.setattr(read_plan, "AUTO_GROUPS_LONE_MIN_BYTES", 1)
-    monkeypatch.setattr(conversion_mod.Conversions, "on_gpu", property(lambda _self: True))
-    monkeypatch.setattr(conversion_mod.Conversions, "prepare", lambda _self, _job, _groups: None)
-
-    async def main():
-        async with started(pull_mode="staged", staging_bytes=64 * PAGE_BYTES, conversion_graphs=graphs) as h:
-            h.port.auto_land = False
-            if second:
-                h.pull("first", blocks=[5, 6])
-                while not h.port.reads:
-                    await asyncio.sleep(0.001)
-            h.pull("a")
-            while len(h.port.reads) < 1 + second:
-                await asyncio.sleep(0.001)
-            read = h.port.reads[-1]
-            assert len(read.groups) == want, read.groups
-            for r in h.port.reads:
-                while r.groups:
-                    h.port.land(r)
-            assert (await h.reply(p.Done, "a")).ok
-
-    run(main())
+    assert layer_groups_for(setting, nbytes) == want
 
 
 def test_layer_groups_auto_reads_a_small_request_in_one_group():
