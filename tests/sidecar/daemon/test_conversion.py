@@ -1,5 +1,8 @@
 """``Conversions`` on the CPU twin: a group converts in the worker thread through the pairing's planes (an fp8
-e4m3fn -> e4m3fnuz pairing re-encodes every byte and reports what did not keep its value)."""
+e4m3fn -> e4m3fnuz pairing re-encodes every byte and reports what did not keep its value). And, with
+``GraphLaunches`` stood in for, the GPU's launch bookkeeping: launches made ready during the read, fired as
+their groups land, the rest dropped (the graphs themselves are tested on a GPU, in
+``test_convert_graphs_gpu.py``)."""
 
 from __future__ import annotations
 
