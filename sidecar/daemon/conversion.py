@@ -252,14 +252,14 @@ class Conversions:
     async def settle(self, job: Job) -> None:
         """Wait until nothing the job started converting can still write (errors ignored); graph launches
         made ready for groups that never landed are let go unfired."""
-        self.drop_prepared(job)
+        self._drop_prepared(job)
         done = self.done(job)
         if done is not None and not done.done():
             with contextlib.suppress(Exception):  # only the wait matters here
                 await asyncio.shield(done)
 
     @staticmethod
-    def drop_prepared(job: Job) -> None:
+    def _drop_prepared(job: Job) -> None:
         """Let go the job's prepared launches that were never fired."""
         conv: JobConversion | None = job.conversion
         if conv is not None:
