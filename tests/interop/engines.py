@@ -222,9 +222,11 @@ class Engine:
         found = [line for line in self.log_text().splitlines() if " ERROR " in line or " WARNING " in line]
         return "\n".join(found[-lines:]) or "(none)"
 
-    def metric(self, name: str) -> float | None:
+    def metric(self, name: str, timeout_s: float = 60.0) -> float | None:
         """First sample of a metric on the engine's /metrics page (None if absent)."""
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as resp:
+        # Generous for the reason generate() is: a TP 2 prefill's workers, bound to both cores of a 2-core
+        # host, starved the API server past a 5 s read right after a generate (CI, stop 39).
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=timeout_s) as resp:
             for line in resp.read().decode().splitlines():
                 if line.startswith(name + "{") or line.startswith(name + " "):
                     return float(line.rsplit(" ", 1)[1])
