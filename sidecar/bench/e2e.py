@@ -187,13 +187,23 @@ def choice_list(text: str, name: str, allowed: Sequence[str]) -> list[str]:
 
 
 def daemon_settings(items: Sequence[str]) -> dict[str, str]:
-    """``KEY=VALUE`` pairs (TOML values) for the daemons' config files."""
+    """``KEY=VALUE`` pairs (TOML values) for the daemons' config files, each checked here: a value the
+    daemons could not read would only show as their exit before ready."""
+    import tomllib
+
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not key.strip() or not value.strip():
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
             raise BenchError(f"--daemon-set {item!r}: use KEY=VALUE with a TOML value")
-        out[key.strip()] = value.strip()
+        try:
+            tomllib.loads(f"v = {value}")
+        except tomllib.TOMLDecodeError:
+            raise BenchError(
+                f"--daemon-set {key}: {value!r} is not a TOML value (a string is quoted: {key}='\"{value}\"')"
+            ) from None
+        out[key] = value
     return out
 
 
@@ -400,6 +410,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     contexts = int_list(args.contexts, "contexts")
     concurrency = int_list(args.concurrency, "concurrency")
     pairs = mode_order_pairs(args)
+    extra_settings = daemon_settings(args.daemon_set)
     modes = sorted({m for m, _ in pairs}, key=MODES.index)
     cells = plan_cells(
         contexts, concurrency, pairs, args.block_size, page, args.layers, args.max_batch_tokens
@@ -507,7 +518,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         settings = {
             "max_inflight": str(max(64, max(concurrency))),
             "layer_groups": str(args.layer_groups),
-            **daemon_settings(args.daemon_set),
+            **extra_settings,
         }
         for mode in modes:
             daemons[mode] = start_daemon(
