@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -368,6 +368,22 @@ def sizing(
     return max_blocks, staging - staging % page
 
 
+def free_bytes(device: str) -> int:
+    """Memory free for the bench's pools on ``device``: a GPU's free memory, or the host's MemAvailable."""
+    if device == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    import torch
+
+    return int(torch.cuda.mem_get_info(parse_device(device))[0])
+
+
 def memory_check(
     cells: list[Cell],
     prefill: str,
@@ -377,13 +393,12 @@ def memory_check(
     staging_gb: float,
     prefill_factor: float = 1.0,
     staging_factor: float = 1.0,
+    free: Callable[[str], int] = free_bytes,
 ) -> None:
-    """On GPUs, skip the largest batches until what they need fits the free memory (10 % slack): the
-    emulator's pool on the prefill device; the planes and two staging pools (daemon, bare) on the decoder."""
-    if prefill == "cpu":
-        return
-    import torch
-
+    """Skip the largest batches until what they need fits the free memory (10 % slack): the emulator's pool
+    on the prefill device; the planes and two staging pools (daemon, bare) on the decoder. On the CPU both
+    sides are the host's memory (without this, the defaults' 16k x 32 cells ended in the emulator's
+    MemoryError)."""
     while True:
         max_blocks, staging = sizing(cells, layers, page, staging_gb, staging_factor)
         if not max_blocks:
@@ -392,7 +407,7 @@ def memory_check(
         need = {prefill: 0, decoder: 0}
         need[prefill] += int(pool * prefill_factor)
         need[decoder] += pool + 2 * staging
-        short = [d for d, n in need.items() if n * 1.1 > torch.cuda.mem_get_info(parse_device(d))[0]]
+        short = [d for d, n in need.items() if n * 1.1 > free(d)]
         if not short:
             return
         for c in cells:

@@ -32,6 +32,33 @@ def test_sizing_caps_the_staging_pool_but_fits_one_request() -> None:
     assert e2e.sizing(direct, 36, 65536, 16.0) == (2048, 0)
 
 
+def test_memory_check_skips_the_largest_batches_that_do_not_fit() -> None:
+    cells = e2e.plan_cells([4096], [1, 8, 32], [("staged", "contiguous")], 16, 65536, 36, 0)
+    request = 256 * 36 * 65536  # one 4k request: 0.6 GB
+    # On the CPU both sides draw on one host: the prefill's pool, the decoder's, two staging pools (each
+    # capped at 1 GiB here). Room for the batches of 8 (with the 10 % slack), not for 32.
+    need_8 = 2 * (8 * 256 + 1) * 36 * 65536 + 2 * 2**30
+    asked: list[str] = []
+
+    def free(device: str) -> int:
+        asked.append(device)
+        return int(need_8 * 1.1) + 1
+
+    e2e.memory_check(cells, "cpu", "cpu", 36, 65536, staging_gb=1.0, free=free)
+    assert [(c.concurrency, c.skipped is None) for c in cells] == [(1, True), (8, True), (32, False)]
+    assert "GiB on cpu, more than is free" in str(cells[2].skipped)
+    assert set(asked) == {"cpu"}
+    # Two GPUs: each side on its own device; the decoder's side (planes and staging) is the one short.
+    cells = e2e.plan_cells([4096], [1], [("staged", "contiguous")], 16, 65536, 36, 0)
+    e2e.memory_check(cells, "cuda:0", "cuda:1", 36, 65536, 16.0,
+                     free=lambda d: 10 * request if d == "cuda:0" else request)
+    assert "on cuda:1" in str(cells[0].skipped)
+
+
+def test_free_bytes_of_the_host_is_positive() -> None:
+    assert e2e.free_bytes("cpu") > 0
+
+
 def test_options_are_checked() -> None:
     assert e2e.resolve_devices("cpu", "cpu") == ("cpu", "cpu")
     with pytest.raises(e2e.BenchError, match="both sides"):
