@@ -261,6 +261,14 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float = 60.0) -> dict[s
         raise AssertionError(f"POST {url} -> {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
 
 
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Our daemon's /metrics (``demo.scrape``) with the engine reads' patience: the CPU workers that starve
+    an engine's API server (``Engine.metric``) leave the daemon's metrics thread no more room."""
+    from sidecar.standins.demo import scrape as scrape_once
+
+    return scrape_once(url, timeout_s=60.0)
+
+
 def start_daemon(
     work: Path,
     page_format: dict[str, Any] | None = None,

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from sidecar.standins.demo import sample, scrape
-from tests.interop.engines import Engine, start_daemon
+from sidecar.standins.demo import sample
+from tests.interop.engines import Engine, scrape, start_daemon
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(900)]
 

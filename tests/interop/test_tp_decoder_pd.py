@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.standins.demo import sample, scrape
+from sidecar.standins.demo import sample
 from tests.interop.conftest import (
     START_TIMEOUT_S,
     TP_HANDSHAKE,
@@ -37,7 +37,7 @@ from tests.interop.controls import (
     assert_other_kv_differs,
     assert_prefill_freed,
 )
-from tests.interop.engines import CPU_PAGE, Engine, start_daemon
+from tests.interop.engines import CPU_PAGE, Engine, scrape, start_daemon
 from tests.interop.test_pd import PROMPTS, generate, pd
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]

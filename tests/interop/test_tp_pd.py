@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.standins.demo import sample, scrape
+from sidecar.standins.demo import sample
 from sidecar.wire import prefill as wire
 from tests.interop.conftest import (
     START_TIMEOUT_S,
@@ -30,7 +30,7 @@ from tests.interop.controls import (
     assert_other_kv_differs,
     assert_prefill_freed,
 )
-from tests.interop.engines import CPU_PAGE, Engine, start_daemon
+from tests.interop.engines import CPU_PAGE, Engine, scrape, start_daemon
 from tests.interop.test_pd import MAX_TOKENS, PROMPTS, generate, pd
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]
