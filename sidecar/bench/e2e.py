@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.bench.e2e_baselines import BareReader, peer_copy
-from sidecar.bench.e2e_common import BenchError, parse_device
+from sidecar.bench.e2e_common import BenchError, daemon_settings, parse_device, toml_values
 from sidecar.bench.e2e_report import (
     cell_json,
     command_line,
@@ -184,37 +184,6 @@ def choice_list(text: str, name: str, allowed: Sequence[str]) -> list[str]:
     if not values or bad:
         raise BenchError(f"--{name}: {bad or text!r} not among {list(allowed)}")
     return values
-
-
-def daemon_settings(items: Sequence[str]) -> dict[str, str]:
-    """``KEY=VALUE`` pairs (TOML values) for the daemons' config files, each checked here: a value the
-    daemons could not read would only show as their exit before ready."""
-    import tomllib
-
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or not key or not value:
-            raise BenchError(f"--daemon-set {item!r}: use KEY=VALUE with a TOML value")
-        try:
-            tomllib.loads(f"v = {value}")
-        except tomllib.TOMLDecodeError:
-            raise BenchError(
-                f"--daemon-set {key}: {value!r} is not a TOML value (a string is quoted: {key}='\"{value}\"')"
-            ) from None
-        out[key] = value
-    return out
-
-
-def toml_values(settings: dict[str, str]) -> dict[str, Any]:
-    """``daemon_settings``' TOML texts as values (``--daemon-set`` read in-process, as a daemon reads it)."""
-    import tomllib
-
-    try:
-        return {k: tomllib.loads(f"v = {v}")["v"] for k, v in settings.items()}
-    except tomllib.TOMLDecodeError as exc:
-        raise BenchError(f"--daemon-set: not a TOML value: {exc}") from None
 
 
 def gap_settings(settings: dict[str, str]) -> tuple[Any, float]:

@@ -1,8 +1,13 @@
-"""What the parts of ``kv-sidecar bench e2e`` share: its error and the devices it accepts (cpu, cuda:N)."""
+"""What ``kv-sidecar bench e2e``'s parts share, and ``bench loop`` and ``bench interference`` with them: the
+bench's error, the devices it accepts (cpu, cuda:N) and ``--daemon-set``'s settings."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from typing import Any
+
+import tomllib
 
 _DEVICE = re.compile(r"cpu|cuda:(\d+)")
 
@@ -17,3 +22,30 @@ def parse_device(text: str) -> int | None:
     if m is None:
         raise BenchError(f"device {text!r}: use cpu or cuda:N")
     return None if m.group(1) is None else int(m.group(1))
+
+
+def daemon_settings(items: Sequence[str]) -> dict[str, str]:
+    """``KEY=VALUE`` pairs (TOML values) for the daemons' config files, each checked here: a value the
+    daemons could not read would only show as their exit before ready."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            raise BenchError(f"--daemon-set {item!r}: use KEY=VALUE with a TOML value")
+        try:
+            tomllib.loads(f"v = {value}")
+        except tomllib.TOMLDecodeError:
+            raise BenchError(
+                f"--daemon-set {key}: {value!r} is not a TOML value (a string is quoted: {key}='\"{value}\"')"
+            ) from None
+        out[key] = value
+    return out
+
+
+def toml_values(settings: dict[str, str]) -> dict[str, Any]:
+    """``daemon_settings``' TOML texts as values (``--daemon-set`` read in-process, as a daemon reads it)."""
+    try:
+        return {k: tomllib.loads(f"v = {v}")["v"] for k, v in settings.items()}
+    except tomllib.TOMLDecodeError as exc:
+        raise BenchError(f"--daemon-set: not a TOML value: {exc}") from None

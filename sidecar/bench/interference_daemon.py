@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 
 from sidecar.bench import interference_stats as st
+from sidecar.bench.e2e_common import BenchError, daemon_settings
 from sidecar.bench.interference_decoder import Alone, DecoderConfig, PhaseReply, Ready, RunPhase, shape_of
 from sidecar.bench.interference_roles import Setting
 
@@ -42,17 +43,6 @@ class DaemonPlan(msgspec.Struct, frozen=True):
     mps: bool
     mps_percent: int
     decoder_high_priority: bool
-
-
-def _daemon_sets(items: list[str]) -> dict[str, str]:
-    """``--daemon-set KEY=VALUE`` items as daemon config settings."""
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--daemon-set wants KEY=VALUE, got {item!r}")
-        out[key.strip()] = value.strip()
-    return out
 
 
 def daemon_plan(s: Setting, slice_us: float) -> DaemonPlan:
@@ -146,8 +136,9 @@ def _ucx_env(cuda: bool) -> dict[str, str]:
 
 
 def run_group(args: argparse.Namespace, device: str, plan: DaemonPlan, cells: list[tuple[int, float]],
-              mps_ctl: Any, t_start: float) -> dict[str, Any]:
-    """One setting: its own emulator, daemon and decoder; alone pulls, baselines and every cell."""
+              mps_ctl: Any, t_start: float, extra: dict[str, str]) -> dict[str, Any]:
+    """One setting: its own emulator, daemon and decoder; alone pulls, baselines and every cell. ``extra``:
+    ``--daemon-set``'s keys, under the setting's own."""
     from sidecar.bench.e2e_roles import start_daemon
     from sidecar.bench.interference import Child
     from sidecar.standins.decoder import StandinShape
@@ -176,7 +167,7 @@ def run_group(args: argparse.Namespace, device: str, plan: DaemonPlan, cells: li
                               gpu=int(device.split(":")[1]) if cuda else None, mode=args.pull_mode,
                               staging_bytes=staging, env=denv, log_path=work / "daemon.log",
                               settings={"max_inflight": str(max(8, args.pull_slots)),
-                                        **_daemon_sets(args.daemon_set), **plan.config})
+                                        **extra, **plan.config})
         cfg = DecoderConfig(device=device, tiny=args.tiny, batch=args.batch, context_min=args.context_min,
                             context_max=args.context_max, seed=args.seed, socket=daemon.socket,
                             emulator_control=emu.ready.control, compat_factors=dict(emu.ready.compat_factors),
@@ -271,7 +262,8 @@ def run(args: argparse.Namespace, device: str, table: dict[str, Setting], names:
         cells = parse_cells(args.cells) if args.cells else [
             (int(c), float(r)) for c in args.contexts.split(",") if c for r in args.rates.split(",")
             if r and float(r) > 0]
-    except ValueError as exc:
+        extra = daemon_settings(args.daemon_set)
+    except (ValueError, BenchError) as exc:
         raise SystemExit(str(exc)) from None
     out["cells"] = cells
     for plan in plans:
@@ -287,7 +279,7 @@ def run(args: argparse.Namespace, device: str, table: dict[str, Setting], names:
         try:
             if mps_ctl is not None:
                 mps_ctl.start()
-            out["groups"].append(run_group(args, device, plan, cells, mps_ctl, t_start))
+            out["groups"].append(run_group(args, device, plan, cells, mps_ctl, t_start, extra))
         finally:
             if mps_ctl is not None:
                 mps_ctl.quit()

@@ -36,8 +36,7 @@ from unittest import mock
 import numpy as np
 import torch
 
-from sidecar.bench.e2e import daemon_settings, toml_values
-from sidecar.bench.e2e_common import BenchError
+from sidecar.bench.e2e_common import BenchError, daemon_settings, toml_values
 from sidecar.bench.e2e_report import command_line
 from sidecar.bench.output import emit
 from sidecar.daemon import conversion
