@@ -27,6 +27,7 @@ import msgspec
 import numpy as np
 
 from sidecar import __version__
+from sidecar.bench.e2e_common import BenchError, daemon_settings, toml_values
 from sidecar.wire import ipc
 from sidecar.wire import protocol as p
 from sidecar.wire.formats import PageFormat
@@ -89,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="extra daemon config as its serve flag, e.g. poll_busy_s=0; repeatable",
+        help="extra daemon config (TOML value), e.g. poll_busy_s=0 or log_level='\"DEBUG\"'; repeatable",
     )
     parser.add_argument("--json", metavar="FILE", help="also write the result here")
 
@@ -132,13 +133,12 @@ def _new_request(client: Any, tokens: int) -> dict[str, Any]:
 
 
 def serve_flags(items: list[str]) -> list[str]:
-    """``KEY=VALUE`` pairs as ``kv-sidecar serve`` flags."""
+    """``--daemon-set KEY=VALUE`` settings (TOML values, as every bench takes them) as ``kv-sidecar serve``
+    flags, whose values are strings as they are and JSON otherwise."""
     out: list[str] = []
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip() or not value.strip():
-            raise ValueError(f"--daemon-set {item!r}: use KEY=VALUE")
-        out += ["--" + key.strip().replace("_", "-"), value.strip()]
+    for key, value in toml_values(daemon_settings(items)).items():
+        text = value if isinstance(value, str) else msgspec.json.encode(value).decode()
+        out += ["--" + key.replace("_", "-"), text]
     return out
 
 
@@ -160,12 +160,16 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(channels) - set(CHANNELS))
     if unknown or not channels:
         raise SystemExit(f"--channels: unknown {unknown or 'empty'}; choose from {', '.join(CHANNELS)}")
+    try:
+        daemon_flags = serve_flags(args.daemon_set)
+    except BenchError as exc:
+        raise SystemExit(str(exc)) from None
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in channels}
     for _ in range(args.repeat):  # interleaved, so a drifting host load touches every channel alike
         for c in channels:
-            runs[c].append(_measure(args, c))
+            runs[c].append(_measure(args, c, daemon_flags))
     measured = {c: _summary(r) for c, r in runs.items()}
     sig = measured[channels[0]]["signal_us"]
     result: dict[str, Any] = {
@@ -215,7 +219,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _measure(args: argparse.Namespace, channel: str) -> dict[str, Any]:
+def _measure(args: argparse.Namespace, channel: str, daemon_flags: list[str]) -> dict[str, Any]:
     """One daemon and prefill, ``args.pulls`` Pulls with replies over ``channel``; its latencies."""
     from sidecar.cli import spawn_serve
     from sidecar.standins.emulator_control import spawn_emulator
@@ -266,7 +270,7 @@ def _measure(args: argparse.Namespace, channel: str) -> dict[str, Any]:
             "WARNING",
             "--fast-completions",
             "true" if channel == "completion_socket" else "false",
-            *serve_flags(args.daemon_set),
+            *daemon_flags,
         ]
     )
     shm = ipc.create_shm_buffer(layers * 2 * decoder_blocks * plane * 2)

@@ -28,3 +28,20 @@ def test_bench_signal_reports_latencies(tmp_path):
     assert result["signal_us"] == result["channels"]["completion_socket"]["signal_us"]
     assert result["zmq_over_completion_socket"]["p50"] > 0
     assert result["client"].startswith("vllm_glue.client.SidecarClient")
+
+
+def test_daemon_set_takes_toml_values_as_every_bench_does():
+    """``--daemon-set`` means the same in ``bench signal`` as in e2e, loop and interference: TOML values,
+    turned into serve flags that the daemon's own flag parsing reads back as the same values."""
+    from sidecar.bench.completion_signal import serve_flags
+    from sidecar.bench.e2e_common import BenchError
+    from sidecar.ops.config import parse_value
+
+    flags = serve_flags(["poll_busy_s=0.0002", 'log_level="DEBUG"', "fast_completions=false"])
+    assert flags == ["--poll-busy-s", "0.0002", "--log-level", "DEBUG", "--fast-completions", "false"]
+    values = {flags[i][2:].replace("-", "_"): flags[i + 1] for i in range(0, len(flags), 2)}
+    assert {k: parse_value(k, v, "flag") for k, v in values.items()} == {
+        "poll_busy_s": 0.0002, "log_level": "DEBUG", "fast_completions": False,
+    }
+    with pytest.raises(BenchError, match="not a TOML value"):
+        serve_flags(["log_level=DEBUG"])
