@@ -102,6 +102,7 @@ class Job:
     peer: Any = None  # port.PeerSet: the admitted prefill ranks it reads, once every handshake is through
     peer_entries: list[Any] = field(default_factory=list)  # peers.PeerEntry per rank: handshakes it holds
     read: Any = None  # the port's read handle once posted
+    first_landed: float | None = None  # when a poll pass first saw one of its read's layer groups landed
     pairs: Any = None  # geometry.BlockPairs: the checked kernel blocks read (local: what gets converted)
     slots: tuple[int, int] | None = None  # staging: (first slot, count)
     gap_bytes: int = 0  # staging: bytes of gap blocks read only to merge descriptors (not the request's)

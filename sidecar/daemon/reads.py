@@ -333,12 +333,17 @@ class Reads:
                 return False, False
             changed, seen = self._check(now)
         for read, fut, job, finished in seen:
+            if read.landed and job.first_landed is None:
+                job.first_landed = now
             try:
                 while read.landed:
                     self._on_landed(job, *read.landed.pop(0))
             except Exception:  # noqa: BLE001 - an unlaunched group fails its job at the layer count
                 log.exception("pull %s: launching a landed group", job.req_id)
             if finished:  # launched first, then the prefill is told it may free the blocks
+                if job.first_landed is not None and len(read.layer_ranges) > 1:
+                    # ~0 when the groups land together: then no conversion overlaps a later group's read
+                    job.timings["landing_spread"] = now - job.first_landed
                 self._notify(read)
                 fut.set_result(None)
         return changed, bool(self._waiting)

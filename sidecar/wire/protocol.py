@@ -310,8 +310,10 @@ class Done(_Msg):
     calls, and "poster", that thread's work on this post), "read" (posted until seen DONE) and, on a GPU,
     "launch_prep" (the launches' host work, done after the post while the bytes are on their way), "launch"
     (wall time spent starting the conversion kernels once they landed) and "launch_cpu" (the thread's CPU
-    time in it). "delivery" (when the Pull carried ``sent_at_ns``): from the shim's send to the daemon's
-    receipt of the Pull.
+    time in it); with more than one layer group, "landing_spread" (from the first group seen landed to the
+    last: near 0 when they land together, so no group's conversion overlaps a later group's read).
+    "delivery" (when the Pull carried ``sent_at_ns``): from the shim's send to the daemon's receipt of the
+    Pull.
 
     ``safe`` False (a failed Done only): a transfer into the request's blocks could not be stopped, so the
     shim must not hand them back to vLLM yet; it holds them as it holds a dropped connection's, until that

@@ -206,6 +206,39 @@ def test_layer_groups_landing_out_of_order_are_all_converted():
     run(main())
 
 
+def test_done_says_how_far_apart_the_layer_groups_landed():
+    """``landing_spread``: the first group seen landed to the last, so a bench can tell groups that land one
+    after another (their conversions overlap later reads) from groups that land together."""
+
+    async def main():
+        async with started(layer_groups=3) as h:
+            h.port.auto_land = False
+            h.pull("a")
+            while not h.port.reads:
+                await asyncio.sleep(0.001)
+            read = h.port.reads[0]
+            for _ in range(3):
+                h.port.land(read)
+                await asyncio.sleep(0.02)
+            spread = (await h.reply(p.Done, "a")).timings["landing_spread"]
+            assert 0.03 <= spread < 0.2  # two 20 ms gaps, give or take a poll
+
+            h.pull("b")  # every group in one poll pass: no spread
+            while len(h.port.reads) < 2:
+                await asyncio.sleep(0.001)
+            read = h.port.reads[1]
+            while read.groups:
+                h.port.land(read)
+            assert (await h.reply(p.Done, "b")).timings["landing_spread"] < 0.01
+
+        async with started(layer_groups=1) as h:  # one group: nothing to spread
+            h.pull("c")
+            done = await h.reply(p.Done, "c")
+            assert done.ok and "landing_spread" not in done.timings
+
+    run(main())
+
+
 def test_a_group_that_never_lands_fails_the_pull_even_if_the_others_converted():
     async def main():
         async with started(layer_groups=2) as h:

@@ -205,7 +205,7 @@ def _job(port: FakePort, req: str, groups: list[tuple[int, int]]):
         "direct",
     )
     read.handles = [object() for _ in groups]
-    return SimpleNamespace(read=read, req_id=req)
+    return SimpleNamespace(read=read, req_id=req, first_landed=None, timings={})  # what Reads uses of a Job
 
 
 def test_reads_launch_the_last_group_before_notifying_the_prefill():
