@@ -221,7 +221,7 @@ def test_done_says_how_far_apart_the_layer_groups_landed():
                 h.port.land(read)
                 await asyncio.sleep(0.02)
             spread = (await h.reply(p.Done, "a")).timings["landing_spread"]
-            assert 0.03 <= spread < 0.2  # two 20 ms gaps, give or take a poll
+            assert 0.02 <= spread < 1.0  # two 20 ms gaps (bounds loose for a loaded 2-core CI host)
 
             h.pull("b")  # every group in one poll pass: no spread
             while len(h.port.reads) < 2:
@@ -229,7 +229,7 @@ def test_done_says_how_far_apart_the_layer_groups_landed():
             read = h.port.reads[1]
             while read.groups:
                 h.port.land(read)
-            assert (await h.reply(p.Done, "b")).timings["landing_spread"] < 0.01
+            assert (await h.reply(p.Done, "b")).timings["landing_spread"] == 0.0  # seen in one poll pass
 
         async with started(layer_groups=1) as h:  # one group: nothing to spread
             h.pull("c")
