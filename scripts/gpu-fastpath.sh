@@ -71,9 +71,8 @@ for step in "$@"; do
     convertgraph) run convertgraph 120 python3 -m sidecar.cli bench convert --device cuda --dtype bfloat16 \
       --shapes qwen3-8b-4k,qwen3-8b-16k --no-plot --reps 40 --tag "$GPU_TAG-graph-per-call" --out-dir "$OUT" \
       --variant default: --variant p1056:oop_max_programs=1056 ;;
-    # one layer group against four, graphs on, groups converting as they land during the post
-    # one layer group against four, both sides; with four, each cell's landing_spread (Done timings) says
-    # whether the groups land one after another (their conversions can overlap later reads) or together
+    # one layer group against four, graphs on, groups converting as they land during the post; with four,
+    # each cell's landing_spread (Done timings) says whether the groups land one after another or together
     groupsab) for g in 1 4; do
         TAIL=14 run "groups-ab$g" 100 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
           --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous \
