@@ -256,4 +256,5 @@ def fit_read_cost(descriptors: np.ndarray, nbytes: np.ndarray, seconds: np.ndarr
     (a, inv), *_ = np.linalg.lstsq(np.stack([d, b], axis=1), t, rcond=None)
     if inv <= 0:
         raise ValueError("the reads do not show a positive byte rate (need reads of different sizes)")
-    return ReadCost(descriptor_us=max(0.0, a * 1e6), gbps=1.0 / inv / 1e9)
+    # plain floats: bench e2e prints them as the values to set in a daemon's config
+    return ReadCost(descriptor_us=max(0.0, float(a) * 1e6), gbps=float(1.0 / inv / 1e9))

@@ -193,6 +193,7 @@ def test_fit_read_cost_recovers_the_constants():
     cost = fit_read_cost(d, b, t)
     assert cost.descriptor_us == pytest.approx(8.0, rel=1e-6)
     assert cost.gbps == pytest.approx(50.0, rel=1e-6)
+    assert type(cost.descriptor_us) is float and type(cost.gbps) is float  # not np.float64: printed plainly
 
 
 def test_fit_read_cost_refuses_what_it_cannot_fit():
