@@ -33,19 +33,20 @@ def daemon_settings(items: Sequence[str]) -> dict[str, str]:
         key, value = key.strip(), value.strip()
         if not sep or not key or not value:
             raise BenchError(f"--daemon-set {item!r}: use KEY=VALUE with a TOML value")
-        try:
-            tomllib.loads(f"v = {value}")
-        except tomllib.TOMLDecodeError:
-            raise BenchError(
-                f"--daemon-set {key}: {value!r} is not a TOML value (a string is quoted: {key}='\"{value}\"')"
-            ) from None
+        _toml_value(key, value)
         out[key] = value
     return out
 
 
 def toml_values(settings: dict[str, str]) -> dict[str, Any]:
     """``daemon_settings``' TOML texts as values (``--daemon-set`` read in-process, as a daemon reads it)."""
+    return {k: _toml_value(k, v) for k, v in settings.items()}
+
+
+def _toml_value(key: str, text: str) -> Any:
     try:
-        return {k: tomllib.loads(f"v = {v}")["v"] for k, v in settings.items()}
-    except tomllib.TOMLDecodeError as exc:
-        raise BenchError(f"--daemon-set: not a TOML value: {exc}") from None
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        raise BenchError(
+            f"--daemon-set {key}: {text!r} is not a TOML value (a string is quoted: {key}='\"{text}\"')"
+        ) from None
