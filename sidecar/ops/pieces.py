@@ -3,7 +3,7 @@
 With config ``loop_pieces = "<path>"`` (``--set loop_pieces=...``, ``KV_SIDECAR_LOOP_PIECES``; in ``bench
 e2e`` ``--daemon-set loop_pieces=...``), ``kv-sidecar serve`` wraps each function of ``PIECES`` before it
 starts: every call adds its thread's CPU time (``time.thread_time``) and its wall time to that piece, and
-``{piece: {"p50_us", "p90_us", "wall_p50_us", "wall_p90_us", "n", "calls"}}`` goes to ``<path>`` every
+``{piece: {"p50_us", "p90_us", "max_us", "wall_p50_us", ..., "n", "calls"}}`` goes to ``<path>`` every
 ``DUMP_EVERY_S`` and at exit (the latest ``KEEP`` samples of each). Wall well above CPU means the call waited
 (for the GIL, a lock, the device). A coroutine's piece has wall time only: its CPU is spread over the loop's
 other work. A piece includes what it calls, so ``launch`` holds the ``launch.*`` pieces (``launch.prep``
@@ -97,8 +97,8 @@ class Pieces:
             self.dump()
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """p50 / p90 of each piece's kept samples (CPU, and wall where timed), their count ``n`` and all its
-        ``calls``."""
+        """p50 / p90 / max of each piece's kept samples (CPU, and wall where timed; the max names a piece that
+        stalls the loop now and then), their count ``n`` and all its ``calls``."""
         out: dict[str, dict[str, float]] = {}
         for prefix, kept in (("", self.samples), ("wall_", self.walls)):
             for piece, values in sorted(list(kept.items())):  # list(): a snapshot (other threads add)
@@ -106,6 +106,7 @@ class Pieces:
                 row = out.setdefault(piece, {})
                 row[prefix + "p50_us"] = round(statistics.median(ordered) * 1e6, 2)
                 row[prefix + "p90_us"] = round(ordered[int(0.9 * (len(ordered) - 1))] * 1e6, 2)
+                row[prefix + "max_us"] = round(ordered[-1] * 1e6, 2)
                 row["n"] = len(ordered)
                 row["calls"] = self.calls.get(piece, len(ordered))
         return out
