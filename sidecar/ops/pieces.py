@@ -47,6 +47,8 @@ PIECES = {
     "answer": "sidecar.daemon.pipeline:Pipeline._answer",
     "notify": "sidecar.daemon.peers:Peers.notify",
     "poll": "sidecar.daemon.polling:Poller.run_pass",
+    "poll.check": "sidecar.daemon.reads:Reads._check",  # NIXL's state of every read in flight (UCX progress)
+    "poll.notify": "sidecar.daemon.reads:Reads._notify",  # a finished read's notification to its prefill
     # the transfer stage on the loop (coroutines: wall time only): the whole post, its staging span, the
     # conversion's set-up, the wait for the poster thread (queue, its work, the way back), the read's wait
     "transfer.post": "sidecar.daemon.pipeline:Pipeline._post",
