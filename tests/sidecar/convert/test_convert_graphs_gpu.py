@@ -165,16 +165,22 @@ def test_prepared_launches_write_nothing_until_fired_then_convert_like_the_ordin
     assert rig.graphs.stats == {"captures": 3, "replays": 3, "declined": 0}
 
 
-def test_a_held_graph_is_not_given_to_another_launch_and_a_dropped_one_writes_nothing():
-    """per_key 2: one graph of a key may be held; the next prepare is declined, a launch takes the other graph
-    and the held one's table is still its own request's when it fires. A dropped launch queues nothing and
-    its graph is free again."""
+def test_a_held_graph_is_not_given_to_another_launch_and_a_dropped_one_writes_nothing(monkeypatch):
+    """per_key 2: one graph of a key may be held; the next prepare is declined before its checks, a launch
+    takes the other graph and the held one's table is still its own request's when it fires. A dropped launch
+    queues nothing and its graph is free again."""
+    from sidecar.convert import graphs
+
     rig = GraphRig(8, 16, 128, seed=12)
     ids_a, src, rows_a = rig.request(8, True)
     first = rig.graphs.prepare(ids_a, src, (0, 3), rows_a)
     assert first is not None
     ids_b, _, rows_b = rig.request(8, True)
+    checked = []
+    real_launch_ids = graphs.launch_ids
+    monkeypatch.setattr(graphs, "launch_ids", lambda *a: checked.append(1) or real_launch_ids(*a))
     assert rig.graphs.prepare(ids_b, src, (0, 3), rows_b) is None  # half the key's graphs held already
+    assert checked == []  # declined before the checks: the launch at landing makes them
     assert rig.both(ids_b, src, rows_b, (0, 3)) is not None  # a launch takes the key's other graph
     rig.assert_same("the other graph")
     first.fire(rig.stream)
