@@ -92,15 +92,22 @@ for step in "$@"; do
     # `git archive <commit> sidecar vllm_glue | tar -x -C ab-old`; not git-ignored, so it travels), old and
     # new alternating for AB_ROUNDS rounds: AB_CELLS (default the staged contiguous cells) at the daemon's
     # defaults, each run under AB_RUN_S, plus AB_OLD_ARGS / AB_NEW_ARGS for one side's bench; each side runs
-    # from its own folder (python -m puts the working directory first on the path)
+    # from its own folder (python -m puts the working directory first on the path). AB_NEW_SETS (daemon
+    # settings, space-separated, e.g. "gil_switch_interval_us=500 gil_switch_interval_us=50"): one new side each
     ab) cells=${AB_CELLS:---contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous --budget-s 45}
+        read -ra sets <<<"${AB_NEW_SETS:-}"
+        ((${#sets[@]})) || sets=("")
         for r in $(seq 1 "${AB_ROUNDS:-2}"); do
-          for side in old new; do
-            root=$PWD extra=${AB_NEW_ARGS:-}
-            [ "$side" = old ] && root=$(cd "${AB_OLD:?AB_OLD: the other tree}" && pwd) extra=${AB_OLD_ARGS:-}
-            TAIL=5 run "ab-$side-$r" "${AB_RUN_S:-60}" bash -c "cd '$root' && PYTHONPATH='$root:/tmp/site' \
+          for side in old "${sets[@]/#/new:}"; do
+            root=$PWD extra=${AB_NEW_ARGS:-} name=new
+            if [ "$side" = old ]; then
+              root=$(cd "${AB_OLD:?AB_OLD: the other tree}" && pwd) extra=${AB_OLD_ARGS:-} name=old
+            elif [ "$side" != new: ]; then
+              extra="$extra --daemon-set ${side#new:}" name="new-${side#new:}" name=${name//=/-}
+            fi
+            TAIL=5 run "ab-$name-$r" "${AB_RUN_S:-60}" bash -c "cd '$root' && PYTHONPATH='$root:/tmp/site' \
               python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 --warmup 1 $cells \
-              $extra --out '$OUT/e2e-$GPU_TAG-ab-$side-$r.json'"
+              $extra --out '$OUT/e2e-$GPU_TAG-ab-$name-$r.json'"
           done
         done ;;
     # the GIL switch interval (gil_switch_interval_us, GIL_VALUES) alternating for GIL_ROUNDS rounds: the staged
