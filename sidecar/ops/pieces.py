@@ -10,13 +10,15 @@ other work. A piece includes what it calls, so ``launch`` holds the ``launch.*``
 holds the checks, take and fill of a launch made ready while its bytes were on their way). Each wrapped
 call costs four clock reads and two appends (about 1 µs on the 2-core CI VM, more on a slower host), so
 compare only runs that both had pieces on. ``bench e2e`` starts one daemon per read mode, each writing the
-same file: time one mode per run. Unset, nothing is wrapped.
+same file: time one mode per run. The garbage collector's pauses are pieces too (``gc.gen0`` .. ``gc.gen2``,
+from ``gc.callbacks``: whichever thread allocated waits that long). Unset, nothing is wrapped.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import importlib
 import inspect
 import json
@@ -148,6 +150,23 @@ class Pieces:
         return timed
 
 
+def time_collections(timing: Pieces) -> Callable[[str, dict[str, Any]], None]:
+    """A ``gc.callbacks`` entry that adds each collection's pause as piece ``gc.gen<generation>`` (returned
+    so a test can remove it). A pause stops the thread that triggered it, and with the GIL every other."""
+    started: dict[int, tuple[float, float]] = {}  # thread id -> (thread CPU, wall) at the collection's start
+
+    def on_collection(phase: str, info: dict[str, Any]) -> None:
+        me = threading.get_ident()
+        if phase == "start":
+            started[me] = (time.thread_time(), time.perf_counter())
+        elif me in started:
+            t0, w0 = started.pop(me)
+            timing.add(f"gc.gen{info['generation']}", time.thread_time() - t0, time.perf_counter() - w0)
+
+    gc.callbacks.append(on_collection)
+    return on_collection
+
+
 def install(path: str, pieces: dict[str, str] = PIECES) -> Pieces:
     """Wrap every function of ``pieces``; the samples go to ``path`` (see the module's docstring)."""
     timing = Pieces(path)
@@ -157,5 +176,6 @@ def install(path: str, pieces: dict[str, str] = PIECES) -> Pieces:
         if isinstance(inspect.getattr_static(owner, name), staticmethod):
             wrapped = staticmethod(wrapped)  # else the class would pass itself as the first argument
         setattr(owner, name, wrapped)
+    time_collections(timing)
     atexit.register(timing.dump)
     return timing

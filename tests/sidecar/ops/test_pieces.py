@@ -3,6 +3,7 @@ what the function returns or raises, and the samples are written as p50 / p90 / 
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 
@@ -106,3 +107,16 @@ def test_a_file_that_cannot_be_written_never_fails_a_timed_call(tmp_path, monkey
     assert [timed() for _ in range(3)] == [42, 42, 42]
     assert timing.calls["f"] == 3
     assert sum("cannot write" in r.message for r in caplog.records) == 1
+
+
+def test_garbage_collections_are_timed_by_generation(tmp_path):
+    timing = pieces.Pieces(str(tmp_path / "p.json"))
+    callback = pieces.time_collections(timing)
+    try:
+        gc.collect(0)
+        gc.collect(2)
+    finally:
+        gc.callbacks.remove(callback)
+    got = timing.summary()
+    assert got["gc.gen0"]["calls"] >= 1 and got["gc.gen2"]["calls"] >= 1, got
+    assert got["gc.gen2"]["wall_max_us"] > 0
