@@ -276,6 +276,8 @@ class Cell:
     daemon_cpu_s: list[float] = field(default_factory=list)  # the daemon's CPU seconds per timed batch
     verified: dict[str, Any] = field(default_factory=dict)
     notified: bool = True
+    # the TIMELINES batches with the longest accept: each request's hops in ms from the batch's start
+    timelines: list[dict[str, Any]] = field(default_factory=list)
 
 
 def plan_cells(
@@ -692,17 +694,43 @@ def run_cell(
         cell.sidecar_s.append(side_s)
         if daemon_cpu is not None:
             cell.daemon_cpu_s.append(daemon_cpu)
+        batch_start = min(o.lease_started_at_ns for o in pulls) / 1e9
+        rows = []
         for o in outcomes.values():
             if "end_to_end" in o.timings:
                 cell.end_to_end_s.append(o.timings["end_to_end"])
             for k, v in o.timings.items():
                 cell.stages_s.setdefault(k, []).append(v)
             rt = standin.round_trip_s(o)
+            rows.append(timeline_row(o.timings, o.received_at - batch_start, rt))
             if rt is not None:
                 cell.round_trip_s.append(rt)
                 hops = [o.timings.get(k) for k in ("delivery", "end_to_end", "return")]
                 if None not in hops:  # the shim's work before its send, the daemon's after the job ended
                     cell.stages_s.setdefault("round_trip_rest", []).append(rt - sum(hops))
+        keep_timeline(cell.timelines, rows)
+
+
+TIMELINES = 3  # batches kept per cell, those whose slowest accept was longest
+TIMELINE_HOPS = ("delivery", "accept", "queue", "post", "read", "convert", "return")
+
+
+def timeline_row(timings: dict[str, float], done_s: float, round_trip_s: float | None) -> dict[str, float]:
+    """One request of a batch in ms: when the shim sent its Pull and got its Done (from the batch's start),
+    and the hops between (the Done's timings)."""
+    row = {k: round(timings[k] * 1e3, 3) for k in TIMELINE_HOPS if k in timings}
+    row["done_at"] = round(done_s * 1e3, 3)
+    if round_trip_s is not None:
+        row["sent_at"] = round((done_s - round_trip_s) * 1e3, 3)
+    return row
+
+
+def keep_timeline(kept: list[dict[str, Any]], rows: list[dict[str, float]]) -> None:
+    """Keep this batch if its slowest accept is among the ``TIMELINES`` longest so far (``kept`` in order)."""
+    worst = max((r.get("accept", 0.0) for r in rows), default=0.0)
+    kept.append({"max_accept_ms": worst, "requests": sorted(rows, key=lambda r: r.get("sent_at", 0.0))})
+    kept.sort(key=lambda b: -b["max_accept_ms"])
+    del kept[TIMELINES:]
 
 
 def _verify(

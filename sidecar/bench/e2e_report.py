@@ -124,6 +124,7 @@ def cell_json(c: Cell, peer: dict[str, Any] | None) -> dict[str, Any]:
             },
             "verified": c.verified,
             "notified": c.notified,
+            "timelines": c.timelines,
             "must_show": must_show(c, peer_gbps),
         }
     )

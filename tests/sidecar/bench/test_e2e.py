@@ -118,6 +118,11 @@ def test_cpu_run_end_to_end(tmp_path) -> None:
         assert c["sidecar"]["per_request_end_to_end_ms"]["n"] == 3
         assert {"queue", "handshake", "transfer", "convert", "end_to_end"} <= set(c["sidecar"]["stages_ms"])
         assert c["must_show"]["sidecar_over_bare"] > 0
+        (batch,) = c["timelines"]  # one timed batch: kept, each request's hops from the batch's start
+        assert len(batch["requests"]) == 3
+        assert batch["max_accept_ms"] == max(req["accept"] for req in batch["requests"])
+        for req in batch["requests"]:
+            assert 0 <= req["sent_at"] <= req["done_at"] and req["delivery"] + req["accept"] <= req["done_at"]
     by = {(c["mode"], c["order"], c["context"]): c for c in cells}
     # direct: two half-page descriptors per block and layer; staged: whole pages, merged when adjacent
     assert by[("direct", "random", 200)]["bare"]["descriptors_per_request"] == 2 * 2 * 13
@@ -139,6 +144,17 @@ def test_cpu_run_end_to_end(tmp_path) -> None:
         assert all(r["scope"] == "intra-node" for r in t[role]["reads"])
     assert sorted(p.name for p in logs.glob("daemon-*.toml")) == ["daemon-direct.toml", "daemon-staged.toml"]
     assert r["must_show_failures"]
+
+
+def test_timeline_rows_are_ms_from_the_batch_start_and_the_longest_accepts_are_kept() -> None:
+    row = e2e.timeline_row({"delivery": 0.0002, "accept": 0.003, "other": 1.0}, 0.010, 0.0095)
+    assert row == {"delivery": 0.2, "accept": 3.0, "done_at": 10.0, "sent_at": 0.5}
+    assert "sent_at" not in e2e.timeline_row({}, 0.01, None)
+    kept: list = []
+    for accepts in ([1.0, 2.0], [5.0], [0.5], [3.0, 0.1], [4.0]):
+        e2e.keep_timeline(kept, [{"accept": a, "sent_at": -a} for a in accepts])
+    assert [b["max_accept_ms"] for b in kept] == [5.0, 4.0, 3.0]
+    assert [r["accept"] for r in kept[2]["requests"]] == [3.0, 0.1]  # in the order they were sent
 
 
 def test_idle_cpu_pct_measures_a_process_by_pid():
