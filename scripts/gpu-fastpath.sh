@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 12/13 evidence on one H200 in one device call (carry: .whl): each step under its own timeout, every
-# step runs even when an earlier one failed, results as JSON under $OUT, a one-line status per step at the end.
+# step runs even when an earlier one failed, results as JSON under $OUT (packed into fastpath-out.tar.gz when
+# there are more than the device hands back, 8), a one-line status per step at the end.
 #
 #   bash scripts/gpu-fastpath.sh STEP...
 #   steps: tests launchtests graphtests daemontests launch graphlaunch sweep convertgraph contiguous defaults
@@ -271,3 +272,9 @@ f.write(struct.pack("i", 0)); print("held", flush=True); time.sleep(3600)' & hol
 done
 echo "=== $(($(date +%s) - START))s"
 printf '%s\n' "${STATUS[@]}"
+# the device hands back at most 8 files from $OUT: more than that go into one archive
+mapfile -t made < <(cd "$OUT" && ls -A)
+if ((${#made[@]} > 8)); then
+  tar -czf "$OUT/fastpath-out.tar.gz" -C "$OUT" --remove-files "${made[@]}" &&
+    echo "packed ${#made[@]} files into $OUT/fastpath-out.tar.gz"
+fi
