@@ -4,14 +4,18 @@ With config ``loop_pieces = "<path>"`` (``--set loop_pieces=...``, ``KV_SIDECAR_
 e2e`` ``--daemon-set loop_pieces=...``), ``kv-sidecar serve`` wraps each function of ``PIECES`` before it
 starts: every call adds its thread's CPU time (``time.thread_time``) and its wall time to that piece, and
 ``{piece: {"p50_us", "p90_us", "max_us", "wall_p50_us", ..., "n", "calls"}}`` goes to ``<path>`` every
-``DUMP_EVERY_S`` and at exit (the latest ``KEEP`` samples of each). Wall well above CPU means the call waited
-(for the GIL, a lock, the device). A coroutine's piece has wall time only: its CPU is spread over the loop's
-other work. A piece includes what it calls, so ``launch`` holds the ``launch.*`` pieces (``launch.prep``
-holds the checks, take and fill of a launch made ready while its bytes were on their way). Each wrapped
-call costs four clock reads and two appends (about 1 µs on the 2-core CI VM, more on a slower host), so
-compare only runs that both had pieces on. ``bench e2e`` starts one daemon per read mode, each writing the
-same file: time one mode per run. The garbage collector's pauses are pieces too (``gc.gen0`` .. ``gc.gen2``,
-from ``gc.callbacks``: whichever thread allocated waits that long). Unset, nothing is wrapped.
+``DUMP_EVERY_S`` and at exit (the latest ``KEEP`` samples of each). A thread of its own writes it: sorting 25
+pieces' samples took 127 ms on the 2-core VM, and until 2026-12-05 that ran every 2 s inside whichever timed
+call came next, most often on the loop (the thread still holds the GIL for one piece's sort at a time). Wall
+well above CPU means the call waited (for the GIL, a lock, the device). A coroutine's piece has wall time
+only: its CPU is spread over the loop's other work. A piece includes what it calls, so ``launch`` holds the
+``launch.*`` pieces (``launch.prep`` holds the checks, take and fill of a launch made ready while its bytes
+were on their way). Each wrapped call costs four clock reads and two appends (about 1 µs on the 2-core CI VM,
+more on a slower host), so compare only runs that both had pieces on. ``bench e2e`` starts one daemon per read
+mode, each writing the same file: time one mode per run.
+
+The garbage collector's pauses are pieces too (``gc.gen0`` .. ``gc.gen2``, from ``gc.callbacks``: whichever
+thread allocated waits that long). Unset, nothing is wrapped.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Any
 
 log = logging.getLogger("kv_sidecar.pieces")
 
-DUMP_EVERY_S = 2.0  # the file is rewritten at most this often (and at exit)
+DUMP_EVERY_S = 10.0  # the file is rewritten this often (and at exit)
 KEEP = 20_000  # latest samples kept per piece (the busy poll passes many times a second)
 
 # piece -> "module:attribute path"; names a module imported from another are patched where they are used
@@ -84,9 +88,9 @@ class Pieces:
         self.samples: dict[str, deque[float]] = {}
         self.walls: dict[str, deque[float]] = {}
         self.calls: dict[str, int] = {}
-        self._dumped = time.monotonic()
         self._lock = threading.Lock()
         self._failed = False
+        self._stop = threading.Event()
 
     def add(self, piece: str, seconds: float | None, wall: float | None = None) -> None:
         """One call's thread CPU (None for a coroutine) and wall time, in seconds."""
@@ -97,7 +101,16 @@ class Pieces:
                     found = kept[piece] = deque(maxlen=KEEP)
                 found.append(value)
         self.calls[piece] = self.calls.get(piece, 0) + 1
-        if time.monotonic() - self._dumped > DUMP_EVERY_S:
+
+    def start(self) -> None:
+        """Write the file every ``DUMP_EVERY_S`` from a daemon thread until ``stop``."""
+        threading.Thread(target=self._dump_every, name="kv-sidecar-pieces", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _dump_every(self) -> None:
+        while not self._stop.wait(DUMP_EVERY_S):
             self.dump()
 
     def summary(self) -> dict[str, dict[str, float]]:
@@ -117,7 +130,6 @@ class Pieces:
 
     def dump(self) -> None:
         """Write the summary; a file that cannot be written is logged once and never fails a timed call."""
-        self._dumped = time.monotonic()
         try:
             with self._lock, open(self.path, "w") as f:
                 json.dump(self.summary(), f, indent=1)
@@ -185,5 +197,6 @@ def install(path: str, pieces: dict[str, str] = PIECES) -> Pieces:
             wrapped = staticmethod(wrapped)  # else the class would pass itself as the first argument
         setattr(owner, name, wrapped)
     time_collections(timing)
+    timing.start()
     atexit.register(timing.dump)
     return timing
