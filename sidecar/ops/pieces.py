@@ -15,7 +15,10 @@ more on a slower host), so compare only runs that both had pieces on. ``bench e2
 mode, each writing the same file: time one mode per run.
 
 The garbage collector's pauses are pieces too (``gc.gen0`` .. ``gc.gen2``, from ``gc.callbacks``: whichever
-thread allocated waits that long). Unset, nothing is wrapped.
+thread allocated waits that long). Each call of a function (not of a coroutine: it waits, it does not hold the
+loop) or collection that took ``SLOW_S`` or more is also kept one by one, with when it began
+(``time.perf_counter``, CLOCK_MONOTONIC on Linux like ``bench e2e``'s timelines) and its thread, in ``<path>``
+with ``.slow.json`` for ``.json``: what held the loop while a Pull waited. Unset, nothing is wrapped.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ log = logging.getLogger("kv_sidecar.pieces")
 
 DUMP_EVERY_S = 10.0  # the file is rewritten this often (and at exit)
 KEEP = 20_000  # latest samples kept per piece (the busy poll passes many times a second)
+SLOW_S = 0.0005  # calls at least this long are kept one by one too (the latest KEEP_SLOW)
+KEEP_SLOW = 5_000
 
 # piece -> "module:attribute path"; names a module imported from another are patched where they are used
 PIECES = {
@@ -88,12 +93,24 @@ class Pieces:
         self.samples: dict[str, deque[float]] = {}
         self.walls: dict[str, deque[float]] = {}
         self.calls: dict[str, int] = {}
+        self.slow: deque[dict[str, Any]] = deque(maxlen=KEEP_SLOW)
         self._lock = threading.Lock()
         self._failed = False
         self._stop = threading.Event()
 
-    def add(self, piece: str, seconds: float | None, wall: float | None = None) -> None:
-        """One call's thread CPU (None for a coroutine) and wall time, in seconds."""
+    def add(
+        self, piece: str, seconds: float | None, wall: float | None = None, began: float | None = None
+    ) -> None:
+        """One call's thread CPU (None for a coroutine) and wall time, in seconds; ``began``: its start
+        (``time.perf_counter``), to keep it one by one when it took ``SLOW_S`` or more."""
+        if began is not None and wall is not None and wall >= SLOW_S:
+            self.slow.append({
+                "piece": piece,
+                "began_s": round(began, 6),
+                "wall_us": round(wall * 1e6, 1),
+                "cpu_us": None if seconds is None else round(seconds * 1e6, 1),
+                "thread": threading.current_thread().name,
+            })
         for kept, value in ((self.samples, seconds), (self.walls, wall)):
             if value is not None:
                 found = kept.get(piece)
@@ -128,11 +145,21 @@ class Pieces:
                 row["calls"] = self.calls.get(piece, len(ordered))
         return out
 
+    @property
+    def slow_path(self) -> str:
+        """Where the slow calls go: ``path`` with ``.slow.json`` for its ``.json`` (or added)."""
+        stem = self.path[: -len(".json")] if self.path.endswith(".json") else self.path
+        return stem + ".slow.json"
+
     def dump(self) -> None:
-        """Write the summary; a file that cannot be written is logged once and never fails a timed call."""
+        """Write the summary and the slow calls; a file that cannot be written is logged once and never fails
+        a timed call."""
         try:
-            with self._lock, open(self.path, "w") as f:
-                json.dump(self.summary(), f, indent=1)
+            with self._lock:
+                with open(self.path, "w") as f:
+                    json.dump(self.summary(), f, indent=1)
+                with open(self.slow_path, "w") as f:
+                    json.dump(list(self.slow), f)
         except OSError as exc:
             if not self._failed:
                 log.warning("loop_pieces: cannot write %s: %s", self.path, exc)
@@ -157,7 +184,7 @@ class Pieces:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.add(piece, time.thread_time() - t0, time.perf_counter() - w0)
+                self.add(piece, time.thread_time() - t0, time.perf_counter() - w0, w0)
 
         return timed
 
@@ -181,7 +208,7 @@ def time_collections(timing: Pieces, serving_only: bool = True) -> Callable[[str
             started[me] = (time.thread_time(), time.perf_counter())
         elif me in started:
             t0, w0 = started.pop(me)
-            timing.add(f"gc.gen{info['generation']}", time.thread_time() - t0, time.perf_counter() - w0)
+            timing.add(f"gc.gen{info['generation']}", time.thread_time() - t0, time.perf_counter() - w0, w0)
 
     gc.callbacks.append(on_collection)
     return on_collection

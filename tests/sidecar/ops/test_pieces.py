@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import threading
 import time
 
 import pytest
@@ -110,6 +111,20 @@ def test_samples_are_written_while_running_by_a_thread_and_only_the_latest_are_k
     got = json.loads(path.read_text())["x"]
     # samples 4..8 us: the first 3 dropped
     assert got == {"p50_us": 6.0, "p90_us": 7.0, "max_us": 8.0, "n": 5, "calls": 8}
+
+
+def test_slow_calls_are_kept_one_by_one_with_when_they_began(tmp_path, monkeypatch):
+    timing = pieces.Pieces(str(tmp_path / "p.json"))
+    monkeypatch.setattr(_Work, "spin", timing.wrap("spin", _Work.spin))
+    before = time.perf_counter()
+    _Work().spin(0.002)  # 2 ms: slow
+    _Work().spin(0.0)  # quick: in the summary only
+    timing.dump()
+    (slow,) = json.loads((tmp_path / "p.slow.json").read_text())
+    assert slow["piece"] == "spin" and slow["thread"] == threading.current_thread().name
+    assert before <= slow["began_s"] <= time.perf_counter()
+    assert slow["wall_us"] >= slow["cpu_us"] * 0.9 >= 1500
+    assert json.loads((tmp_path / "p.json").read_text())["spin"]["calls"] == 2
 
 
 def test_a_file_that_cannot_be_written_is_logged_once(tmp_path, caplog):
