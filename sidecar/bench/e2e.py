@@ -708,7 +708,7 @@ def run_cell(
                 hops = [o.timings.get(k) for k in ("delivery", "end_to_end", "return")]
                 if None not in hops:  # the shim's work before its send, the daemon's after the job ended
                     cell.stages_s.setdefault("round_trip_rest", []).append(rt - sum(hops))
-        keep_timeline(cell.timelines, rows)
+        keep_timeline(cell.timelines, rows, batch_start)
 
 
 TIMELINES = 3  # batches kept per cell, those whose slowest accept was longest
@@ -725,10 +725,13 @@ def timeline_row(timings: dict[str, float], done_s: float, round_trip_s: float |
     return row
 
 
-def keep_timeline(kept: list[dict[str, Any]], rows: list[dict[str, float]]) -> None:
-    """Keep this batch if its slowest accept is among the ``TIMELINES`` longest so far (``kept`` in order)."""
+def keep_timeline(kept: list[dict[str, Any]], rows: list[dict[str, float]], start_s: float) -> None:
+    """Keep this batch if its slowest accept is among the ``TIMELINES`` longest so far (``kept`` in order).
+    ``start_s``: the batch's start on CLOCK_MONOTONIC (``time.monotonic``), the clock of the daemon's slow
+    calls (``loop_pieces``)."""
     worst = max((r.get("accept", 0.0) for r in rows), default=0.0)
-    kept.append({"max_accept_ms": worst, "requests": sorted(rows, key=lambda r: r.get("sent_at", 0.0))})
+    requests = sorted(rows, key=lambda r: r.get("sent_at", 0.0))
+    kept.append({"max_accept_ms": worst, "start_s": round(start_s, 6), "requests": requests})
     kept.sort(key=lambda b: -b["max_accept_ms"])
     del kept[TIMELINES:]
 

@@ -4,6 +4,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -119,7 +120,7 @@ def test_cpu_run_end_to_end(tmp_path) -> None:
         assert {"queue", "handshake", "transfer", "convert", "end_to_end"} <= set(c["sidecar"]["stages_ms"])
         assert c["must_show"]["sidecar_over_bare"] > 0
         (batch,) = c["timelines"]  # one timed batch: kept, each request's hops from the batch's start
-        assert len(batch["requests"]) == 3
+        assert len(batch["requests"]) == 3 and 0 < batch["start_s"] < time.monotonic()
         assert batch["max_accept_ms"] == max(req["accept"] for req in batch["requests"])
         for req in batch["requests"]:
             assert 0 <= req["sent_at"] <= req["done_at"] and req["delivery"] + req["accept"] <= req["done_at"]
@@ -151,9 +152,9 @@ def test_timeline_rows_are_ms_from_the_batch_start_and_the_longest_accepts_are_k
     assert row == {"delivery": 0.2, "accept": 3.0, "done_at": 10.0, "sent_at": 0.5}
     assert "sent_at" not in e2e.timeline_row({}, 0.01, None)
     kept: list = []
-    for accepts in ([1.0, 2.0], [5.0], [0.5], [3.0, 0.1], [4.0]):
-        e2e.keep_timeline(kept, [{"accept": a, "sent_at": -a} for a in accepts])
-    assert [b["max_accept_ms"] for b in kept] == [5.0, 4.0, 3.0]
+    for i, accepts in enumerate(([1.0, 2.0], [5.0], [0.5], [3.0, 0.1], [4.0])):
+        e2e.keep_timeline(kept, [{"accept": a, "sent_at": -a} for a in accepts], 100.0 + i)
+    assert [(b["max_accept_ms"], b["start_s"]) for b in kept] == [(5.0, 101.0), (4.0, 104.0), (3.0, 103.0)]
     assert [r["accept"] for r in kept[2]["requests"]] == [3.0, 0.1]  # in the order they were sent
 
 
