@@ -97,6 +97,7 @@ class Pieces:
         self._lock = threading.Lock()
         self._failed = False
         self._stop = threading.Event()
+        self._writer: threading.Thread | None = None
 
     def add(
         self, piece: str, seconds: float | None, wall: float | None = None, began: float | None = None
@@ -121,10 +122,14 @@ class Pieces:
 
     def start(self) -> None:
         """Write the file every ``DUMP_EVERY_S`` from a daemon thread until ``stop``."""
-        threading.Thread(target=self._dump_every, name="kv-sidecar-pieces", daemon=True).start()
+        self._writer = threading.Thread(target=self._dump_every, name="kv-sidecar-pieces", daemon=True)
+        self._writer.start()
 
     def stop(self) -> None:
+        """End the writing thread, after the write in progress if any."""
         self._stop.set()
+        if self._writer is not None:
+            self._writer.join(timeout=5.0)
 
     def _dump_every(self) -> None:
         while not self._stop.wait(DUMP_EVERY_S):
