@@ -1,5 +1,6 @@
-"""What ``bench e2e`` reports: the must-show comparisons, each cell's JSON and printed line, the read cost
-fitted to the bare reads, and the run's devices and command line."""
+"""What ``bench e2e`` reports: the must-show comparisons, each cell's JSON and printed line, the timelines of
+its batches with the longest accept, the read cost fitted to the bare reads, and the run's devices and command
+line."""
 
 from __future__ import annotations
 
@@ -81,6 +82,31 @@ def quantiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
         "max": s[-1] * scale,
         "n": len(s),
     }
+
+
+TIMELINES = 3  # batches kept per cell, those whose slowest accept was longest
+TIMELINE_HOPS = ("delivery", "accept", "queue", "post", "read", "convert", "return")
+
+
+def timeline_row(timings: dict[str, float], done_s: float, round_trip_s: float | None) -> dict[str, float]:
+    """One request of a batch in ms: when the shim sent its Pull and got its Done (from the batch's start),
+    and the hops between (the Done's timings)."""
+    row = {k: round(timings[k] * 1e3, 3) for k in TIMELINE_HOPS if k in timings}
+    row["done_at"] = round(done_s * 1e3, 3)
+    if round_trip_s is not None:
+        row["sent_at"] = round((done_s - round_trip_s) * 1e3, 3)
+    return row
+
+
+def keep_timeline(kept: list[dict[str, Any]], rows: list[dict[str, float]], start_s: float) -> None:
+    """Keep this batch if its slowest accept is among the ``TIMELINES`` longest so far (``kept`` in order).
+    ``start_s``: the batch's start on CLOCK_MONOTONIC (``time.monotonic``), the clock of the daemon's slow
+    calls (``loop_pieces``)."""
+    worst = max((r.get("accept", 0.0) for r in rows), default=0.0)
+    requests = sorted(rows, key=lambda r: r.get("sent_at", 0.0))
+    kept.append({"max_accept_ms": worst, "start_s": round(start_s, 6), "requests": requests})
+    kept.sort(key=lambda b: -b["max_accept_ms"])
+    del kept[TIMELINES:]
 
 
 def cell_json(c: Cell, peer: dict[str, Any] | None) -> dict[str, Any]:

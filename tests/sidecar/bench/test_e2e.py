@@ -147,17 +147,6 @@ def test_cpu_run_end_to_end(tmp_path) -> None:
     assert r["must_show_failures"]
 
 
-def test_timeline_rows_are_ms_from_the_batch_start_and_the_longest_accepts_are_kept() -> None:
-    row = e2e.timeline_row({"delivery": 0.0002, "accept": 0.003, "other": 1.0}, 0.010, 0.0095)
-    assert row == {"delivery": 0.2, "accept": 3.0, "done_at": 10.0, "sent_at": 0.5}
-    assert "sent_at" not in e2e.timeline_row({}, 0.01, None)
-    kept: list = []
-    for i, accepts in enumerate(([1.0, 2.0], [5.0], [0.5], [3.0, 0.1], [4.0])):
-        e2e.keep_timeline(kept, [{"accept": a, "sent_at": -a} for a in accepts], 100.0 + i)
-    assert [(b["max_accept_ms"], b["start_s"]) for b in kept] == [(5.0, 101.0), (4.0, 104.0), (3.0, 103.0)]
-    assert [r["accept"] for r in kept[2]["requests"]] == [3.0, 0.1]  # in the order they were sent
-
-
 def test_idle_cpu_pct_measures_a_process_by_pid():
     """A sleeping child uses ~0 % of a core, a spinning one ~100 % (at least a clear share on a busy host)."""
     import subprocess
