@@ -5,7 +5,7 @@ e2e`` ``--daemon-set loop_pieces=...``), ``kv-sidecar serve`` wraps each functio
 starts: every call adds its thread's CPU time (``time.thread_time``) and its wall time to that piece, and
 ``{piece: {"p50_us", "p90_us", "max_us", "wall_p50_us", ..., "n", "calls"}}`` goes to ``<path>`` every
 ``DUMP_EVERY_S`` and at exit (the latest ``KEEP`` samples of each). A thread of its own writes it: sorting 25
-pieces' samples took 127 ms on the 2-core VM, and until 2026-12-05 that ran every 2 s inside whichever timed
+pieces' samples took 130 ms on the 2-core VM, and until 2026-12-05 that ran every 2 s inside whichever timed
 call came next, most often on the loop (the thread still holds the GIL for one piece's sort at a time). Wall
 well above CPU means the call waited (for the GIL, a lock, the device). A coroutine's piece has wall time
 only: its CPU is spread over the loop's other work. A piece includes what it calls, so ``launch`` holds the
@@ -205,7 +205,7 @@ def time_collections(timing: Pieces, serving_only: bool = True) -> Callable[[str
     def on_collection(phase: str, info: dict[str, Any]) -> None:
         me = threading.get_ident()
         if not frozen[0]:
-            # asked only until the freeze: it walks the frozen objects' list, ~10 ms on a daemon's heap
+            # asked only until the freeze: it walks the frozen objects' list, 4-8 ms on a daemon's heap
             frozen[0] = gc.get_freeze_count() > 0
             if not frozen[0]:
                 return
