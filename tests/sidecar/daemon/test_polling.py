@@ -290,6 +290,32 @@ def test_background_calls_run_in_order_on_the_poster_then_come_back_to_the_loop(
     assert "ZeroDivisionError" in caplog.text
 
 
+def test_poster_calls_are_handed_over_once_the_loops_ready_callbacks_have_run():
+    """Two Pulls' first steps in one loop pass: neither post begins while the other still has its step to
+    run (a post's Python would hold the GIL against it), both run in order after; close() hands over what
+    is still held back before it waits."""
+
+    async def main():
+        reads = Reads(FakePort(), lambda: None, lambda job, a, b: None)
+        ran: list[str] = []
+        seen: list[list[str]] = []
+
+        async def first_step(name: str) -> None:
+            fut = reads.on_poster(lambda: ran.append(name))
+            time.sleep(0.02)  # the rest of the step's loop work: a post handed over at once would run now
+            seen.append(list(ran))
+            await fut
+
+        await asyncio.gather(first_step("a"), first_step("b"))
+        reads.in_background(lambda: ran.append("last"))
+        reads.close()  # without a yield in between
+        return ran, seen
+
+    ran, seen = asyncio.run(main())
+    assert seen == [[], []]
+    assert ran == ["a", "b", "last"]
+
+
 def test_poster_calls_settle_their_futures_and_a_call_cancelled_before_its_turn_never_runs():
     async def main():
         reads = Reads(FakePort(), lambda: None, lambda job, a, b: None)
