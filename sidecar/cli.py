@@ -206,7 +206,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if cfg.loop_pieces:  # a benchmark's diagnostic: thread CPU of the loop's pieces
         from sidecar.ops import pieces
 
-        pieces.install(cfg.loop_pieces)
+        pieces.install(cfg.loop_pieces, slow_s=cfg.loop_pieces_slow_us / 1e6)
 
     def reload() -> Any:
         return config_mod.load(args.config, overrides=overrides)

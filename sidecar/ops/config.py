@@ -366,10 +366,19 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         _doc(
             "a benchmark's diagnostic: a file to write the thread CPU and wall time per call of the "
             "daemon's pieces to (receipt, pairing, the post and its parts, launch and its parts, answer, "
-            "notify, poll; sidecar/ops/pieces.py), every 2 s and at exit. Each timed call costs a few µs "
+            "notify, poll; sidecar/ops/pieces.py), every 10 s and at exit. Each timed call costs a few µs "
             "more; read at start only; \"\": off"
         ),
     ] = ""
+    loop_pieces_slow_us: Annotated[
+        float,
+        _doc(
+            "with loop_pieces: calls and garbage collections of at least this many µs are also kept one by "
+            "one, with their start and thread, in the file's .slow.json (what held the loop while a Pull "
+            "waited; python -m sidecar.bench.overlay); read at start only",
+            gt=0,
+        ),
+    ] = 500.0
     log_json: Annotated[bool, _doc("log one JSON object per line instead of text")] = False
     log_level: Annotated[LogLevel, _doc("DEBUG, INFO, WARNING or ERROR")] = "INFO"
 

@@ -16,7 +16,8 @@ mode, each writing the same file: time one mode per run.
 
 The garbage collector's pauses are pieces too (``gc.gen0`` .. ``gc.gen2``, from ``gc.callbacks``: whichever
 thread allocated waits that long). Each call of a function (not of a coroutine: it waits, it does not hold the
-loop) or collection that took ``SLOW_S`` or more is also kept one by one, with when it began
+loop) or collection that took ``slow_s`` (config ``loop_pieces_slow_us``, default ``SLOW_S``) or more is also
+kept one by one (the latest ``KEEP_SLOW``), with when it began
 (``time.perf_counter``, CLOCK_MONOTONIC on Linux like ``bench e2e``'s timelines) and its thread, in ``<path>``
 with ``.slow.json`` for ``.json``: what held the loop while a Pull waited. Unset, nothing is wrapped.
 """
@@ -41,8 +42,8 @@ log = logging.getLogger("kv_sidecar.pieces")
 
 DUMP_EVERY_S = 10.0  # the file is rewritten this often (and at exit)
 KEEP = 20_000  # latest samples kept per piece (the busy poll passes many times a second)
-SLOW_S = 0.0005  # calls at least this long are kept one by one too (the latest KEEP_SLOW)
-KEEP_SLOW = 5_000
+SLOW_S = 0.0005  # calls at least this long are kept one by one too (the default of loop_pieces_slow_us)
+KEEP_SLOW = 50_000
 
 # piece -> "module:attribute path"; names a module imported from another are patched where they are used
 PIECES = {
@@ -88,8 +89,9 @@ def resolve(target: str) -> tuple[Any, str, Callable[..., Any]]:
 class Pieces:
     """The samples of each piece, and the file they are written to."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, slow_s: float = SLOW_S) -> None:
         self.path = path
+        self.slow_s = slow_s
         self.samples: dict[str, deque[float]] = {}
         self.walls: dict[str, deque[float]] = {}
         self.calls: dict[str, int] = {}
@@ -103,8 +105,8 @@ class Pieces:
         self, piece: str, seconds: float | None, wall: float | None = None, began: float | None = None
     ) -> None:
         """One call's thread CPU (None for a coroutine) and wall time, in seconds; ``began``: its start
-        (``time.perf_counter``), to keep it one by one when it took ``SLOW_S`` or more."""
-        if began is not None and wall is not None and wall >= SLOW_S:
+        (``time.perf_counter``), to keep it one by one when it took ``slow_s`` or more."""
+        if began is not None and wall is not None and wall >= self.slow_s:
             self.slow.append({
                 "piece": piece,
                 "began_s": round(began, 6),
@@ -219,9 +221,10 @@ def time_collections(timing: Pieces, serving_only: bool = True) -> Callable[[str
     return on_collection
 
 
-def install(path: str, pieces: dict[str, str] = PIECES) -> Pieces:
-    """Wrap every function of ``pieces``; the samples go to ``path`` (see the module's docstring)."""
-    timing = Pieces(path)
+def install(path: str, pieces: dict[str, str] = PIECES, slow_s: float = SLOW_S) -> Pieces:
+    """Wrap every function of ``pieces``; the samples go to ``path``, calls of ``slow_s`` or more one by one
+    to its ``.slow.json`` too (see the module's docstring)."""
+    timing = Pieces(path, slow_s)
     for piece, target in pieces.items():
         owner, name, fn = resolve(target)
         wrapped = timing.wrap(piece, fn)

@@ -126,6 +126,16 @@ def test_slow_calls_are_kept_one_by_one_with_when_they_began(tmp_path, monkeypat
     assert json.loads((tmp_path / "p.json").read_text())["spin"]["calls"] == 2
 
 
+def test_the_slow_threshold_is_the_callers(tmp_path, monkeypatch):
+    """``loop_pieces_slow_us`` lowers it: a 0.3 ms call, below the default 0.5, is kept at 0.1."""
+    for slow_s, kept in ((pieces.SLOW_S, 0), (0.0001, 1)):
+        timing = pieces.Pieces(str(tmp_path / f"p{kept}.json"), slow_s)
+        monkeypatch.setattr(_Work, "spin", timing.wrap("spin", _Work.spin))
+        _Work().spin(0.0003)
+        timing.dump()
+        assert len(json.loads((tmp_path / f"p{kept}.slow.json").read_text())) == kept
+
+
 def test_a_file_that_cannot_be_written_is_logged_once(tmp_path, caplog):
     timing = pieces.Pieces(str(tmp_path / "no-such-dir" / "p.json"))
     timed = timing.wrap("f", lambda: 42)
