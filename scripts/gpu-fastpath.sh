@@ -7,7 +7,7 @@
 #   steps: tests launchtests graphtests daemontests launch graphlaunch sweep convertgraph contiguous defaults
 #          graphsab groupsab gilab headcheck ab orders groups poll interference profile daemonprofile map
 #          mapped lingerab convertlead convertsweep pieces loopbench
-#          coldab alltests hops
+#          coldab alltests hops queuepieces
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -247,6 +247,12 @@ for step in "$@"; do
           ${PIECES_SET:+--daemon-set "$PIECES_SET"} --logs "$OUT/logs-$tag-x$c" \
           --out "$OUT/e2e-$GPU_TAG-pieces-$tag-x$c.json"
       done ;;
+    # the queue at 8 in flight under a magnifier: staged contiguous 4k and 16k x 8, every call of the daemon of
+    # 0.1 ms or more kept one by one (loop_pieces_slow_us), to lay over the cells' timelines:
+    # python -m sidecar.bench.overlay e2e-<gpu>-queue-pieces.json pieces-<gpu>-queue.slow.json
+    queuepieces) TAIL=6 run queuepieces 110 "${ONE_GPU[@]}" --contexts 4096,16384 --concurrency 8 --reps 40 \
+        --pairs staged/contiguous --budget-s 75 --daemon-set "loop_pieces=\"$OUT/pieces-$GPU_TAG-queue.json\"" \
+        --daemon-set loop_pieces_slow_us=100 --out "$OUT/e2e-$GPU_TAG-queue-pieces.json" ;;
     # a lone staged pull on a cold core against a warm one, alternating for COLD_ROUNDS rounds: the daemon's
     # defaults; poll_linger_s=3 (its loop keeps polling 3 s after each change); and the host's CPU idle states
     # held shallow for the run (PM QoS: /dev/cpu_dma_latency 0 while a holder keeps it open; root only, ends
