@@ -19,7 +19,8 @@ thread allocated waits that long). Each call of a function (not of a coroutine: 
 loop) or collection that took ``slow_s`` (config ``loop_pieces_slow_us``, default ``SLOW_S``) or more is also
 kept one by one (the latest ``KEEP_SLOW``), with when it began
 (``time.perf_counter``, CLOCK_MONOTONIC on Linux like ``bench e2e``'s timelines) and its thread, in ``<path>``
-with ``.slow.json`` for ``.json``: what held the loop while a Pull waited. Unset, nothing is wrapped.
+with ``.slow.json`` for ``.json`` (written at exit only): what held the loop while a Pull waited. Unset,
+nothing is wrapped.
 """
 
 from __future__ import annotations
@@ -135,7 +136,9 @@ class Pieces:
 
     def _dump_every(self) -> None:
         while not self._stop.wait(DUMP_EVERY_S):
-            self.dump()
+            # the summary only: encoding up to KEEP_SLOW slow calls holds the GIL for tens of ms, a stall of
+            # the loop no piece would show; they are written at exit
+            self.dump(slow=False)
 
     def summary(self) -> dict[str, dict[str, float]]:
         """p50 / p90 / max of each piece's kept samples (CPU, and wall where timed; the max names a piece that
@@ -158,15 +161,16 @@ class Pieces:
         stem = self.path[: -len(".json")] if self.path.endswith(".json") else self.path
         return stem + ".slow.json"
 
-    def dump(self) -> None:
-        """Write the summary and the slow calls; a file that cannot be written is logged once and never fails
-        a timed call."""
+    def dump(self, slow: bool = True) -> None:
+        """Write the summary and (``slow``) the slow calls; a file that cannot be written is logged once and
+        never fails a timed call."""
         try:
             with self._lock:
                 with open(self.path, "w") as f:
                     json.dump(self.summary(), f, indent=1)
-                with open(self.slow_path, "w") as f:
-                    json.dump(list(self.slow), f)
+                if slow:
+                    with open(self.slow_path, "w") as f:
+                        json.dump(list(self.slow), f)
         except OSError as exc:
             if not self._failed:
                 log.warning("loop_pieces: cannot write %s: %s", self.path, exc)
