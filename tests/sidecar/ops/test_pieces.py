@@ -132,8 +132,8 @@ def test_slow_calls_are_kept_one_by_one_with_when_they_began(tmp_path, monkeypat
 
 
 def test_the_slow_threshold_is_the_callers(tmp_path, monkeypatch):
-    """``loop_pieces_slow_us`` lowers it: a 0.3 ms call, below the default 0.5, is kept at 0.1."""
-    for slow_s, kept in ((pieces.SLOW_S, 0), (0.0001, 1)):
+    """``loop_pieces_slow_us`` sets it: a call of 0.3 ms of CPU is kept at 0.1 ms, not at 1 s."""
+    for slow_s, kept in ((1.0, 0), (0.0001, 1)):
         timing = pieces.Pieces(str(tmp_path / f"p{kept}.json"), slow_s)
         monkeypatch.setattr(_Work, "spin", timing.wrap("spin", _Work.spin))
         _Work().spin(0.0003)
