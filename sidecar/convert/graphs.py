@@ -141,7 +141,8 @@ class GraphLaunches:
         p = self.planes.planes
         first, last = layer_range(p, layers)  # the ordinary launch's checks, in its order (check_launch)
         limit = max(1, self.per_key // 2) if hold_limit is None else hold_limit
-        if self._held(last - first, len(ids)) >= limit:
+        # ids unchecked yet: anything but an array counts as no blocks here and is refused by the checks below
+        if self._held(last - first, getattr(ids, "size", 0)) >= limit:
             # At 16k x 8 four in five groups found their key's limit reached (one H100, 2026-12-05), and
             # each had spent ~40 µs of the loop on checks the launch at landing repeats.
             self.stats["declined"] += 1
