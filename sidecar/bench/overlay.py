@@ -2,7 +2,8 @@
 
 ``bench e2e`` keeps, per cell, the batches with the longest accept (``timelines``: each request's hops from
 the batch's start, and that start on CLOCK_MONOTONIC); a daemon run with ``loop_pieces`` keeps each call of
-0.5 ms or more with its start on the same clock (``<pieces>.slow.json``). For each kept batch this prints the
+``loop_pieces_slow_us`` (0.5 ms by default) or more with its start on the same clock (``<pieces>.slow.json``,
+written when the daemon exits). For each kept batch this prints the
 Pull that waited longest, from its receipt to its first step, and every slow call (of any thread) that
 overlapped that wait. Run both on one host: the clock is the host's.
 
