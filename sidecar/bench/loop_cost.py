@@ -13,9 +13,10 @@ dispatched; replies are collected instead of sent.
 For each cell (blocks per pull x pulls per burst x idle between bursts) it reports the loop thread's CPU
 (``time.thread_time``) per pull from a burst's first Pull to its last Done, p50 and p90 over the bursts, the
 queue stage of each Done (p50 / p99: a Pull's wait for the loop behind the others of its burst, issue 12's
-queue target), and the Python function calls per pull (one more pass under ``cProfile``). Equal calls with
-unequal CPU mean the same work ran slower: what idling does to a host's caches, not more code. Only cells of
-one run compare; for a before/after, run it from each tree in turn, more than once.
+queue target), each Pull's receipt by its place in the burst (p50: decode, checks, its job made), and the
+Python function calls per pull (one more pass under ``cProfile``). Equal calls with unequal CPU mean the same
+work ran slower: what idling does to a host's caches, not more code. Only cells of one run compare; for a
+before/after, run it from each tree in turn, more than once.
 """
 
 from __future__ import annotations
@@ -151,8 +152,10 @@ def payloads(
 
 
 async def _bursts(rig: LoopRig, data: list[bytes], burst: int, idle_s: float,
-                  profile: cProfile.Profile | None = None) -> list[float]:
-    """Thread CPU per pull of each burst after the warm-up ones."""
+                  profile: cProfile.Profile | None = None,
+                  receipts: list[list[float]] | None = None) -> list[float]:
+    """Thread CPU per pull of each burst after the warm-up ones; with ``receipts`` (one list per place in
+    the burst), each Pull's receipt too: its decode and dispatch, wall seconds."""
     per_pull = []
     for b in range(len(data) // burst):
         timed = b >= WARMUP_BURSTS
@@ -160,8 +163,11 @@ async def _bursts(rig: LoopRig, data: list[bytes], burst: int, idle_s: float,
         if profile is not None and timed:
             profile.enable()  # the burst only: what runs while idle is not a pull's
         t0 = time.thread_time()
-        for payload in data[b * burst:(b + 1) * burst]:
+        for i, payload in enumerate(data[b * burst:(b + 1) * burst]):
+            r0 = time.perf_counter()
             rig.receive(payload)
+            if timed and receipts is not None:
+                receipts[i].append(time.perf_counter() - r0)
         await asyncio.wait_for(answered, 30)
         if timed:
             per_pull.append((time.thread_time() - t0) / burst)
@@ -181,8 +187,9 @@ async def cell(blocks: int, burst: int, idle_ms: float, bursts: int, seed: int,
     try:
         n = (bursts + WARMUP_BURSTS) * burst
         data = payloads(2 * n, blocks, burst, num_blocks, seed, order)
+        receipts: list[list[float]] = [[] for _ in range(burst)]
         with _without_conversion():
-            per_pull = await _bursts(rig, data[:n], burst, idle_ms / 1e3)
+            per_pull = await _bursts(rig, data[:n], burst, idle_ms / 1e3, receipts=receipts)
             dones = rig.timings[WARMUP_BURSTS * burst:n]  # the timed bursts of the first pass
             profile = cProfile.Profile()
             await _bursts(rig, data[n:], burst, idle_ms / 1e3, profile)
@@ -199,6 +206,9 @@ async def cell(blocks: int, burst: int, idle_ms: float, bursts: int, seed: int,
         # each Done's queue stage: how long a Pull waited for the loop behind the others of its burst
         "queue_ms_p50": round(statistics.median(queue), 3),
         "queue_ms_p99": round(queue[int(0.99 * (len(queue) - 1))], 3),
+        # a Pull's receipt (decode, checks, its job and task made) by its place in the burst, p50 over the
+        # bursts: the first after an idle gap pays for the code gone cold, the others find it warm
+        "receipt_us_p50_by_place": [round(statistics.median(r) * 1e6, 1) for r in receipts],
         "failed": len(rig.failed), "first_failure": rig.failed[0] if rig.failed else None,
     }
 

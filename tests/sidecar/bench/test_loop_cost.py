@@ -27,6 +27,7 @@ def test_every_cell_is_timed_with_its_pulls_answered_ok(capsys, tmp_path):
         assert 0 < c["queue_ms_p50"] <= c["queue_ms_p99"] < 1000
         # a pull is hundreds of Python calls (decode, pairing, hand-off, answer); none of the bench's own
         assert 100 < c["calls_per_pull"] < 5000, c
+        assert len(c["receipt_us_p50_by_place"]) == c["burst"] and min(c["receipt_us_p50_by_place"]) > 0, c
 
 
 def test_staged_pulls_of_back_to_back_blocks(capsys):
