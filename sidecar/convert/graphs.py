@@ -158,7 +158,7 @@ class GraphLaunches:
             self.stats["declined"] += 1
             return None
         key = (last - first, bucket(m))
-        entry = self._take(key, limit)
+        entry = self._take(key)
         if entry is None:
             self.stats["declined"] += 1
             return None
@@ -208,15 +208,13 @@ class GraphLaunches:
         entries = self._graphs.get((layers, bucket(m))) if m > 0 else None
         return sum(e.held for e in entries) if entries else 0
 
-    def _take(self, key: tuple[int, int], hold_limit: int) -> _Graph | None:
-        """A graph of ``key`` free to rewrite, a new one (not yet captured) if none is, or None; None too when
-        ``hold_limit`` of the key's graphs are held already."""
+    def _take(self, key: tuple[int, int]) -> _Graph | None:
+        """A graph of ``key`` free to rewrite, a new one (not yet captured) if none is, or None. The key's
+        hold limit is ``prepare``'s to check, before its checks (``_held``)."""
         entries = self._graphs.get(key)
         if entries is None:
             entries = self._graphs[key] = []
         self._graphs.move_to_end(key)
-        if sum(e.held for e in entries) >= hold_limit:
-            return None
         for entry in entries:
             if entry.free():
                 return entry
