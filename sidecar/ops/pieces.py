@@ -39,11 +39,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from sidecar.ops.config import Config
+
 log = logging.getLogger("kv_sidecar.pieces")
 
 DUMP_EVERY_S = 10.0  # the file is rewritten this often (and at exit)
 KEEP = 20_000  # latest samples kept per piece (the busy poll passes many times a second)
-SLOW_S = 0.0005  # calls at least this long are kept one by one too (the default of loop_pieces_slow_us)
+SLOW_S = Config().loop_pieces_slow_us / 1e6  # calls this long or more are kept one by one too (the default)
 KEEP_SLOW = 50_000
 
 # piece -> "module:attribute path"; names a module imported from another are patched where they are used
