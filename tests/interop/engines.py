@@ -122,6 +122,7 @@ class Engine:
         self.name = name
         self.port = free_port()
         self.side_channel_port = free_port()
+        self.log_dir = log_dir
         self.log_path = log_dir / f"{name}.log"
         args = [
             python,
@@ -214,8 +215,11 @@ class Engine:
         try:
             return post_json(f"{self.url}/v1/completions", body, timeout_s)
         except (AssertionError, OSError) as exc:
-            # The cause is in the engine's log, which CI does not keep: put its complaints in the failure.
-            raise AssertionError(f"{exc}\n{self.name} engine's complaints:\n{self.complaints()}") from exc
+            # The cause is in the engine's log and the daemons' logs, which CI does not keep: put their
+            # complaints in the failure.
+            raise AssertionError(
+                f"{exc}\n{self.name} engine's complaints:\n{self.complaints()}\n{daemon_story(self.log_dir)}"
+            ) from exc
 
     def complaints(self, lines: int = 40) -> str:
         """The last ``lines`` WARNING and ERROR lines of the engine's log (the shim's load failures too)."""
@@ -267,6 +271,22 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     from sidecar.standins.demo import scrape as scrape_once
 
     return scrape_once(url, timeout_s=60.0)
+
+
+def daemon_story(log_dir: Path, lines: int = 40) -> str:
+    """What the daemons logging under ``log_dir`` said beyond their DEBUG chatter: every line at INFO or
+    above, and each pull that did not end ok (its outcome, reason and stage timings)."""
+    told = []
+    for path in sorted(log_dir.rglob("kv-sidecar.log")):
+        text = path.read_text(errors="replace").splitlines()
+        found = [
+            line[:400]
+            for line in text
+            if " DEBUG " not in line or (" kv_sidecar.pipeline: pull " in line and ": ok " not in line)
+        ]
+        told.append(f"{path.relative_to(log_dir)} (last {lines} of {len(found)} lines):")
+        told.extend(found[-lines:] or ["(none)"])
+    return "\n".join(told) or f"no kv-sidecar.log under {log_dir}"
 
 
 def start_daemon(
