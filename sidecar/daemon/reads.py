@@ -39,6 +39,9 @@ log = logging.getLogger("kv_sidecar.reads")
 
 # How long to wait for a stopped read's transfers to end (and be released) before calling its blocks unsafe.
 RELEASE_GIVE_UP_S = 5.0
+# A stopped job whose post has not returned this long after the stop is logged: its answer waits for the post
+# (it may still write), and a post that never returns leaves the shim only its own deadline to go by.
+POST_OVERDUE_S = 1.0
 # How long after sending something on NIXL the progress loop keeps calling in (no progress thread).
 PROGRESS_AFTER_SEND_S = 2.0
 
@@ -121,9 +124,14 @@ class Reads:
                 job.read = await asyncio.shield(fut)
                 break
             except asyncio.CancelledError:
-                cancelled = True
                 if not fut.done():
+                    if not cancelled:
+                        asyncio.get_running_loop().call_later(
+                            POST_OVERDUE_S, _warn_if_posting, job, fut, ran, submitted
+                        )
+                    cancelled = True
                     continue  # the post goes on in its thread: wait for it, then stop what it posted
+                cancelled = True
                 if fut.cancelled():
                     raise
                 if fut.exception() is None:
@@ -424,3 +432,20 @@ def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> No
         fut.set_result(result)
     else:
         fut.set_exception(error)
+
+
+def _warn_if_posting(job: Job, fut: asyncio.Future, ran: list[float], submitted: float) -> None:
+    """Say so when a stopped job's post is still out (``ran``: when the poster thread began it, if it has)."""
+    if fut.done():
+        return
+    now = time.monotonic()
+    if ran:
+        where = f"in NIXL for {now - ran[0]:.1f} s"
+    else:
+        where = f"queued on the poster thread for {now - submitted:.1f} s"
+    log.warning(
+        "pull %s was stopped (%s) but its post is still %s: it is answered once the post returns",
+        job.req_id,
+        job.stop.reason if job.stop is not None else "cancelled",
+        where,
+    )

@@ -10,12 +10,14 @@ import dataclasses
 import sys
 import threading
 import time
+from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
 
 from sidecar.daemon import conversion as conversion_mod
+from sidecar.daemon import reads as reads_module
 from sidecar.daemon.app import Daemon
 from sidecar.ops.config import Config
 from sidecar.standins.fake_transfer import FakePort
@@ -386,10 +388,10 @@ def test_a_post_failing_midway_is_stopped_before_its_answer(monkeypatch, stuck):
     run(main())
 
 
-async def _posting(h: Harness, req_id: str) -> None:
+async def _posting(h: Harness, req_id: str, **pull: Any) -> None:
     """Start ``req_id`` with the fake's post held open (as a long NIXL post holds the agent)."""
     h.port.post_gate = threading.Event()
-    h.pull(req_id)
+    h.pull(req_id, **pull)
     deadline = time.monotonic() + 2
     while not h.port.post_threads:
         assert time.monotonic() < deadline, "the post never started"
@@ -546,6 +548,29 @@ def test_an_abort_during_a_post_waits_for_it_then_stops_it_and_notifies_once(fai
             if not fails:
                 assert h.port.reads[0].aborted and h.port.reads[0].handles == []
             assert len(h.answers("x")) == 1
+
+    run(main())
+
+
+def test_a_deadline_during_a_long_post_is_logged_and_answered_once_the_post_returns(monkeypatch, caplog):
+    """A post that outlasts its job's deadline (a starved NIXL call) is named in the log while it is still
+    out, so a shim that gave up waiting has a cause to show; the answer still waits for the post."""
+    monkeypatch.setattr(reads_module, "POST_OVERDUE_S", 0.05)
+
+    async def main():
+        async with started() as h:
+            h.port.auto_land = False
+            await _posting(h, "x", timeout_s=0.05)
+            waited = time.monotonic() + 5
+            while not (warned := [r for r in caplog.records if "post is still in NIXL" in r.getMessage()]):
+                assert time.monotonic() < waited, "no warning about the post still out"
+                await asyncio.sleep(0.01)
+            assert h.answers("x") == []  # not while the post may still write
+            (warning,) = warned
+            assert "pull x was stopped (deadline: 0.05 s passed during transfer)" in warning.getMessage()
+            h.port.post_gate.set()
+            done = await h.reply(p.Done, "x")
+            assert not done.ok and done.safe and "deadline" in done.reason, done
 
     run(main())
 
