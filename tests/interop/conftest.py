@@ -29,10 +29,10 @@ START_TIMEOUT_S = float(os.environ.get("KV_SIDECAR_INTEROP_START_TIMEOUT", "300"
 # Deadlines of the TP files, whose three engines' busy loops take both cores of a 2-core CI host. First
 # handshakes of 8-65 s and two CI timeouts (60 s, then 120 s) in test_tp_decoder_pd were one cause, found
 # 2026-12-04: the decoder's workers spun on the core vLLM's NIXL worker pins the prefill to (that file's
-# docstring); 0.01-0.41 s since. test_tp_pd's prefill ranks are both pinned there by vLLM and still take ~7 s
-# for a first handshake (one post took 19 s in one run). The tests check bytes, outputs and frees, not
-# speed: the handshake gets 120 s, the pull 150 s (inside Engine.complete's 180 s), and the lease outlives
-# both.
+# docstring); 0.01-0.41 s since. test_tp_pd's prefill workers, one per core, spun on both cores and starved
+# the host (a 199 s first handshake, CI stop 43); both are on core 0 since (that file's docstring). The tests
+# check bytes, outputs and frees, not speed: the handshake gets 120 s, the pull 150 s (inside
+# Engine.complete's 180 s), and the lease outlives both.
 TP_LEASE_S = 200
 TP_PULL_TIMEOUT_S = 150
 TP_HANDSHAKE = ("handshake_timeout_s = 120.0",)

