@@ -173,6 +173,15 @@ class JobTable:
         timeout = msg.timeout_s if msg.timeout_s is not None else default_s
         return min(timeout, max_s)
 
+    @staticmethod
+    def deadline_for(msg: p.Pull, received: float, timeout_s: float) -> float:
+        """When the Pull's time runs out: ``timeout_s`` from the shim's send (``sent_at_ns``: one host, one
+        monotonic clock) where the Pull carries it, never from later than its receipt. The shim gives the
+        blocks back to vLLM once its own deadline (plus a grace) has passed, so a Pull that sat in the socket
+        while the daemon was starved or stalled must end by then too."""
+        sent = msg.sent_at_ns / 1e9 if msg.sent_at_ns else received
+        return min(sent, received) + timeout_s
+
     def add(
         self,
         msg: p.Pull,
@@ -188,7 +197,7 @@ class JobTable:
             envelope=envelope,
             session=session,
             received=received,
-            deadline=received + timeout_s,
+            deadline=self.deadline_for(msg, received, timeout_s),
             timeout_s=timeout_s,
             stage_started=received,
         )
@@ -196,7 +205,7 @@ class JobTable:
         loop = asyncio.get_running_loop()
         # Fire a little early, so the Done leaves before the deadline even after stopping the transfer.
         margin = min(0.02, 0.1 * timeout_s)
-        delay = max(0.0, timeout_s - margin - (time.monotonic() - received))
+        delay = max(0.0, job.deadline - margin - time.monotonic())
         timer = loop.call_at(loop.time() + delay, self._expire, job)
         job.task = asyncio.ensure_future(run(job))
         job.task.add_done_callback(lambda _t: timer.cancel())

@@ -27,11 +27,13 @@ Block ids: a Pull carries its two id lists packed, each id a little-endian unsig
 ``np.frombuffer`` instead of building an array from a list of Python ints: at 1,024 ids that was ~90 µs of
 its loop per Pull, packed ~11 (``bench/results/loop-cost-cpu-2026-12-04.json``).
 
-Deadlines: a ``Pull`` carries ``timeout_s``, a duration the daemon counts from the moment it receives the
-message (on its own monotonic clock). A duration keeps the message meaningful whatever clock each side
-reads; the socket is local, so the time in flight is microseconds. ``sent_at_ns`` fields are
-``time.monotonic_ns()`` of the sender, comparable between processes of one host (one boot), used only for
-measurements.
+Deadlines: a ``Pull`` carries ``timeout_s``, a duration. The daemon counts it from the Pull's ``sent_at_ns``
+when the Pull carries one, as the shim counts its own deadline, and never from later than its receipt
+(without ``sent_at_ns``: from the receipt). The socket is local, so the time in flight is microseconds, but
+a starved or stalled daemon can leave a Pull in the socket for seconds, and the shim gives the request's
+blocks back to vLLM once its deadline and a grace have passed: a Pull whose time ran out before it arrived
+is answered ``expired`` at once, nothing read. ``sent_at_ns`` fields are ``time.monotonic_ns()`` of the
+sender, comparable between processes of one host (one boot); elsewhere they are used only for measurements.
 """
 
 from __future__ import annotations
@@ -198,7 +200,8 @@ class Pull(_Msg):
 
     ``remote_block_ids`` are the prefill's logical block ids in token order; ``local_block_ids`` pair with
     their tail (prefix-cached blocks lead); both packed by :func:`pack_block_ids`. ``timeout_s`` counts from
-    the daemon's receipt (None: the daemon's ``default_timeout_s``). ``lease_started_at_ns``:
+    ``sent_at_ns``, or the daemon's receipt if that is earlier or unset (None: the daemon's
+    ``default_timeout_s``; "Deadlines" above). ``lease_started_at_ns``:
     ``time.monotonic_ns()`` when the shim first saw the request (its prefill lease was already running), so
     the daemon can tell how much lease is left; 0: the daemon counts from the first Heartbeat or Pull naming
     the request. ``remote_num_tokens`` is kv_transfer_params' value: with it, empty kernel blocks at the end

@@ -349,6 +349,40 @@ def test_deadline_is_honoured_against_a_prefill_that_never_answers(shared, silen
 
 
 @pytest.mark.e2e
+def test_the_deadline_counts_from_the_shims_send(shared, silent_prefill):
+    """As the shim counts its own: a Pull sent 1 s before it arrived, with 1.5 s to run, ends 0.5 s after."""
+    d = shared
+    pull = silent_pull(silent_prefill, "sent-early", 1.5, local=(27,))
+    sent_before = msgspec.structs.replace(pull, sent_at_ns=time.monotonic_ns() - 1_000_000_000)
+    done = d.shim.ask(sent_before, timeout_s=5)
+    assert isinstance(done, p.Done) and not done.ok
+    assert done.reason.startswith("deadline: 1.5 s passed during handshake"), done.reason
+    assert 0.4 <= done.timings["end_to_end"] <= 0.9, done.timings  # 1.5 s from the send, not from the receipt
+    assert done.timings["delivery"] >= 1.0, done.timings
+    assert d.decoder.untouched([27])
+
+
+@pytest.mark.e2e
+def test_a_pull_whose_time_ran_out_before_it_arrived_reads_nothing(shared, emulator):
+    """A Pull that sat in the socket past its deadline (a starved daemon): the shim has handed its blocks back
+    to vLLM, so nothing may be written into them. Answered expired at once; the daemon goes on serving."""
+    d = shared
+    before = d.metric('kv_sidecar_requests_total{outcome="expired"}')
+    r = emulator.client.new_request(num_tokens=2 * N)
+    stale = pull_of(r.kv_transfer_params, "stale-1", [28, 29], timeout_s=20.0,
+                    sent_at_ns=time.monotonic_ns() - 30_000_000_000)
+    done = d.shim.ask(stale, timeout_s=5)
+    assert isinstance(done, p.Done) and not done.ok, done
+    assert done.reason.startswith("deadline: 20 s had passed when the Pull arrived (30."), done.reason
+    assert done.reason.endswith("nothing read"), done.reason
+    assert d.decoder.untouched([28, 29])
+    assert d.metric('kv_sidecar_requests_total{outcome="expired"}') == before + 1
+    fresh = pull_of(r.kv_transfer_params, "stale-2", [28, 29], sent_at_ns=time.monotonic_ns())
+    assert d.shim.ask(fresh).ok  # the same request, sent in time, is read
+    d.decoder.check(r, [28, 29])
+
+
+@pytest.mark.e2e
 def test_abort_is_confirmed_and_no_done_follows(shared, silent_prefill):
     d = shared
     before = d.metric('kv_sidecar_requests_total{outcome="aborted"}')
