@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm_glue.local_format import local_page_format, one_scale, required_layout
 from vllm_glue.orders import StepOrders
 from vllm_glue.scheduler_book import DEFAULT_LEASE_S, SchedulerBook
-from vllm_glue.worker import DEFAULT_SOCKET, WorkerHalf
+from vllm_glue.worker import DEFAULT_GRACE_S, DEFAULT_SOCKET, WorkerHalf
 
 try:  # vLLM >= 0.32
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -109,7 +109,7 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
                 socket,
                 pull_timeout_s=float(self._extra.get("sidecar_pull_timeout_s", 60.0)),
                 register_timeout_s=float(self._extra.get("sidecar_register_timeout_s", 30.0)),
-                grace_s=float(self._extra.get("sidecar_grace_s", 5.0)),
+                grace_s=float(self._extra.get("sidecar_grace_s", DEFAULT_GRACE_S)),
                 worker_rank=rank,
                 tp_size=tp_size,
                 engine_id=ktc.engine_id or "",

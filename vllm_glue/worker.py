@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 
 # {rank} becomes the worker's TP rank: worker N talks to the daemon of GPU N (kv-sidecar@N).
 DEFAULT_SOCKET = "ipc:///run/kv-sidecar/gpu{rank}.sock"
+# How long past a load's deadline to wait for the daemon's answer before failing the load ("no answer"). The
+# daemon answers by the deadline, or up to its 4 s give-up later when a read will not stop (reads.py).
+DEFAULT_GRACE_S = 5.0
 
 
 class WorkerHalf:
@@ -40,7 +43,7 @@ class WorkerHalf:
         socket: str = DEFAULT_SOCKET,
         *,
         pull_timeout_s: float = 60.0,
-        grace_s: float = 5.0,
+        grace_s: float = DEFAULT_GRACE_S,
         register_timeout_s: float = 30.0,
         worker_rank: int = 0,
         tp_size: int = 1,

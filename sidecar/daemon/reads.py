@@ -38,7 +38,9 @@ from sidecar.nixl.geometry import BlockPairs, GeometryError, StagingPool
 log = logging.getLogger("kv_sidecar.reads")
 
 # How long to wait for a stopped read's transfers to end (and be released) before calling its blocks unsafe.
-RELEASE_GIVE_UP_S = 5.0
+# Under the shim's default grace (sidecar_grace_s, 5 s): a pull stopped at its deadline is then answered
+# "blocks unsafe" before the shim gives up waiting and can only say "no answer".
+RELEASE_GIVE_UP_S = 4.0
 # A stopped job whose post has not returned this long after the stop is logged: its answer waits for the post
 # (it may still write), and a post that never returns leaves the shim only its own deadline to go by.
 POST_OVERDUE_S = 1.0

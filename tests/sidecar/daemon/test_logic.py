@@ -364,6 +364,14 @@ def test_an_abort_of_a_read_nixl_will_not_release_at_once_waits_until_it_does():
 # -- posting on the poster thread ------------------------------------------------------------------------
 
 
+def test_an_unsafe_answer_comes_within_the_shims_default_grace():
+    """A read that will not stop is given up on (answered "blocks unsafe") before the shim stops waiting for
+    an answer: with less than a second to spare, the shim says "no answer" and the cause is lost."""
+    from vllm_glue.worker import DEFAULT_GRACE_S
+
+    assert reads_module.RELEASE_GIVE_UP_S <= DEFAULT_GRACE_S - 1.0
+
+
 @pytest.mark.parametrize("stuck", [0, 3, None])
 def test_a_post_failing_midway_is_stopped_before_its_answer(monkeypatch, stuck):
     """A post that failed after posting part of its reads leaves handles NIXL may not release at once: the
