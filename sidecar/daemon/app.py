@@ -193,6 +193,8 @@ class Daemon:
         )
         self.caches = CacheRegistry(port, cfg.device, cfg.gpu)
         self.reads = reads = Reads(port, self.poller.wake, self.conversions.convert_group)
+        self.metrics.poster_busy.set_function(reads.poster_busy_s)
+        self.health.add_check(self._poster_stalled)
         self.poller.add(reads.poll)
         self.leases = Leases(tracker, port, self.metrics, reads.sent, reads.on_poster)
         stopping = lambda: self._stopping  # noqa: E731
@@ -398,6 +400,16 @@ class Daemon:
                 pid=os.getpid(),
                 completion_socket=completions.path if completions is not None else "",
             ),
+        )
+
+    def _poster_stalled(self) -> str | None:
+        """/healthz's check of the poster thread (called from the HTTP thread)."""
+        busy, limit = (self.reads.poster_busy_s() if self.reads else 0.0), self.config.poster_stall_s
+        if busy <= limit:
+            return None
+        return (
+            f"poster thread inside one NIXL call for {busy:.0f} s (poster_stall_s {limit:g}): pulls behind "
+            "it cannot be posted; restart the daemon"
         )
 
     async def _tick_loop(self) -> None:

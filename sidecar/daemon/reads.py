@@ -66,6 +66,7 @@ class Reads:
         # calls handed to the poster thread and returned from it; each counted by one thread only
         self._submitted = self._returned = 0
         self._held_back: list[Callable[[], None]] = []  # submitted, handed over once this loop pass ends
+        self._call_began: float | None = None  # when the poster thread's call in progress began (None: idle)
         self._closed = False
         self._poster = ThreadPoolExecutor(
             1, thread_name_prefix="kv-sidecar-post", initializer=port.thread_init
@@ -76,6 +77,12 @@ class Reads:
         self._last_sent = time.monotonic()
         if self._sent_event is not None:
             self._sent_event.set()
+
+    def poster_busy_s(self) -> float:
+        """How long the poster thread has been inside its call in progress (0.0 when idle). Read from any
+        thread: /healthz's measure of a NIXL call that does not return."""
+        began = self._call_began
+        return 0.0 if began is None else max(0.0, time.monotonic() - began)
 
     def blocks(self, job: Job, mode: ReadMode) -> BlockPairs:
         """The checked kernel block pairs of the job's read (tail pairing, padding trimmed): the local blocks
@@ -176,10 +183,12 @@ class Reads:
         def run() -> None:
             result = error = None
             if not fut.cancelled():  # pending -> done only: a stale read just runs a call nobody awaits
+                self._call_began = time.monotonic()
                 try:
                     result = fn(*args)
                 except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the future
                     error = exc
+                self._call_began = None
             self._back(loop, _settle, fut, result, error)
 
         self._submit(run)
@@ -194,10 +203,12 @@ class Reads:
         loop = asyncio.get_running_loop()
 
         def run() -> None:
+            self._call_began = time.monotonic()
             try:
                 fn(*args)
             except Exception as exc:  # noqa: BLE001 - nobody awaits this call: its failure is logged
                 log.warning("poster thread (release, notify, unmap): %s: %s", type(exc).__name__, exc)
+            self._call_began = None
             self._back(loop, then)
 
         self._submit(run)

@@ -361,6 +361,15 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     shutdown_grace_s: Annotated[
         float, _doc("on SIGTERM/SIGINT, how long in-flight requests may finish before they are failed", ge=0)
     ] = 10.0
+    poster_stall_s: Annotated[
+        float,
+        _doc(
+            "/healthz fails once the poster thread has been inside one NIXL call (a post, a release, a "
+            "notification) this long: every later pull waits behind it, and only a restart frees it (the "
+            "shim fails the loads of a daemon that exits, and nothing can write once its process is gone)",
+            gt=0,
+        ),
+    ] = 60.0
     loop_pieces: Annotated[
         str,
         _doc(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -153,6 +154,13 @@ class Metrics:
             "allocated, even after it exits, until let go (mapping_idle_s)",
             registry=r,
         )
+        self.poster_busy = Gauge(
+            "kv_sidecar_poster_busy_seconds",
+            "How long the poster thread has been inside its NIXL call in progress (a post, a release, a "
+            "notification; 0 when idle). Posts take milliseconds: one that keeps growing is a NIXL call that "
+            "does not return, and every later pull waits behind it (/healthz fails past poster_stall_s)",
+            registry=r,
+        )
         self.build_info = Gauge("kv_sidecar_build_info", "kv-sidecar version", ["version"], registry=r)
         self.build_info.labels(version=__version__).set(1)
         # Pre-create label sets so every series exists (at 0) from the start.
@@ -225,9 +233,15 @@ class Health:
         self.caches_registered = False
         self.stopping = False
         self.broken: str | None = None  # a loop the daemon cannot serve without has ended (why)
+        self._checks: list[Callable[[], str | None]] = []
 
     def tick(self) -> None:
         self.last_tick = time.monotonic()
+
+    def add_check(self, check: Callable[[], str | None]) -> None:
+        """One more liveness condition: ``check`` (called from the HTTP thread) says why the daemon is not
+        healthy, or None."""
+        self._checks.append(check)
 
     def healthy(self) -> tuple[bool, str]:
         if self.broken is not None:
@@ -235,6 +249,10 @@ class Health:
         age = time.monotonic() - self.last_tick
         if age > self.stall_s:
             return False, f"event loop stalled: no tick for {age:.1f} s"
+        for check in self._checks:
+            why = check()
+            if why is not None:
+                return False, why
         return True, "ok"
 
     def ready(self) -> tuple[bool, str]:

@@ -583,6 +583,31 @@ def test_a_deadline_during_a_long_post_is_logged_and_answered_once_the_post_retu
     run(main())
 
 
+def test_a_nixl_call_that_does_not_return_fails_healthz_and_shows_in_the_gauge():
+    """Config poster_stall_s: a post held past it makes /healthz fail (a liveness probe restarts the daemon,
+    which is what frees a wedged NIXL call); kv_sidecar_poster_busy_seconds grows meanwhile; both recover
+    once the call returns."""
+
+    def busy(h: Harness) -> float:
+        text = h.daemon.metrics.expose().decode()
+        (line,) = [x for x in text.splitlines() if x.startswith("kv_sidecar_poster_busy_seconds ")]
+        return float(line.split()[1])
+
+    async def main():
+        async with started(poster_stall_s=0.2) as h:
+            assert h.daemon.health.healthy() == (True, "ok") and busy(h) == 0.0
+            await _posting(h, "x")
+            await asyncio.sleep(0.3)
+            ok, why = h.daemon.health.healthy()
+            assert not ok and why.startswith("poster thread inside one NIXL call for "), why
+            assert "(poster_stall_s 0.2)" in why and busy(h) >= 0.3
+            h.port.post_gate.set()
+            assert (await h.reply(p.Done, "x")).ok
+            assert h.daemon.health.healthy() == (True, "ok") and busy(h) == 0.0
+
+    run(main())
+
+
 def test_a_poll_pass_launches_what_landed_after_letting_the_port_go():
     """A post waiting for the port must not also wait for launches (each ~0.15-0.5 ms on a GPU)."""
 

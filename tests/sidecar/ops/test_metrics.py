@@ -83,6 +83,13 @@ def test_http_endpoint_health_and_readiness():
         assert status == 503 and body.startswith("event loop stalled")
         health.tick()
         assert get(server.url + "/healthz")[0] == 200
+        why: list[str | None] = [None]
+        health.add_check(lambda: why[0])
+        assert get(server.url + "/healthz")[0] == 200
+        why[0] = "poster thread inside one NIXL call for 61 s"
+        assert get(server.url + "/healthz")[::2] == (503, "poster thread inside one NIXL call for 61 s\n")
+        why[0] = None
+        assert get(server.url + "/healthz")[0] == 200
         health.stopping = True
         assert get(server.url + "/readyz")[2].startswith("not ready: shutting down")
         assert get(server.url + "/other")[0] == 404
