@@ -357,8 +357,9 @@ def test_the_deadline_counts_from_the_shims_send(shared, silent_prefill):
     done = d.shim.ask(sent_before, timeout_s=5)
     assert isinstance(done, p.Done) and not done.ok
     assert done.reason.startswith("deadline: 1.5 s passed during handshake"), done.reason
-    assert 0.4 <= done.timings["end_to_end"] <= 0.9, done.timings  # 1.5 s from the send, not from the receipt
-    assert done.timings["delivery"] >= 1.0, done.timings
+    t = done.timings
+    assert t["delivery"] >= 1.0 and t["end_to_end"] <= 1.0, t  # 1.5 s from the send, not from the receipt
+    assert 1.4 <= t["delivery"] + t["end_to_end"] <= 2.0, t
     assert d.decoder.untouched([27])
 
 
