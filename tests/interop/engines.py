@@ -215,16 +215,23 @@ class Engine:
         try:
             return post_json(f"{self.url}/v1/completions", body, timeout_s)
         except (AssertionError, OSError) as exc:
-            # The cause is in the engine's log and the daemons' logs, which CI does not keep: put their
-            # complaints in the failure.
+            # The cause is in the engines' and the daemons' logs, which CI does not keep: put their complaints
+            # in the failure (this engine's first, then its peers' beside it, then the daemons').
+            peers = [
+                f"{path.stem} engine's complaints:\n{complaints_in(path.read_text(errors='replace'), 20)}"
+                for path in sorted(self.log_dir.glob("*.log"))
+                if path != self.log_path and path.name != "kv-sidecar.log"
+            ]
             raise AssertionError(
-                f"{exc}\n{self.name} engine's complaints:\n{self.complaints()}\n{daemon_story(self.log_dir)}"
+                "\n".join(
+                    [f"{exc}", f"{self.name} engine's complaints:", self.complaints(), *peers,
+                     daemon_story(self.log_dir)]
+                )
             ) from exc
 
     def complaints(self, lines: int = 40) -> str:
         """The last ``lines`` WARNING and ERROR lines of the engine's log (the shim's load failures too)."""
-        found = [line for line in self.log_text().splitlines() if " ERROR " in line or " WARNING " in line]
-        return "\n".join(found[-lines:]) or "(none)"
+        return complaints_in(self.log_text(), lines)
 
     def metric(self, name: str, timeout_s: float = 60.0) -> float | None:
         """First sample of a metric on the engine's /metrics page (None if absent)."""
@@ -271,6 +278,12 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     from sidecar.standins.demo import scrape as scrape_once
 
     return scrape_once(url, timeout_s=60.0)
+
+
+def complaints_in(log: str, lines: int) -> str:
+    """The last ``lines`` WARNING and ERROR lines of an engine's log text."""
+    found = [line for line in log.splitlines() if " ERROR " in line or " WARNING " in line]
+    return "\n".join(found[-lines:]) or "(none)"
 
 
 def daemon_story(log_dir: Path, lines: int = 40) -> str:
