@@ -189,15 +189,16 @@ class JobTable:
         session: Session,
         received: float,
         timeout_s: float,
+        deadline: float,
         run: Callable[[Job], Any],
     ) -> Job:
-        """Accept a Pull: start ``run(job)`` as its task and arm its deadline."""
+        """Accept a Pull: start ``run(job)`` as its task and arm its ``deadline`` (``deadline_for``'s)."""
         job = Job(
             msg=msg,
             envelope=envelope,
             session=session,
             received=received,
-            deadline=self.deadline_for(msg, received, timeout_s),
+            deadline=deadline,
             timeout_s=timeout_s,
             stage_started=received,
         )

@@ -102,7 +102,8 @@ class Pipeline:
             return
         cfg = self._config()
         timeout = self._jobs.timeout_for(msg, cfg.default_timeout_s, cfg.max_timeout_s)
-        if self._jobs.deadline_for(msg, received, timeout) <= received:
+        deadline = self._jobs.deadline_for(msg, received, timeout)
+        if deadline <= received:
             # the shim has given up on it, or is about to, and may have handed its blocks back to vLLM
             late = received - msg.sent_at_ns / 1e9
             self._answer_now(
@@ -113,7 +114,7 @@ class Pipeline:
                 "it); nothing read",
             )
             return
-        job = self._jobs.add(msg, envelope, session, received, timeout, self._run)
+        job = self._jobs.add(msg, envelope, session, received, timeout, deadline, self._run)
         assert job.task is not None
         job.task.add_done_callback(lambda task: self._cancelled_before_start(job, task))
         self._metrics.in_flight.set(len(self._jobs))
