@@ -5,20 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sidecar.daemon.jobs import JobTable
-from sidecar.wire import protocol as p
-
-
-def _pull(sent_at_ns: int) -> p.Pull:
-    return p.Pull(
-        req_id="r",
-        remote_engine_id="e",
-        remote_host="127.0.0.1",
-        remote_port=1,
-        remote_request_id="rr",
-        remote_block_ids=p.pack_block_ids([1]),
-        local_block_ids=p.pack_block_ids([1]),
-        sent_at_ns=sent_at_ns,
-    )
+from tests.sidecar.wire.test_protocol import pull
 
 
 @pytest.mark.parametrize(
@@ -34,5 +21,5 @@ def _pull(sent_at_ns: int) -> p.Pull:
 )
 def test_deadline_for(sent_s, received_s, timeout_s, deadline_s):
     sent_at_ns = 0 if sent_s is None else round(sent_s * 1e9)
-    got = JobTable.deadline_for(_pull(sent_at_ns), received_s, timeout_s)
+    got = JobTable.deadline_for(pull(sent_at_ns=sent_at_ns), received_s, timeout_s)
     assert got == pytest.approx(deadline_s, abs=1e-9)
