@@ -7,7 +7,7 @@
 #   steps: tests launchtests graphtests daemontests launch graphlaunch sweep convertgraph contiguous defaults
 #          graphsab groupsab gilab headcheck ab orders groups poll interference profile daemonprofile map
 #          mapped lingerab convertlead convertsweep pieces loopbench
-#          coldab alltests hops queuepieces
+#          coldab alltests hops queuepieces fireparts
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -247,6 +247,13 @@ for step in "$@"; do
           ${PIECES_SET:+--daemon-set "$PIECES_SET"} --logs "$OUT/logs-$tag-x$c" \
           --out "$OUT/e2e-$GPU_TAG-pieces-$tag-x$c.json"
       done ;;
+    # a graph launch's fire split into its calls (bench launch), and the same pieces inside the daemon, a
+    # lone pull's every call kept (pieces' .slow.json) to split each Done's launch
+    fireparts) TAIL=24 run fireparts 100 python3 -m sidecar.cli bench launch --iters 200 --modes staged \
+        --per-launch 36 --paths graph --out "$OUT/launch-probe-$GPU_TAG-fire.json"
+      TAIL=8 run firepieces 60 "${ONE_GPU[@]}" --contexts 4096,16384 --concurrency 1 --reps 10 \
+        --pairs staged/contiguous --budget-s 45 --daemon-set "loop_pieces=\"$OUT/pieces-$GPU_TAG-fire.json\"" \
+        --daemon-set loop_pieces_slow_us=1 --out "$OUT/e2e-$GPU_TAG-fire-pieces.json" ;;
     # the queue at 8 in flight under a magnifier: staged contiguous 4k and 16k x 8, every call of the daemon of
     # 0.1 ms or more kept one by one (loop_pieces_slow_us), to lay over the cells' timelines:
     # python -m sidecar.bench.overlay e2e-<gpu>-queue-pieces.json pieces-<gpu>-queue.slow.json

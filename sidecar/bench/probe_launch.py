@@ -16,7 +16,9 @@ Then each path's bytes are checked against the torch reference on the same devic
 the graphcap path: graphs of the persistent out-of-place kernel on N programs.
 
 The new path's parts are also timed alone (``components_us``): the checks, the tables (built and sent), the
-Triton launch (``DirectKernel``, and through Triton's binder), the stream switch and the event. On the CPU
+Triton launch (``DirectKernel``, and through Triton's binder), the stream switch and the event; and the graph
+path's as the daemon splits it (``graph_fire_us``): the prepare done while a read runs, the fire left after it
+lands, the fire's own parts, and the CUDA calls one fire makes (one ``torch.profiler`` pass). On the CPU
 the same paths run through the torch reference on a small shape (the times then include the conversion
 itself) and the bytes are checked the same way.
 
@@ -26,6 +28,7 @@ Usage on a GPU: ``python -m sidecar.bench.probe_launch --out $OUT/launch-probe.j
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import itertools
 import json
@@ -392,6 +395,125 @@ def components(rig: LaunchRig, stream: Any, iters: int) -> dict[str, dict[str, A
     return out
 
 
+def fire_parts(rig: LaunchRig, stream: Any, iters: int) -> dict[str, Any]:
+    """The graph path's launch split in two, as the daemon splits it (staged, one launch for every layer,
+    stream idle): ``prepare`` (checks, a graph held, its table written; done while the bytes read) and
+    ``fire`` (stream made current, the replay, the event; what is left once they have landed). The fire's
+    own parts are timed alone too, and one profiled pass of fires lists the CUDA calls each fire makes."""
+    from sidecar.convert.graphs import _restore_stream, _use_stream
+
+    graphs, layers = rig.graphs, (0, rig.shape.layers)
+    ids, src, _ = rig.request("staged")
+    kept = torch.cuda.Event()
+
+    def prepared() -> Any:
+        torch.cuda.synchronize(rig.device)  # the graph's last copy has run: prepare takes it again
+        got = graphs.prepare(ids, src, layers)
+        if got is None:
+            raise RuntimeError(f"graph launch not taken: {graphs.stats}, broken: {graphs.broken}")
+        return got
+
+    def entry() -> Any:
+        ready = prepared()
+        ready.fire(stream)
+        return ready.entry
+
+    def timed(setup: Callable[[], Any], fn: Callable[[Any], Any]) -> dict[str, Any]:
+        xs = []
+        for i in range(iters + 20):
+            arg = setup()
+            t0 = time.perf_counter()
+            fn(arg)
+            took = time.perf_counter() - t0
+            if i >= 20:
+                xs.append(took)
+        torch.cuda.synchronize(rig.device)
+        return quantiles(xs)
+
+    def replay(graph_entry: Any) -> None:
+        previous = _use_stream(stream)
+        t0 = time.perf_counter()
+        graph_entry.graph.replay()
+        replays.append(time.perf_counter() - t0)
+        _restore_stream(previous)
+
+    def prepared_exec() -> int:
+        ready = prepared()
+        ready.fire(stream)  # captured once; then its executable graph is launched directly
+        torch.cuda.synchronize(rig.device)
+        return ready.entry.graph.raw_cuda_graph_exec()
+
+    def sync() -> None:
+        torch.cuda.synchronize(rig.device)
+
+    def prepare_and_drop() -> None:
+        got = graphs.prepare(ids, src, layers)
+        if got is not None:
+            got.drop()
+
+    replays: list[float] = []
+    out: dict[str, Any] = {
+        "prepare (checks, graph held, table written)": timed(sync, lambda _: prepare_and_drop()),
+        "fire (stream, replay, event)": timed(prepared, lambda ready: ready.fire(stream)),
+        "stream made current and restored": timed(sync, lambda _: _restore_stream(_use_stream(stream))),
+        "Event() + record": timed(lambda: None, lambda _: torch.cuda.Event().record(stream)),
+        "record on a kept Event": timed(lambda: None, lambda _: kept.record(stream)),
+    }
+    timed(entry, replay)
+    out["replay only"] = quantiles(replays[20:])
+    launch = _graph_launch_fn()
+    if launch is not None:  # the same graph launched without torch's replay (its prologue, its guard)
+        out["cudaGraphLaunch through ctypes"] = timed(
+            lambda: prepared_exec(), lambda handle: launch(handle, stream.cuda_stream))
+    else:
+        out["cudaGraphLaunch through ctypes"] = "not available (no raw_cuda_graph_exec or no libcudart)"
+    out["fire_profile"] = _profile_fires(prepared, stream, 20)
+    return out
+
+
+def _graph_launch_fn() -> Callable[[int, int], None] | None:
+    """``cudaGraphLaunch(exec, stream)`` through ctypes on the CUDA runtime torch loaded, or None."""
+    import ctypes
+
+    if not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
+        return None
+    rt = None
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        with contextlib.suppress(OSError):
+            rt = ctypes.CDLL(name)
+            break
+    if rt is None:
+        return None
+    rt.cudaGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    rt.cudaGraphLaunch.restype = ctypes.c_int
+
+    def launch(handle: int, stream_ptr: int) -> None:
+        err = rt.cudaGraphLaunch(handle, stream_ptr)
+        if err:
+            raise RuntimeError(f"cudaGraphLaunch: error {err}")
+
+    return launch
+
+
+def _profile_fires(prepared: Callable[[], Any], stream: Any, fires: int) -> dict[str, float]:
+    """The calls each fire makes, by name, per fire: CUDA runtime and driver calls and aten ops that began
+    inside a fire (one ``torch.profiler`` pass; the prepares between the fires are left out)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(fires):
+            ready = prepared()
+            with record_function("probe.fire"):
+                ready.fire(stream)
+    events = list(prof.events())
+    windows = [(e.time_range.start, e.time_range.end) for e in events if e.name == "probe.fire"]
+    counts: dict[str, float] = {}
+    for e in events:
+        if e.name != "probe.fire" and any(lo <= e.time_range.start < hi for lo, hi in windows):
+            counts[e.name] = counts.get(e.name, 0) + 1
+    return {name: round(n / max(1, len(windows)), 2) for name, n in sorted(counts.items())}
+
+
 def sleep_cycles(device: torch.device, us: float) -> int:
     """``torch.cuda._sleep`` cycles that keep the GPU busy about ``us`` µs (measured here)."""
     probe = 1_000_000
@@ -535,8 +657,12 @@ def main(argv: list[str] | None = None) -> int:
 
         report["versions"]["triton"] = triton.__version__
         report["components_us"] = components(rig, stream, iters)
-        for name, q in report["components_us"].items():
-            print(f"{name:52s} p50 {q['p50_us']:8.1f} µs  p99 {q['p99_us']:8.1f} µs", flush=True)
+        if rig.graphs is not None:
+            report["graph_fire_us"] = fire_parts(rig, stream, iters)
+        for name, q in {**report["components_us"], **report.get("graph_fire_us", {})}.items():
+            if "p50_us" in q:
+                print(f"{name:52s} p50 {q['p50_us']:8.1f} µs  p99 {q['p99_us']:8.1f} µs", flush=True)
+        print("per fire:", json.dumps(report.get("graph_fire_us", {}).get("fire_profile")), flush=True)
         report["tables"] = {"meta_cache_hits": rig.ps.tables.hits, "meta_cache_misses": rig.ps.tables.misses}
         report["graphs"] = {name: {**g.stats, "held": g.count, "broken": g.broken}
                             for name, g in (("graph", rig.graphs), ("graphcap", rig.graphs_capped)) if g}

@@ -59,6 +59,11 @@ PIECES = {
     "launch.rows": "sidecar.convert.graphs:launch_src_rows",
     "launch.take": "sidecar.convert.graphs:GraphLaunches._take",
     "launch.fill": "sidecar.convert.graphs:fill",
+    # a graph launch's queueing once its bytes landed: the replay and the event after it (torch's methods:
+    # every replay and record of the daemon, whoever calls it)
+    "launch.fire": "sidecar.convert.graphs:GraphLaunches._fire",
+    "launch.replay": "torch.cuda.graphs:CUDAGraph.replay",
+    "cuda.record": "torch.cuda.streams:Event.record",
     "answer": "sidecar.daemon.pipeline:Pipeline._answer",
     "notify": "sidecar.daemon.peers:Peers.notify",
     "poll": "sidecar.daemon.polling:Poller.run_pass",
