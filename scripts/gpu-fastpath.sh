@@ -7,7 +7,7 @@
 #   steps: tests launchtests graphtests daemontests launch graphlaunch sweep convertgraph contiguous defaults
 #          graphsab groupsab gilab headcheck ab orders groups poll interference profile daemonprofile map
 #          mapped lingerab convertlead convertsweep pieces loopbench
-#          coldab alltests hops queuepieces fireparts
+#          coldab alltests hops queuepieces fireparts gatestests gatesab
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -254,6 +254,17 @@ for step in "$@"; do
       TAIL=8 run firepieces 60 "${ONE_GPU[@]}" --contexts 4096,16384 --concurrency 1 --reps 10 \
         --pairs staged/contiguous --budget-s 45 --daemon-set "loop_pieces=\"$OUT/pieces-$GPU_TAG-fire.json\"" \
         --daemon-set loop_pieces_slow_us=1 --out "$OUT/e2e-$GPU_TAG-fire-pieces.json" ;;
+    # conversion gates (config conversion_gates): their GPU tests, then the staged cells with gates off and on,
+    # alternating, two rounds
+    gatestests) TAIL=20 run gatestests 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
+        tests/sidecar/convert/test_convert_gates_gpu.py tests/sidecar/convert/test_convert_graphs_gpu.py \
+        tests/gpu/test_gpu_slice.py ;;
+    gatesab) for r in 1 2; do
+        for g in false true; do
+          TAIL=6 run "gates-$g-$r" 60 "${ONE_GPU[@]}" "${CONTIGUOUS_CELLS[@]}" --budget-s 45 \
+            --daemon-set "conversion_gates=$g" --out "$OUT/e2e-$GPU_TAG-gates-$g-$r.json"
+        done
+      done ;;
     # the queue at 8 in flight under a magnifier: staged contiguous 4k and 16k x 8, every call of the daemon of
     # 0.1 ms or more kept one by one (loop_pieces_slow_us), to lay over the cells' timelines:
     # python -m sidecar.bench.overlay e2e-<gpu>-queue-pieces.json pieces-<gpu>-queue.slow.json

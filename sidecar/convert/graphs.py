@@ -42,6 +42,7 @@ from sidecar.convert.checks import (
     x_of,
 )
 from sidecar.convert.graph_tables import bucket, fill, table_layout
+from sidecar.convert.tables import META_COLUMNS
 from sidecar.convert.tuning import TUNING, Tuning
 
 log = logging.getLogger("kv_sidecar.convert")
@@ -82,6 +83,18 @@ class Prepared:
         next launch that takes the graph rewrites its whole table."""
         self.entry.held = False
 
+    def queue(self, stream: Any, gates: Any) -> tuple[Any, int] | None:
+        """Queue the launch on ``stream`` behind a closed gate of ``gates`` (``sidecar.convert.gates``), ahead
+        of its bytes: (the event after it, the gate's slot). The caller must ``gates.open`` the slot, once
+        the bytes have landed or, if they never will, after ``disarm``. None (nothing queued, the launch
+        still held: ``fire`` or ``drop`` it) when no gate is free or the graph is not captured yet."""
+        return self.owner._queue(self.entry, self.key, stream, gates)
+
+    def disarm(self) -> None:
+        """Point a queued launch's writes at the owner's scratch block instead of the request's blocks (call
+        before opening the gate of a request whose bytes will not land: the table is copied only then)."""
+        self.owner._disarm(self.entry, self.key)
+
 
 @dataclass(frozen=True, eq=False)
 class _Source:
@@ -120,6 +133,7 @@ class GraphLaunches:
         self.count = 0  # graphs held
         self.broken: str | None = None  # why capture failed (then every launch goes the ordinary way)
         self.stats = {"replays": 0, "captures": 0, "declined": 0}
+        self._scratch: torch.Tensor | None = None  # where a disarmed launch writes (``Prepared.disarm``)
 
     def launch(
         self, stream: Any, ids: np.ndarray, src: torch.Tensor, layers: tuple[int, int], src_index: Any = None
@@ -183,6 +197,56 @@ class GraphLaunches:
             entry.held = False
             _restore_stream(previous)
         return entry.last
+
+    def _queue(self, entry: _Graph, key: tuple[int, int], stream: Any, gates: Any) -> tuple[Any, int] | None:
+        """``Prepared.queue``: the gate's wait, the replay and the event, queued on ``stream``."""
+        if entry.graph is None or self.broken is not None:
+            return None
+        slot = gates.take()
+        if slot is None:
+            return None
+        previous = _use_stream(stream)
+        try:
+            gates.close_on(stream, slot)
+        except Exception:
+            gates.open(slot)  # nothing was queued behind it
+            gates.give_back(slot)
+            _restore_stream(previous)
+            raise
+        try:
+            entry.graph.replay()
+            self.stats["replays"] += 1
+            entry.last = torch.cuda.Event()
+            entry.last.record(stream)
+        except Exception:
+            gates.open(slot)  # the wait passes with nothing behind it; the slot is not reused (rare)
+            raise
+        finally:
+            # not rewritten before its copy has run: ``free`` waits for ``last``, recorded behind the gate
+            entry.held = False
+            _restore_stream(previous)
+        self.stats["gated"] = self.stats.get("gated", 0) + 1
+        return entry.last, slot
+
+    def _disarm(self, entry: _Graph, key: tuple[int, int]) -> None:
+        """``Prepared.disarm``: every layer's K and V destination in the entry's table made the scratch
+        block's, with row stride 0 (every block id lands there); the next fill rewrites the meta."""
+        layers, b = key
+        _, meta_at, _ = table_layout(b, layers)
+        meta = entry.table[meta_at : meta_at + layers * META_COLUMNS].reshape(layers, META_COLUMNS)
+        k_at, v_at = self._scratch_offsets()
+        meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3] = k_at, 0, v_at, 0
+        entry.meta = None
+        self.stats["disarmed"] = self.stats.get("disarmed", 0) + 1
+
+    def _scratch_offsets(self) -> tuple[int, int]:
+        """The scratch block's K and V rows, in elements from the anchor (as the meta table holds them)."""
+        p = self.planes.planes
+        row = p.num_heads * p.block_size * p.head_size  # elements of one block's K (or V) row
+        if self._scratch is None:
+            self._scratch = torch.empty(2 * row * p.elem_bytes, dtype=torch.uint8, device=self.device)
+        k_at = (self._scratch.data_ptr() - self._anchor_ptr) // p.elem_bytes
+        return k_at, k_at + row
 
     def _source(self, src: Any, first: int, last: int, m: int, src_index: Any) -> _Source:
         """``src`` checked (``launch_source``) with its meta table for layers [first, last), both remembered

@@ -108,6 +108,7 @@ class Daemon:
             wake=self.poller.wake,
             graphs=lambda: self.config.conversion_graphs,
             on_launch=self.metrics.launched,
+            gates=lambda: self.config.conversion_gates,
         )
         self.poller.add(self.conversions.poll)
         self.caches: CacheRegistry | None = None

@@ -25,6 +25,9 @@ from sidecar.wire.formats import Plan
 
 log = logging.getLogger("kv_sidecar.conversion")
 
+GATES = 256  # gates of the daemon (a job's layer groups take one each until their work has run)
+GATE_STREAMS = 8
+
 
 def reencode_planes(caches: Any, plan: Plan) -> Any:
     """The caches' planes with the fp8 e4m3fn -> e4m3fnuz table of this pairing's scales (one per pairing,
@@ -57,6 +60,15 @@ def _graph_launches(caches: Any) -> Any:
 
 
 @dataclass(eq=False)
+class Gated:
+    """A group's launch queued on a gate stream behind a closed gate (``sidecar.convert.gates``)."""
+
+    prepared: Any  # the graph launch (``Prepared``): disarmed if its bytes never land
+    slot: int  # its gate
+    event: Any  # recorded after it, behind the gate
+
+
+@dataclass(eq=False)
 class JobConversion:
     """What one job's conversion has started."""
 
@@ -67,6 +79,9 @@ class JobConversion:
     groups: list[asyncio.Future] = field(default_factory=list)  # CPU twin: one per layer group
     last_event: Any = None  # GPU: the event after the latest group (one stream, in order)
     prepared: dict[tuple[int, int], Any] = field(default_factory=dict)  # GPU: launches made ready, by group
+    gated: dict[tuple[int, int], Gated] = field(default_factory=dict)  # GPU: queued behind closed gates
+    opened: list[Gated] = field(default_factory=list)  # GPU: gated launches let go (landed or disarmed)
+    launched: set[tuple[int, int]] = field(default_factory=set)  # groups launched at landing
     layers: int = 0  # layers started
     all_done: asyncio.Future | None = None
 
@@ -82,11 +97,18 @@ class Conversions:
         wake: Callable[[], None] = lambda: None,
         graphs: Callable[[], bool] = lambda: False,
         on_launch: Callable[[str], None] = lambda path: None,
+        gates: Callable[[], bool] = lambda: False,
     ) -> None:
         """``graphs``: whether staged launches may replay CUDA graphs (config ``conversion_graphs``);
-        ``on_launch``: told each GPU launch's path ("graph" or "ordinary")."""
+        ``on_launch``: told each GPU launch's path ("gated", "graph" or "ordinary"); ``gates``: whether
+        graph launches made ready ahead of their bytes are queued behind gates (config
+        ``conversion_gates``), so that landing only opens them."""
         self._gpu = gpu
         self._graphs = graphs
+        self._gated = gates
+        self._gates: Any = None  # ``Gates`` (GPU, where the driver has stream memory waits)
+        self._gate_streams: list[Any] = []
+        self._next_gate_stream = 0
         self._on_launch = on_launch
         self._on_reencode = on_reencode
         self._wake = wake
@@ -132,6 +154,19 @@ class Conversions:
         """Create the GPU stream (call in a worker thread at start; nothing to do on the CPU twin)."""
         if self._gpu is not None:
             self._stream = make_stream(self._gpu, self.limits)
+            self._open_gates()
+
+    def _open_gates(self) -> None:
+        """The gates and their streams (one job's groups share one, in order; jobs take them in turn, so a
+        job whose bytes are late holds back few others). Without stream memory waits: no gates, a warning."""
+        from sidecar.convert.gates import Gates, GatesUnavailable
+
+        try:
+            self._gates = Gates(GATES)
+        except GatesUnavailable as exc:
+            log.warning("conversion gates off: %s; launches are queued when their bytes land", exc)
+            return
+        self._gate_streams = [make_stream(self._gpu, self.limits) for _ in range(GATE_STREAMS)]
 
     def begin(self, job: Job, src: Any, plan: Plan, src_index: Any = None) -> None:
         """The job will convert what it reads (call before its first layer group can land)."""
@@ -148,16 +183,31 @@ class Conversions:
         if conv is None or job.caches is None or not self._graph_launch(conv):
             return
         t0 = time.perf_counter()
+        stream = self._gate_stream()
         try:
             graphs = _graph_launches(job.caches)
             for first, last in groups:
+                if (first, last) in conv.launched:  # landed before this ran: launched already
+                    continue
                 src = self._group_source(conv, first, last)
                 prepared = graphs.prepare(job.pairs.local, src, (first, last), conv.src_index)
-                if prepared is not None:
+                if prepared is None:
+                    continue
+                queued = None if stream is None else prepared.queue(stream, self._gates)
+                if queued is not None:
+                    conv.gated[(first, last)] = Gated(prepared, queued[1], queued[0])
+                else:
                     conv.prepared[(first, last)] = prepared
         except Exception:  # noqa: BLE001 - the launch at landing meets the same error and fails the group
             log.debug("pull %s: launch not prepared", job.req_id, exc_info=True)
         job.timings["launch_prep"] = time.perf_counter() - t0
+
+    def _gate_stream(self) -> Any:
+        """The gate stream for the next job's launches, or None: gates off or unavailable."""
+        if not self._gate_streams or not self._gated():
+            return None
+        self._next_gate_stream = (self._next_gate_stream + 1) % len(self._gate_streams)
+        return self._gate_streams[self._next_gate_stream]
 
     def _graph_launch(self, conv: JobConversion) -> bool:
         """Whether this conversion's launches may replay graphs: staged, on a GPU, unsliced, no re-encode,
@@ -198,6 +248,14 @@ class Conversions:
         conv: JobConversion = job.conversion
         caches, ids, layers = job.caches, job.pairs.local, (first, last)
         t0, c0 = time.perf_counter(), time.thread_time()
+        conv.launched.add(layers)
+        gated = conv.gated.pop(layers, None)
+        if gated is not None:  # queued already: its bytes are here, let it run
+            self._gates.open(gated.slot)
+            conv.opened.append(gated)
+            self._on_launch("gated")
+            self._timed(job, t0, c0)
+            return
         event = None
         prepared = conv.prepared.pop(layers, None)
         if prepared is not None:
@@ -209,6 +267,10 @@ class Conversions:
             event = launch_gpu(self._stream, caches, ids, caches.page_format, src, layers, self.limits,
                                conv.planes, conv.counts, conv.src_index)
         conv.last_event = event
+        self._timed(job, t0, c0)
+
+    @staticmethod
+    def _timed(job: Job, t0: float, c0: float) -> None:
         job.timings["launch"] = job.timings.get("launch", 0.0) + time.perf_counter() - t0
         # this thread's CPU time in the launch: far below "launch" means it waited (GIL, driver locks)
         job.timings["launch_cpu"] = job.timings.get("launch_cpu", 0.0) + time.thread_time() - c0
@@ -227,12 +289,24 @@ class Conversions:
         conv: JobConversion | None = job.conversion
         if conv is None:
             return None
-        if conv.all_done is None and (conv.groups or conv.last_event is not None):
+        if conv.all_done is None and (conv.groups or conv.last_event is not None or conv.opened):
             waits = list(conv.groups)
             if conv.last_event is not None:
                 waits.append(self.watch(conv.last_event))
+            waits.extend(self.watch(g.event) for g in conv.opened)
             conv.all_done = asyncio.gather(*waits, return_exceptions=True)
+            if conv.opened:
+                opened = list(conv.opened)
+                conv.all_done.add_done_callback(lambda done: self._give_back_gates(opened, done))
         return conv.all_done
+
+    def _give_back_gates(self, gated: list[Gated], done: asyncio.Future) -> None:
+        """``gated``'s gates, once the work behind them has run (not after a failed query: it may not
+        have)."""
+        if done.cancelled() or any(isinstance(r, BaseException) for r in done.result()):
+            return
+        for g in gated:
+            self._gates.give_back(g.slot)
 
     async def finish(self, job: Job, layers: int) -> None:
         """Wait for the job's conversion; fail unless every one of ``layers`` was converted."""
@@ -251,21 +325,41 @@ class Conversions:
 
     async def settle(self, job: Job) -> None:
         """Wait until nothing the job started converting can still write (errors ignored); graph launches
-        made ready for groups that never landed are let go unfired."""
-        self._drop_prepared(job)
-        done = self.done(job)
-        if done is not None and not done.done():
-            with contextlib.suppress(Exception):  # only the wait matters here
-                await asyncio.shield(done)
-
-    @staticmethod
-    def _drop_prepared(job: Job) -> None:
-        """Let go the job's prepared launches that were never fired."""
+        made ready for groups that never landed are let go unfired, and those queued behind gates are
+        disarmed and let run (into the scratch block)."""
         conv: JobConversion | None = job.conversion
-        if conv is not None:
-            for prepared in conv.prepared.values():
-                prepared.drop()
-            conv.prepared.clear()
+        made = conv is not None and conv.all_done is not None
+        disarmed = self._drop_prepared(job)
+        done = self.done(job)
+        waits = [done] if done is not None and not done.done() else []
+        if disarmed and made:  # opened after the job's wait was made: that wait does not hold them
+            waits.append(self._watch_gates(disarmed))
+        for wait in waits:
+            with contextlib.suppress(Exception):  # only the wait matters here
+                await asyncio.shield(wait)
+
+    def _watch_gates(self, gated: list[Gated]) -> asyncio.Future:
+        """One wait for ``gated``'s events (their gates given back after)."""
+        done = asyncio.gather(*(self.watch(g.event) for g in gated), return_exceptions=True)
+        done.add_done_callback(lambda d: self._give_back_gates(gated, d))
+        return done
+
+    def _drop_prepared(self, job: Job) -> list[Gated]:
+        """Let go the job's prepared launches that were never fired, and open the gates of those queued
+        whose bytes never landed, disarmed first (they then write only the scratch block); returns those."""
+        conv: JobConversion | None = job.conversion
+        if conv is None:
+            return []
+        for prepared in conv.prepared.values():
+            prepared.drop()
+        conv.prepared.clear()
+        disarmed = list(conv.gated.values())
+        for gated in disarmed:
+            gated.prepared.disarm()
+            self._gates.open(gated.slot)
+            conv.opened.append(gated)
+        conv.gated.clear()
+        return disarmed
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

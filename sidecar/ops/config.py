@@ -46,6 +46,7 @@ RELOADABLE = frozenset(
         "verify_model_identity",
         "handshake_timeout_s",
         "conversion_graphs",
+        "conversion_gates",
         "mapping_idle_s",
         "inline_post_max_descriptors",
     }
@@ -252,6 +253,16 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             "always go the ordinary way"
         ),
     ] = True
+    conversion_gates: Annotated[
+        bool,
+        _doc(
+            "GPU, with conversion_graphs: queue each staged layer group's graph launch while its bytes still "
+            "read, held on the GPU behind a gate (a stream memory wait on a word of pinned host memory), so "
+            "that once they land the launch is one store to that word. A request whose bytes never land has "
+            "its launches pointed at a scratch block before their gates open: they write nothing of the "
+            "decoder's. Needs stream memory waits (CUDA 12 drivers); without them a warning, and off"
+        ),
+    ] = False
     remotes: Annotated[
         list[RemoteRule],
         _doc(

@@ -20,7 +20,8 @@ from sidecar.ops.errors import StartupError
 
 OUTCOMES = ("ok", "failed", "refused", "aborted", "expired")
 FP8_REENCODE_KINDS = ("saturated", "nan")
-LAUNCH_PATHS = ("graph", "ordinary")  # a GPU conversion launch replayed from a CUDA graph, or built in Python
+# a GPU conversion launch queued ahead behind a gate, replayed from a CUDA graph, or built in Python
+LAUNCH_PATHS = ("gated", "graph", "ordinary")
 READ_MODES = ("direct", "staged", "mapped", "plain")  # how a Pull's pages came (daemon/port.py ReadMode)
 MAPPING_OUTCOMES = ("mapped", "unavailable")  # a prefill rank's pages mapped here, or not (daemon/mapped.py)
 GAP_SPAN_WAIT_OUTCOMES = ("taken", "gave_up")  # a staged pull that waited for its gap span (staging.py)
@@ -128,9 +129,10 @@ class Metrics:
         )
         self.conversion_launches = Counter(
             "kv_sidecar_conversion_launches",
-            "GPU conversion launches by path: graph (replayed from a CUDA graph, config conversion_graphs) "
-            "or ordinary (tables and launch built in Python: in place, sliced, fp8 re-encode, a size's "
-            "first)",
+            "GPU conversion launches by path: gated (a graph launch queued while its bytes read, let run "
+            "when they landed, config conversion_gates), graph (replayed from a CUDA graph when they "
+            "landed, config conversion_graphs) or ordinary (tables and launch built in Python: in place, "
+            "sliced, fp8 re-encode, a size's first)",
             ["path"],
             registry=r,
         )

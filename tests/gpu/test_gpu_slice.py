@@ -170,7 +170,22 @@ def _launches(port: int) -> dict[str, float]:
 @pytest.mark.parametrize("mode", ["direct", "staged"])
 def test_slice_on_one_gpu_is_bit_exact(mode: str, groups: int, work, emulator) -> None:
     """With one layer group per layer too: each group converts once it landed, while later ones read."""
-    name = f"daemon-{mode}-groups-{groups or 'auto'}"
+    launches = _slice(mode, groups, work, emulator)
+    # staged: replayed from CUDA graphs (config conversion_graphs, on by default) once a size was seen;
+    # direct converts in place, always the ordinary way
+    assert (launches["graph"] > 0) == (mode == "staged"), launches
+
+
+def test_slice_with_conversion_gates_is_bit_exact(work, emulator) -> None:
+    """Gates on (config conversion_gates): once a size was seen, each group's launch is queued while it
+    reads and only let run when it landed."""
+    launches = _slice("staged", LAYERS, work, emulator, gates=True)
+    assert launches["gated"] > 0, launches
+
+
+def _slice(mode: str, groups: int, work, emulator, gates: bool = False) -> dict[str, float]:
+    """Cold and warm pull rounds through one daemon; its launches by path."""
+    name = f"daemon-{mode}-groups-{groups or 'auto'}" + ("-gates" if gates else "")
     env = ucx_env(work, name, "info", cuda=True)
     metrics_port = _free_port()
     daemon = start_daemon(
@@ -182,7 +197,8 @@ def test_slice_on_one_gpu_is_bit_exact(mode: str, groups: int, work, emulator) -
         staging_bytes=STAGING,
         env=env,
         log_path=work / f"{name}.log",
-        settings={"layer_groups": str(groups), "metrics_port": str(metrics_port)},
+        settings={"layer_groups": str(groups), "metrics_port": str(metrics_port),
+                  "conversion_gates": "true" if gates else "false"},
     )
     rounds = {}
     try:
@@ -200,9 +216,6 @@ def test_slice_on_one_gpu_is_bit_exact(mode: str, groups: int, work, emulator) -
             rounds["cold"] = pull_round(standin, emulator, f"{name}-cold", seed=7)
             rounds["warm"] = pull_round(standin, emulator, f"{name}-warm", seed=8)
             launches = _launches(metrics_port)
-            # staged: replayed from CUDA graphs (config conversion_graphs, on by default) once a size was
-            # seen; direct converts in place, always the ordinary way
-            assert (launches["graph"] > 0) == (mode == "staged"), launches
             rounds["launches"] = launches
         finally:
             standin.close()
@@ -210,3 +223,4 @@ def test_slice_on_one_gpu_is_bit_exact(mode: str, groups: int, work, emulator) -
         daemon.stop()  # UCX flushes its log when the daemon exits
     logs = sorted(glob.glob(str(work / f"ucx-{name}-*.log")))
     RESULTS[name.removeprefix("daemon-")] = {**rounds, "transports": summarize_ucx_logs(logs)}
+    return launches

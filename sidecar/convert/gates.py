@@ -1,0 +1,106 @@
+"""Gates: GPU work queued while its input is still on its way, held on the GPU until the host opens its gate.
+
+A gate is one 32-bit word of pinned, device-mapped host memory. ``close_on`` queues ``cuStreamWaitValue32``
+(the CUDA driver's stream memory wait) on a stream: everything queued after it on that stream waits, on the
+GPU, until the word holds ``OPEN``. ``open`` is one host store. So a conversion launch can be queued while
+its bytes still read (the launch's host work off the critical path), and once they have landed only the
+store is left: no driver call, nothing cold to wake on the host.
+
+A gate must always be opened: work behind a closed gate never runs, its stream stays blocked, and the events
+after it never complete. Slots are handed out by ``take`` and come back through ``give_back`` only once the
+work behind the gate has run (the caller knows from its event).
+
+Needs a CUDA driver with stream memory operations (``cuStreamWaitValue32_v2``, CUDA 12 and later, on by
+default since 11.7); ``Gates.open_library`` says why when there is none.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+import numpy as np
+
+OPEN = 1
+CLOSED = 0
+_WAIT_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
+
+
+class GatesUnavailable(RuntimeError):
+    """This process cannot queue stream memory waits (no CUDA driver, or one without them)."""
+
+
+def open_library() -> Any:
+    """The CUDA driver library with ``cuStreamWaitValue32_v2`` and ``cuMemHostGetDevicePointer_v2`` typed;
+    GatesUnavailable says why not."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise GatesUnavailable(f"no CUDA driver library: {exc}") from None
+    for name in ("cuStreamWaitValue32_v2", "cuMemHostGetDevicePointer_v2"):
+        if not hasattr(lib, name):
+            raise GatesUnavailable(f"the CUDA driver has no {name}")
+    lib.cuStreamWaitValue32_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    lib.cuStreamWaitValue32_v2.restype = ctypes.c_int
+    get_pointer = lib.cuMemHostGetDevicePointer_v2
+    get_pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+    lib.cuMemHostGetDevicePointer_v2.restype = ctypes.c_int
+    return lib
+
+
+class Gates:
+    """``count`` gates in one pinned page. Their words are written by the host only; slots are taken and
+    given back under a lock (a benchmark may queue from another thread than the daemon's loop)."""
+
+    def __init__(self, count: int = 64, library: Any = None) -> None:
+        import torch
+
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        self._lib = library or open_library()
+        self._host = torch.zeros(count, dtype=torch.int32, pin_memory=True)
+        self.words: np.ndarray = self._host.numpy()
+        self.words[:] = OPEN  # a free gate is open: a slot is closed only when taken
+        dptr = ctypes.c_uint64()
+        err = self._lib.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), self._host.data_ptr(), 0)
+        if err:
+            raise GatesUnavailable(f"cuMemHostGetDevicePointer: CUDA error {err}")
+        self._base = dptr.value
+        self._free = list(range(count - 1, -1, -1))
+        self._lock = threading.Lock()
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int | None:
+        """A free gate's slot, closed (None when every gate is out)."""
+        with self._lock:
+            if not self._free:
+                return None
+            slot = self._free.pop()
+        self.words[slot] = CLOSED
+        return slot
+
+    def close_on(self, stream: Any, slot: int) -> None:
+        """Queue the wait for ``slot``'s gate on ``stream``: what is queued after it waits until ``open``."""
+        err = self._lib.cuStreamWaitValue32_v2(stream.cuda_stream, self._base + 4 * slot, OPEN, _WAIT_EQ)
+        if err:
+            raise GatesUnavailable(f"cuStreamWaitValue32: CUDA error {err}")
+
+    def open(self, slot: int) -> None:
+        """Let the work behind ``slot``'s gate run: one store, under the lock so that every store before it
+        (a disarmed table) is seen first, non-temporal ones included (a locked instruction orders them)."""
+        with self._lock:
+            self.words[slot] = OPEN
+
+    def is_open(self, slot: int) -> bool:
+        return bool(self.words[slot] == OPEN)
+
+    def give_back(self, slot: int) -> None:
+        """``slot``, opened and with the work behind it run, is free again."""
+        if self.words[slot] != OPEN:
+            raise ValueError(f"gate {slot} is given back closed: the work behind it would never run")
+        with self._lock:
+            self._free.append(slot)

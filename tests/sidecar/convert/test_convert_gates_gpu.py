@@ -1,0 +1,170 @@
+"""Gated graph launches (``sidecar.convert.gates``, ``Prepared.queue``) on a GPU: a launch queued behind a
+closed gate writes nothing until the gate opens, then the same bytes as the ordinary launch; one disarmed
+before its gate opens writes only the scratch block (the planes are compared whole: every block is canary),
+and the next request that takes its graph converts right again. The daemon's ``Conversions`` with gates on:
+a group that landed converts, one that never landed is disarmed when the job settles."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from sidecar.convert.launch import launch_gpu
+from sidecar.wire.formats import AITER_SHUFFLED
+from tests.sidecar.convert.test_convert_graphs_gpu import GraphRig
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU"),
+]
+
+
+def _wait(event, seconds: float = 10.0) -> None:
+    """Until ``event`` completes (never ``synchronize``: a gate left closed would hang the test)."""
+    end = time.monotonic() + seconds
+    while not event.query():
+        assert time.monotonic() < end, "the gated work did not run"
+        time.sleep(0.001)
+
+
+def _planes(rig: GraphRig) -> list[torch.Tensor]:
+    return [t.clone() for t in rig.k + rig.v]
+
+
+def _unchanged(rig: GraphRig, before: list[torch.Tensor]) -> bool:
+    return all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+               for a, b in zip(rig.k + rig.v, before, strict=True))
+
+
+def _captured(rig: GraphRig, ids, src, rows, layers) -> None:
+    """One launch of the key the ordinary way (it captures the graph a queue replays)."""
+    assert rig.both(ids, src, rows, layers) is not None
+    rig.assert_same("captured")
+
+
+def test_a_gated_launch_writes_nothing_until_its_gate_opens_then_converts_like_the_ordinary_launch():
+    from sidecar.convert.gates import Gates
+
+    rig = GraphRig(8, 16, 128, seed=21)
+    gates = Gates(4)
+    ids, src, rows = rig.request(12, True)
+    _captured(rig, ids, src, rows, (0, 3))
+    ids, _, rows = rig.request(12, True)
+    before = _planes(rig)
+    prepared = rig.graphs.prepare(ids, src, (0, 3), rows)
+    event, slot = prepared.queue(rig.stream, gates)
+    time.sleep(0.05)
+    assert not event.query() and not gates.is_open(slot)
+    assert _unchanged(rig, before), "a launch behind a closed gate wrote"
+    gates.open(slot)
+    _wait(event)
+    launch_gpu(rig.stream, rig.ordinary, ids, AITER_SHUFFLED, src, (0, 3), None, None, None, rows)
+    rig.assert_same("opened")
+    gates.give_back(slot)
+    assert gates.free == 4
+    assert rig.graphs.stats["gated"] == 1
+
+
+def test_a_disarmed_launch_writes_only_the_scratch_block_and_its_graph_converts_the_next_request():
+    from sidecar.convert.gates import Gates
+
+    rig = GraphRig(8, 16, 128, seed=22)
+    rig.graphs.per_key = 1  # one graph for the key: the next request must take the disarmed one's
+    gates = Gates(2)
+    ids, src, rows = rig.request(9, True)
+    _captured(rig, ids, src, rows, (0, 3))
+    before = _planes(rig)
+    ids, _, rows = rig.request(9, True)
+    prepared = rig.graphs.prepare(ids, src, (0, 3), rows, hold_limit=1)
+    rig.graphs._scratch_offsets()  # made here so that it starts zeroed
+    rig.graphs._scratch.zero_()
+    event, slot = prepared.queue(rig.stream, gates)
+    prepared.disarm()
+    gates.open(slot)
+    _wait(event)
+    assert _unchanged(rig, before), "a disarmed launch wrote into the planes"
+    assert rig.graphs._scratch.any(), "a disarmed launch wrote nowhere (it should write the scratch block)"
+    gates.give_back(slot)
+    ids, _, rows = rig.request(9, True)  # the same graph, its meta written again by this fill
+    assert rig.both(ids, src, rows, (0, 3)) is not None
+    rig.assert_same("the request after a disarmed one")
+    assert rig.graphs.count == 1 and rig.graphs.stats["disarmed"] == 1
+
+
+def test_gates_run_out_and_a_closed_one_is_never_given_back():
+    from sidecar.convert.gates import Gates
+
+    gates = Gates(1)
+    slot = gates.take()
+    assert slot is not None and gates.take() is None
+    with pytest.raises(ValueError, match="closed"):
+        gates.give_back(slot)
+    gates.open(slot)
+    gates.give_back(slot)
+    assert gates.take() == slot
+
+
+def test_the_daemons_conversions_open_landed_groups_and_disarm_the_rest_when_the_job_settles():
+    """Gates on: the first request of a size launches at landing (it captures); the next one's groups are
+    queued ahead, group 0 lands and converts, group 1 never lands: settling disarms and opens it, and the
+    planes hold group 0's conversion and group 1's layers untouched."""
+    from sidecar.daemon.conversion import Conversions
+    from sidecar.daemon.polling import Pacer, Poller
+
+    rig = GraphRig(8, 16, 128, layers=4, seed=23)
+    caches = types.SimpleNamespace(plane_set=rig.ps, graphs=None, reencode_sets={})
+    groups = [(0, 2), (2, 4)]
+
+    def job(ids):
+        return types.SimpleNamespace(caches=caches, pairs=types.SimpleNamespace(local=ids), req_id="r",
+                                     timings={}, conversion=None)
+
+    async def main():
+        poller = Poller(Pacer(lambda: 0.05, lambda: 0.001))
+        conv = Conversions(0, wake=poller.wake, graphs=lambda: True, gates=lambda: True)
+        conv.make_stream()
+        poller.add(conv.poll)
+        task = asyncio.create_task(poller.loop())
+        plan = types.SimpleNamespace(reencode=None)
+        try:
+            ids, src, rows = rig.request(10, True)
+            first = job(ids)
+            conv.begin(first, src, plan, rows)
+            conv.prepare(first, groups)
+            assert not first.conversion.gated  # no graph captured yet: made ready, launched at landing
+            for a, b in groups:
+                conv.convert_group(first, a, b)
+                launch_gpu(rig.stream, rig.ordinary, ids, AITER_SHUFFLED, src[a:b], (a, b), None, None, None,
+                           rows)
+            await conv.finish(first, 4)
+            rig.assert_same("the first request")
+            ids, _, rows = rig.request(10, True)
+            second = job(ids)
+            conv.begin(second, src, plan, rows)
+            conv.prepare(second, groups)
+            assert set(second.conversion.gated) == set(groups)
+            conv.convert_group(second, *groups[0])  # landed
+            await conv.settle(second)  # the job ends: group 1 never lands
+            launch_gpu(rig.stream, rig.ordinary, ids, AITER_SHUFFLED, src[0:2], (0, 2), None, None, None,
+                       rows)
+            rig.assert_same("group 0 converted, group 1 disarmed")
+            assert conv._gates.free == len(conv._gates.words)  # every gate back once its work ran
+            return second.timings
+        finally:
+            task.cancel()
+            conv.close()
+
+    timings = asyncio.run(main())
+    assert timings["launch"] < timings["launch_prep"]  # the landing only opened a gate
+
+
+def test_gate_words_are_one_pinned_page():
+    from sidecar.convert.gates import OPEN, Gates
+
+    gates = Gates(8)
+    assert gates.words.dtype == np.int32 and (gates.words == OPEN).all()
