@@ -1,8 +1,10 @@
 """``Conversions`` on the CPU twin: a group converts in the worker thread through the pairing's planes (an fp8
 e4m3fn -> e4m3fnuz pairing re-encodes every byte and reports what did not keep its value). And, with
 ``GraphLaunches`` stood in for, the GPU's launch bookkeeping: launches made ready during the read, fired as
-their groups land, the rest dropped (the graphs themselves are tested on a GPU, in
-``test_convert_graphs_gpu.py``)."""
+their groups land, the rest dropped; with gates on, launches queued behind gates opened as their groups
+land, the rest disarmed before their gates open, every gate given back only once the work behind it ran (the
+graphs and gates themselves are tested on a GPU: ``test_convert_graphs_gpu.py``,
+``test_convert_gates_gpu.py``)."""
 
 from __future__ import annotations
 
@@ -189,3 +191,198 @@ def test_a_prepare_that_fails_leaves_the_error_to_the_launch_at_landing():
     finally:
         conversions.close()
     assert graphs.calls == []
+
+
+class _Gates:
+    """``Gates`` as the daemon uses them (the real ones need a GPU: ``test_convert_gates_gpu.py``). A gated
+    event completes once its gate is open and ``running`` lets the stood-in GPU get to it."""
+
+    def __init__(self, calls: list, count: int = 8) -> None:
+        self.calls, self.free_slots, self.opened = calls, list(range(count)), set()
+        self.running = True
+        self.taken = [0] * count  # times each slot was taken: an event waits on one taking
+        self.opened_at: dict[int, int] = {}  # slot -> the taking it was last opened in
+
+    def take(self):
+        if not self.free_slots:
+            return None
+        slot = self.free_slots.pop(0)
+        self.taken[slot] += 1
+        return slot
+
+    def close_on(self, stream, slot) -> None:
+        self.calls.append(("close", slot, stream))
+
+    def open(self, slot) -> None:
+        self.calls.append(("open", slot))
+        self.opened.add(slot)
+        self.opened_at[slot] = self.taken[slot]
+
+    def give_back(self, slot) -> None:
+        assert slot in self.opened, f"gate {slot} given back closed"
+        assert self.running, f"gate {slot} given back before the work behind it ran"
+        self.calls.append(("give_back", slot))
+        self.opened.discard(slot)
+        self.free_slots.append(slot)
+
+
+class _GatedEvent:
+    def __init__(self, gates: _Gates, slot: int) -> None:
+        self.gates, self.slot, self.taking = gates, slot, gates.taken[slot]
+
+    def query(self) -> bool:
+        return self.gates.opened_at.get(self.slot) == self.taking and self.gates.running
+
+
+class _QueuedPrepared(_Prepared):
+    def queue(self, stream, gates):
+        slot = gates.take()
+        if slot is None:
+            return None
+        gates.close_on(stream, slot)
+        self.calls.append(("queue", self.layers))
+        return _GatedEvent(gates, slot), slot
+
+    def disarm(self) -> None:
+        self.calls.append(("disarm", self.layers))
+
+
+class _GatedGraphs(_Graphs):
+    def prepare(self, ids, src, layers, src_index):
+        self.calls.append(("prepare", layers))
+        return _QueuedPrepared(self.calls, layers)
+
+
+def _gated_job(gates_on: bool = True, count: int = 8):
+    graphs = _GatedGraphs()
+    conversions, job = _graph_job(graphs)
+    conversions._gated = lambda: gates_on
+    conversions._gates = gates = _Gates(graphs.calls, count)
+    conversions._gate_streams = ["s0", "s1"]
+    paths: list[str] = []
+    conversions._on_launch = paths.append
+    return conversions, job, graphs.calls, gates, paths
+
+
+def _slot_of(calls: list, layers: tuple[int, int]) -> int:
+    """The gate a group was queued behind (its ``close`` comes right before its ``queue``)."""
+    at = calls.index(("queue", layers))
+    return calls[at - 1][1]
+
+
+def test_gated_launches_open_as_their_groups_land_and_the_unlanded_are_disarmed_before_opening():
+    conversions, job, calls, gates, paths = _gated_job()
+    groups = [(0, 1), (1, 2), (2, 3)]
+
+    async def main():
+        conversions.prepare(job, groups)
+        assert set(job.conversion.gated) == set(groups) and job.conversion.prepared == {}
+        conversions.convert_group(job, 1, 2)  # groups land in any order: landing only opens
+        conversions.convert_group(job, 0, 1)
+        await _settle(conversions, job)  # the job ends before (2, 3) lands
+
+    try:
+        asyncio.run(main())
+    finally:
+        conversions.close()
+    slots = {g: _slot_of(calls, g) for g in groups}
+    assert len(set(slots.values())) == 3 and {c[2] for c in calls if c[0] == "close"} == {"s1"}  # one stream
+    opens = [c[1] for c in calls if c[0] == "open"]
+    assert opens == [slots[(1, 2)], slots[(0, 1)], slots[(2, 3)]]
+    assert calls.index(("disarm", (2, 3))) < calls.index(("open", slots[(2, 3)]))  # pointed away first
+    assert ("fire", (0, 1)) not in calls and ("disarm", (0, 1)) not in calls
+    assert paths == ["gated", "gated"] and job.conversion.layers == 2
+    assert sorted(gates.free_slots) == list(range(8))  # every gate back once its work had run
+    assert job.conversion.gated == {} and "launch" in job.timings
+
+
+def test_settle_waits_until_the_work_behind_opened_gates_has_run():
+    """A job is answered only once nothing it queued can still write: opening a gate is not enough."""
+    conversions, job, calls, gates, _ = _gated_job()
+
+    async def main():
+        conversions.prepare(job, [(0, 1), (1, 3)])
+        conversions.convert_group(job, 0, 1)
+        gates.running = False  # the stood-in GPU has not got to the work yet
+        task = asyncio.ensure_future(conversions.settle(job))
+        for _ in range(3):
+            await asyncio.sleep(0)
+            conversions.poll(0.0)
+        assert not task.done() and not any(c[0] == "give_back" for c in calls)
+        gates.running = True
+        conversions.poll(0.0)
+        await task
+
+    try:
+        asyncio.run(main())
+    finally:
+        conversions.close()
+    assert sorted(gates.free_slots) == list(range(8))
+
+
+def test_a_disarm_after_the_jobs_wait_was_made_is_waited_for_too():
+    """The conversion's wait was made (finish) before a group was found never to land: settling still waits
+    for that group's disarmed launch."""
+    conversions, job, calls, gates, _ = _gated_job()
+
+    async def main():
+        conversions.prepare(job, [(0, 1), (1, 3)])
+        conversions.convert_group(job, 0, 1)
+        with pytest.raises(Failed, match="1 of 3 layers"):
+            task = asyncio.ensure_future(conversions.finish(job, 3))
+            await asyncio.sleep(0)
+            conversions.poll(0.0)
+            await task
+        gates.running = False
+        settling = asyncio.ensure_future(conversions.settle(job))
+        await asyncio.sleep(0)
+        conversions.poll(0.0)
+        assert not settling.done()  # (1, 3) was disarmed and opened, and has not run yet
+        gates.running = True
+        conversions.poll(0.0)
+        await settling
+
+    try:
+        asyncio.run(main())
+    finally:
+        conversions.close()
+    assert ("disarm", (1, 3)) in calls and sorted(gates.free_slots) == list(range(8))
+
+
+def test_a_group_launched_before_its_prepare_is_not_queued_again():
+    """A read can land before the loop gets back from its post: that group launches at landing, and the
+    prepare that follows queues only the others."""
+    conversions, job, calls, gates, paths = _gated_job()
+
+    async def main():
+        conversions.convert_group(job, 0, 1)
+        conversions.prepare(job, [(0, 1), (1, 3)])
+        conversions.convert_group(job, 1, 3)
+        await _settle(conversions, job)
+
+    try:
+        asyncio.run(main())
+    finally:
+        conversions.close()
+    assert ("prepare", (0, 1)) not in calls and ("queue", (1, 3)) in calls
+    assert paths == ["graph", "gated"]
+
+
+def test_without_a_free_gate_or_with_gates_off_a_launch_is_made_ready_as_before():
+    for gates_on, count, queued in ((True, 1, [(0, 1)]), (False, 8, [])):
+        conversions, job, calls, gates, paths = _gated_job(gates_on, count)
+
+        async def main(conversions=conversions, job=job):
+            conversions.prepare(job, [(0, 1), (1, 3)])
+            conversions.convert_group(job, 0, 1)
+            conversions.convert_group(job, 1, 3)
+            await _settle(conversions, job)
+
+        try:
+            asyncio.run(main())
+        finally:
+            conversions.close()
+        assert [c[1] for c in calls if c[0] == "queue"] == queued
+        assert ("fire", (1, 3)) in calls  # made ready, fired at landing
+        assert paths == ["gated" if queued else "graph", "graph"]
+        assert sorted(gates.free_slots) == list(range(count))
