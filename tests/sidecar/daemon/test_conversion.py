@@ -264,6 +264,28 @@ def _gated_job(gates_on: bool = True, count: int = 8):
     return conversions, job, graphs.calls, gates, paths
 
 
+async def _settle_held(conversions: Conversions, job, gates: _Gates, calls: list) -> None:
+    """Settle ``job`` while the stood-in GPU has not run the work behind its gates: still settling a few
+    poll passes on, no gate given back; then the work runs and the settle ends."""
+    gates.running = False
+    given = len(calls)
+    task = asyncio.ensure_future(conversions.settle(job))
+    for _ in range(3):
+        await asyncio.sleep(0)
+        conversions.poll(0.0)
+    assert not task.done() and not any(c[0] == "give_back" for c in calls[given:])
+    gates.running = True
+    conversions.poll(0.0)
+    await task
+
+
+def _run(conversions: Conversions, main) -> None:
+    try:
+        asyncio.run(main())
+    finally:
+        conversions.close()
+
+
 def _slot_of(calls: list, layers: tuple[int, int]) -> int:
     """The gate a group was queued behind (its ``close`` comes right before its ``queue``)."""
     at = calls.index(("queue", layers))
@@ -281,10 +303,7 @@ def test_gated_launches_open_as_their_groups_land_and_the_unlanded_are_disarmed_
         conversions.convert_group(job, 0, 1)
         await _settle(conversions, job)  # the job ends before (2, 3) lands
 
-    try:
-        asyncio.run(main())
-    finally:
-        conversions.close()
+    _run(conversions, main)
     slots = {g: _slot_of(calls, g) for g in groups}
     assert len(set(slots.values())) == 3 and {c[2] for c in calls if c[0] == "close"} == {"s1"}  # one stream
     opens = [c[1] for c in calls if c[0] == "open"]
@@ -303,20 +322,9 @@ def test_settle_waits_until_the_work_behind_opened_gates_has_run():
     async def main():
         conversions.prepare(job, [(0, 1), (1, 3)])
         conversions.convert_group(job, 0, 1)
-        gates.running = False  # the stood-in GPU has not got to the work yet
-        task = asyncio.ensure_future(conversions.settle(job))
-        for _ in range(3):
-            await asyncio.sleep(0)
-            conversions.poll(0.0)
-        assert not task.done() and not any(c[0] == "give_back" for c in calls)
-        gates.running = True
-        conversions.poll(0.0)
-        await task
+        await _settle_held(conversions, job, gates, calls)
 
-    try:
-        asyncio.run(main())
-    finally:
-        conversions.close()
+    _run(conversions, main)
     assert sorted(gates.free_slots) == list(range(8))
 
 
@@ -333,19 +341,9 @@ def test_a_disarm_after_the_jobs_wait_was_made_is_waited_for_too():
             await asyncio.sleep(0)
             conversions.poll(0.0)
             await task
-        gates.running = False
-        settling = asyncio.ensure_future(conversions.settle(job))
-        await asyncio.sleep(0)
-        conversions.poll(0.0)
-        assert not settling.done()  # (1, 3) was disarmed and opened, and has not run yet
-        gates.running = True
-        conversions.poll(0.0)
-        await settling
+        await _settle_held(conversions, job, gates, calls)  # (1, 3) is disarmed and opened, not yet run
 
-    try:
-        asyncio.run(main())
-    finally:
-        conversions.close()
+    _run(conversions, main)
     assert ("disarm", (1, 3)) in calls and sorted(gates.free_slots) == list(range(8))
 
 
@@ -360,10 +358,7 @@ def test_a_group_launched_before_its_prepare_is_not_queued_again():
         conversions.convert_group(job, 1, 3)
         await _settle(conversions, job)
 
-    try:
-        asyncio.run(main())
-    finally:
-        conversions.close()
+    _run(conversions, main)
     assert ("prepare", (0, 1)) not in calls and ("queue", (1, 3)) in calls
     assert paths == ["graph", "gated"]
 
@@ -378,10 +373,7 @@ def test_without_a_free_gate_or_with_gates_off_a_launch_is_made_ready_as_before(
             conversions.convert_group(job, 1, 3)
             await _settle(conversions, job)
 
-        try:
-            asyncio.run(main())
-        finally:
-            conversions.close()
+        _run(conversions, main)
         assert [c[1] for c in calls if c[0] == "queue"] == queued
         assert ("fire", (1, 3)) in calls  # made ready, fired at landing
         assert paths == ["gated" if queued else "graph", "graph"]
