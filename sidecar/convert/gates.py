@@ -10,8 +10,8 @@ A gate must always be opened: work behind a closed gate never runs, its stream s
 after it never complete. Slots are handed out by ``take`` and come back through ``give_back`` only once the
 work behind the gate has run (the caller knows from its event).
 
-Needs a CUDA driver with stream memory operations (``cuStreamWaitValue32_v2``, CUDA 12 and later, on by
-default since 11.7); ``Gates.open_library`` says why when there is none.
+Needs a CUDA driver with the stream memory waits ``cuStreamWaitValue32_v2`` (the H100 hosts of 2026-12-06
+had them); ``open_library`` says why when there are none.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def open_library() -> Any:
     lib.cuStreamWaitValue32_v2.restype = ctypes.c_int
     get_pointer = lib.cuMemHostGetDevicePointer_v2
     get_pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
-    lib.cuMemHostGetDevicePointer_v2.restype = ctypes.c_int
+    get_pointer.restype = ctypes.c_int
     return lib
 
 

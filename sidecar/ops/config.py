@@ -260,7 +260,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             "read, held on the GPU behind a gate (a stream memory wait on a word of pinned host memory), so "
             "that once they land the launch is one store to that word. A request whose bytes never land has "
             "its launches pointed at a scratch block before their gates open: they write nothing of the "
-            "decoder's. Needs stream memory waits (CUDA 12 drivers); without them a warning, and off"
+            "decoder's. Needs the driver's stream memory waits (cuStreamWaitValue32_v2); without them a "
+            "warning, and off"
         ),
     ] = False
     remotes: Annotated[
