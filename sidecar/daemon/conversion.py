@@ -193,7 +193,7 @@ class Conversions:
                 prepared = graphs.prepare(job.pairs.local, src, (first, last), conv.src_index)
                 if prepared is None:
                     continue
-                queued = None if stream is None else prepared.queue(stream, self._gates)
+                queued = None if stream is None else self._queue(prepared, stream)
                 if queued is not None:
                     conv.gated[(first, last)] = Gated(prepared, queued[1], queued[0])
                 else:
@@ -201,6 +201,20 @@ class Conversions:
         except Exception:  # noqa: BLE001 - the launch at landing meets the same error and fails the group
             log.debug("pull %s: launch not prepared", job.req_id, exc_info=True)
         job.timings["launch_prep"] = time.perf_counter() - t0
+
+    def _queue(self, prepared: Any, stream: Any) -> tuple[Any, int] | None:
+        """``prepared`` queued behind a gate, or None (then it stays made ready). A driver that refuses the
+        gate's wait turns gates off for good, with a warning."""
+        from sidecar.convert.gates import GatesUnavailable
+
+        if not self._gate_streams:  # turned off by an earlier group's refusal
+            return None
+        try:
+            return prepared.queue(stream, self._gates)
+        except GatesUnavailable as exc:
+            log.warning("conversion gates off: %s; launches are queued when their bytes land", exc)
+            self._gate_streams = []
+            return None
 
     def _gate_stream(self) -> Any:
         """The gate stream for the next job's launches, or None: gates off or unavailable."""

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from sidecar.convert import PlaneSet
+from sidecar.convert.gates import GatesUnavailable
 from sidecar.convert.launch import convert_blocks
 from sidecar.daemon.conversion import Conversions, reencode_planes
 from sidecar.daemon.errors import Failed
@@ -199,7 +200,7 @@ class _Gates:
 
     def __init__(self, calls: list, count: int = 8) -> None:
         self.calls, self.free_slots, self.opened = calls, list(range(count)), set()
-        self.running = True
+        self.running, self.refuse = True, False
         self.taken = [0] * count  # times each slot was taken: an event waits on one taking
         self.opened_at: dict[int, int] = {}  # slot -> the taking it was last opened in
 
@@ -211,6 +212,8 @@ class _Gates:
         return slot
 
     def close_on(self, stream, slot) -> None:
+        if self.refuse:
+            raise GatesUnavailable("cuStreamWaitValue32: CUDA error 801")
         self.calls.append(("close", slot, stream))
 
     def open(self, slot) -> None:
@@ -239,7 +242,12 @@ class _QueuedPrepared(_Prepared):
         slot = gates.take()
         if slot is None:
             return None
-        gates.close_on(stream, slot)
+        try:
+            gates.close_on(stream, slot)
+        except GatesUnavailable:  # as GraphLaunches._queue: nothing queued, the gate back at once
+            gates.open(slot)
+            gates.give_back(slot)
+            raise
         self.calls.append(("queue", self.layers))
         return _GatedEvent(gates, slot), slot
 
@@ -378,3 +386,21 @@ def test_without_a_free_gate_or_with_gates_off_a_launch_is_made_ready_as_before(
         assert ("fire", (1, 3)) in calls  # made ready, fired at landing
         assert paths == ["gated" if queued else "graph", "graph"]
         assert sorted(gates.free_slots) == list(range(count))
+
+
+def test_a_driver_that_refuses_the_gates_wait_turns_gates_off_and_launches_at_landing(caplog):
+    conversions, job, calls, gates, paths = _gated_job()
+    gates.refuse = True
+
+    async def main():
+        conversions.prepare(job, [(0, 1), (1, 3)])
+        conversions.convert_group(job, 0, 1)
+        conversions.convert_group(job, 1, 3)
+        await _settle(conversions, job)
+
+    with caplog.at_level("WARNING", logger="kv_sidecar.conversion"):
+        _run(conversions, main)
+    assert ("fire", (0, 1)) in calls and ("fire", (1, 3)) in calls and paths == ["graph", "graph"]
+    assert conversions._gate_stream() is None  # off for good
+    assert caplog.text.count("conversion gates off: cuStreamWaitValue32: CUDA error 801") == 1
+    assert sorted(gates.free_slots) == list(range(8))
