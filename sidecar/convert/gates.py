@@ -59,7 +59,10 @@ class Gates:
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
         self._lib = library or open_library()
-        self._host = torch.zeros(count, dtype=torch.int32, pin_memory=True)
+        try:
+            self._host = torch.zeros(count, dtype=torch.int32, pin_memory=True)
+        except RuntimeError as exc:  # a torch without the GPU's runtime cannot pin
+            raise GatesUnavailable(f"no pinned memory: {exc}") from None
         self.words: np.ndarray = self._host.numpy()
         self.words[:] = OPEN  # a free gate is open: a slot is closed only when taken
         dptr = ctypes.c_uint64()

@@ -109,6 +109,7 @@ class Conversions:
         self._gates: Any = None  # ``Gates`` (GPU, where the driver has stream memory waits)
         self._gate_streams: list[Any] = []
         self._next_gate_stream = 0
+        self._gates_tried = False
         self._on_launch = on_launch
         self._on_reencode = on_reencode
         self._wake = wake
@@ -154,13 +155,16 @@ class Conversions:
         """Create the GPU stream (call in a worker thread at start; nothing to do on the CPU twin)."""
         if self._gpu is not None:
             self._stream = make_stream(self._gpu, self.limits)
-            self._open_gates()
+            if self._gated():
+                self._open_gates()
 
     def _open_gates(self) -> None:
-        """The gates and their streams (one job's groups share one, in order; jobs take them in turn, so a
-        job whose bytes are late holds back few others). Without stream memory waits: no gates, a warning."""
+        """The gates and their streams, once (at start, or when config ``conversion_gates`` is first on): one
+        job's groups share a stream, in order; jobs take them in turn, so a job whose bytes are late holds
+        back few others. Without stream memory waits (a ROCm host, an old driver): no gates, a warning."""
         from sidecar.convert.gates import Gates, GatesUnavailable
 
+        self._gates_tried = True
         try:
             self._gates = Gates(GATES)
         except GatesUnavailable as exc:
@@ -178,7 +182,8 @@ class Conversions:
     def prepare(self, job: Job, groups: list[tuple[int, int]]) -> None:
         """While the job's layer groups still read: make each one's graph launch ready (``GraphLaunches.
         prepare``), so that when it lands only its replay is left to do. Where a group's launch cannot be
-        made ready (not a graph launch, no graph to hold), it is built when the group lands."""
+        made ready (not a graph launch, no graph to hold), it is built when the group lands. With config
+        ``conversion_gates`` a launch made ready is also queued behind a gate: landing only opens it."""
         conv: JobConversion | None = job.conversion
         if conv is None or job.caches is None or not self._graph_launch(conv):
             return
@@ -218,7 +223,11 @@ class Conversions:
 
     def _gate_stream(self) -> Any:
         """The gate stream for the next job's launches, or None: gates off or unavailable."""
-        if not self._gate_streams or not self._gated():
+        if not self._gated() or not self.on_gpu:
+            return None
+        if not self._gates_tried:  # turned on after start (SIGHUP)
+            self._open_gates()
+        if not self._gate_streams:
             return None
         self._next_gate_stream = (self._next_gate_stream + 1) % len(self._gate_streams)
         return self._gate_streams[self._next_gate_stream]

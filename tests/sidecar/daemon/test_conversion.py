@@ -266,7 +266,7 @@ def _gated_job(gates_on: bool = True, count: int = 8):
     conversions, job = _graph_job(graphs)
     conversions._gated = lambda: gates_on
     conversions._gates = gates = _Gates(graphs.calls, count)
-    conversions._gate_streams = ["s0", "s1"]
+    conversions._gate_streams, conversions._gates_tried = ["s0", "s1"], True
     paths: list[str] = []
     conversions._on_launch = paths.append
     return conversions, job, graphs.calls, gates, paths
@@ -404,3 +404,26 @@ def test_a_driver_that_refuses_the_gates_wait_turns_gates_off_and_launches_at_la
     assert conversions._gate_stream() is None  # off for good
     assert caplog.text.count("conversion gates off: cuStreamWaitValue32: CUDA error 801") == 1
     assert sorted(gates.free_slots) == list(range(8))
+
+
+def test_gates_are_opened_only_once_they_are_asked_for(caplog, monkeypatch):
+    """With conversion_gates off (the default) nothing is tried, so a host without stream memory waits (ROCm)
+    logs nothing; turned on later, the first prepare tries once, and where they are missing says so once."""
+    from sidecar.convert import gates as gates_module
+
+    def missing(*args, **kwargs):
+        raise GatesUnavailable("no CUDA driver library: libcuda.so.1")
+
+    monkeypatch.setattr(gates_module, "Gates", missing)
+    on = [False]
+    conversions = Conversions(None, graphs=lambda: True, gates=lambda: on[0])
+    conversions._stream = object()
+    try:
+        with caplog.at_level("WARNING", logger="kv_sidecar.conversion"):
+            assert conversions._gate_stream() is None
+            assert "gates off" not in caplog.text
+            on[0] = True
+            assert conversions._gate_stream() is None and conversions._gate_stream() is None
+    finally:
+        conversions.close()
+    assert caplog.text.count("conversion gates off: no CUDA driver library") == 1
