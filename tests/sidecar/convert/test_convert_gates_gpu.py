@@ -83,6 +83,7 @@ def test_a_disarmed_launch_writes_only_the_scratch_block_and_its_graph_converts_
     prepared = rig.graphs.prepare(ids, src, (0, 3), rows, hold_limit=1)
     rig.graphs._scratch_offsets()  # made here so that it starts zeroed
     rig.graphs._scratch.zero_()
+    torch.cuda.synchronize()  # zeroed (on the current stream) before the launch can write it
     event, slot = prepared.queue(rig.stream, gates)
     prepared.disarm()
     gates.open(slot)
