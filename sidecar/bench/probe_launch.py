@@ -497,7 +497,9 @@ def _graph_launch_fn() -> Callable[[int, int], None] | None:
 
 def _profile_fires(prepared: Callable[[], Any], stream: Any, fires: int) -> dict[str, float]:
     """The calls each fire makes, by name, per fire: CUDA runtime and driver calls and aten ops that began
-    inside a fire (one ``torch.profiler`` pass; the prepares between the fires are left out)."""
+    inside a fire (one ``torch.profiler`` pass; the prepares between the fires are left out). A fire's window
+    is its annotation on the CPU (the profiler shows it on the GPU's timeline too, longer)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -506,7 +508,8 @@ def _profile_fires(prepared: Callable[[], Any], stream: Any, fires: int) -> dict
             with record_function("probe.fire"):
                 ready.fire(stream)
     events = list(prof.events())
-    windows = [(e.time_range.start, e.time_range.end) for e in events if e.name == "probe.fire"]
+    windows = [(e.time_range.start, e.time_range.end) for e in events
+               if e.name == "probe.fire" and e.device_type == DeviceType.CPU]
     counts: dict[str, float] = {}
     for e in events:
         if e.name != "probe.fire" and any(lo <= e.time_range.start < hi for lo, hi in windows):
