@@ -199,34 +199,27 @@ class GraphLaunches:
         return entry.last
 
     def _queue(self, entry: _Graph, key: tuple[int, int], stream: Any, gates: Any) -> tuple[Any, int] | None:
-        """``Prepared.queue``: the gate's wait, the replay and the event, queued on ``stream``."""
+        """``Prepared.queue``: the gate's wait on ``stream``, then ``_fire`` behind it."""
         if entry.graph is None or self.broken is not None:
             return None
         slot = gates.take()
         if slot is None:
             return None
-        previous = _use_stream(stream)
         try:
             gates.close_on(stream, slot)
         except Exception:
             gates.open(slot)  # nothing was queued behind it
             gates.give_back(slot)
-            _restore_stream(previous)
             raise
         try:
-            entry.graph.replay()
-            self.stats["replays"] += 1
-            entry.last = torch.cuda.Event()
-            entry.last.record(stream)
+            # held no more once fired, but not rewritten before its copy has run: ``free`` waits for the
+            # event, recorded behind the gate
+            event = self._fire(entry, key, stream)
         except Exception:
             gates.open(slot)  # the wait passes with nothing behind it; the slot is not reused (rare)
             raise
-        finally:
-            # not rewritten before its copy has run: ``free`` waits for ``last``, recorded behind the gate
-            entry.held = False
-            _restore_stream(previous)
         self.stats["gated"] = self.stats.get("gated", 0) + 1
-        return entry.last, slot
+        return event, slot
 
     def _disarm(self, entry: _Graph, key: tuple[int, int]) -> None:
         """``Prepared.disarm``: every layer's K and V destination in the entry's table made the scratch

@@ -59,8 +59,8 @@ PIECES = {
     "launch.rows": "sidecar.convert.graphs:launch_src_rows",
     "launch.take": "sidecar.convert.graphs:GraphLaunches._take",
     "launch.fill": "sidecar.convert.graphs:fill",
-    # a graph launch's queueing once its bytes landed: the replay and the event after it (torch's methods:
-    # every replay and record of the daemon, whoever calls it)
+    # a graph launch's queueing: the replay and the event after it, once its bytes landed (or, with
+    # conversion_gates, ahead of them behind a gate); torch's methods: every replay and record, any caller
     "launch.fire": "sidecar.convert.graphs:GraphLaunches._fire",
     "launch.replay": "torch.cuda.graphs:CUDAGraph.replay",
     "cuda.record": "torch.cuda.streams:Event.record",
