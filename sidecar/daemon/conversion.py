@@ -316,12 +316,16 @@ class Conversions:
             waits = list(conv.groups)
             if conv.last_event is not None:
                 waits.append(self.watch(conv.last_event))
-            waits.extend(self.watch(g.event) for g in conv.opened)
-            conv.all_done = asyncio.gather(*waits, return_exceptions=True)
-            if conv.opened:
-                opened = list(conv.opened)
-                conv.all_done.add_done_callback(lambda done: self._give_back_gates(opened, done))
+            conv.all_done = self._wait_for(waits, list(conv.opened))
         return conv.all_done
+
+    def _wait_for(self, waits: list[asyncio.Future], gated: list[Gated]) -> asyncio.Future:
+        """One future for ``waits`` and ``gated``'s events, each result in one flat list (errors returned,
+        not raised); ``gated``'s gates are given back once it ends."""
+        done = asyncio.gather(*waits, *(self.watch(g.event) for g in gated), return_exceptions=True)
+        if gated:
+            done.add_done_callback(lambda d: self._give_back_gates(gated, d))
+        return done
 
     def _give_back_gates(self, gated: list[Gated], done: asyncio.Future) -> None:
         """``gated``'s gates, once the work behind them has run (not after a failed query: it may not
@@ -356,16 +360,10 @@ class Conversions:
         done = self.done(job)
         waits = [done] if done is not None and not done.done() else []
         if disarmed and made:  # opened after the job's wait was made: that wait does not hold them
-            waits.append(self._watch_gates(disarmed))
+            waits.append(self._wait_for([], disarmed))
         for wait in waits:
             with contextlib.suppress(Exception):  # only the wait matters here
                 await asyncio.shield(wait)
-
-    def _watch_gates(self, gated: list[Gated]) -> asyncio.Future:
-        """One wait for ``gated``'s events (their gates given back after)."""
-        done = asyncio.gather(*(self.watch(g.event) for g in gated), return_exceptions=True)
-        done.add_done_callback(lambda d: self._give_back_gates(gated, d))
-        return done
 
     def _drop_prepared(self, job: Job) -> list[Gated]:
         """Let go the job's prepared launches that were never fired, and open the gates of those queued
