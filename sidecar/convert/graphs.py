@@ -1,20 +1,22 @@
-"""Staged conversion launches replayed from CUDA graphs: one graph launch, not Python's tables and launch.
+"""Conversion launches replayed from CUDA graphs: one graph launch, not Python's tables and launch.
 
-The daemon's staged launch is the same two steps for every request: copy the request's table (block ids,
-source rows, meta) to the device, then run ``convert_kernel`` over its (layer, block) pairs. Done in Python
-each time that is 150-420 µs of host time on the H200 host (bench/results/launch-inline-h200-2026-12-02.json).
-Captured once per size bucket and layer count, a launch checks the ids, writes the table into the graph's
-pinned buffer, replays the graph (the copy, then the kernel) and records an event. A source's checks and meta
-table are made once (``_source``), and a table is given a meta only when it holds another one.
+The daemon's launch is the same two steps for every request: copy the request's table (block ids, source
+rows, meta) to the device, then run the kernel over its (layer, block) pairs: ``convert_kernel`` out of place
+(staged, mapped), ``in_place_split_kernel`` in place (direct). Done in Python each time that is 150-420 µs
+of host time on the H200 host (bench/results/launch-inline-h200-2026-12-02.json). Captured once per size
+bucket, layer count and form, a launch checks the ids, writes the table into the graph's pinned buffer,
+replays the graph (the copy, then the kernel) and records an event. A source's checks and meta table are
+made once (``_source``), and a table is given a meta only when it holds another one.
 
-Padding: ``graph_tables`` (a request replays the graph of the smallest bucket holding it; the extra rows
-convert the request's first block again, with the same bytes). Buffers: a graph copies from its own pinned
+Padding: ``graph_tables`` (a request replays the graph of the smallest bucket holding it; out of place the
+extra rows convert the request's first block again, with the same bytes; in place they name no block).
+Buffers: a graph copies from its own pinned
 buffer, which may be rewritten only once that copy has run, so each graph keeps the event recorded after its
 last replay; a launch takes a graph of its key whose event is complete, captures another (up to
 ``per_key``) when all are busy, and otherwise returns None: the caller then launches the ordinary way. So
 does a request this cannot take (a source 16-byte vectors do not fit) and, for good, a ``GraphLaunches``
-whose capture failed once. Only the out-of-place form without an fp8 re-encode replays; in place has no
-padding that is safe (a block converted twice in place is scrambled).
+whose capture failed once. Neither form re-encodes fp8 (the ordinary launch does); in place replays only
+where the shape converts with the on-chip "split" kernel (every in-scope shape).
 
 Ahead of the data: ``prepare`` does a launch's host work (the checks, a graph taken and held, its table
 written) while the request still reads, and ``fire`` queues it once the bytes have landed, so only the replay
@@ -72,7 +74,7 @@ class Prepared:
 
     owner: GraphLaunches
     entry: _Graph
-    key: tuple[int, int]  # (layers, bucket)
+    key: Key
 
     def fire(self, stream: Any) -> Any:
         """Queue the launch on ``stream``; the event after it."""
@@ -96,18 +98,21 @@ class Prepared:
         self.owner._disarm(self.entry, self.key)
 
 
+Key = tuple[int, int, bool]  # a graph's (layers, bucket, in place)
+
+
 @dataclass(frozen=True, eq=False)
 class _Source:
     """One source as launches of one layer range take it, checked once: its rows, whether 16-byte vectors fit
     it, and the kernel's meta table of those layers reading it."""
 
-    rows: int
+    rows: int  # 0 in place
     vectors_fit: bool
     meta: np.ndarray  # read-only (``MetaCache``): a graph whose table holds this object holds these values
 
 
 class GraphLaunches:
-    """Graph-replayed staged launches into one ``PlaneSet``'s planes (its caches own it)."""
+    """Graph-replayed launches into one ``PlaneSet``'s planes (its caches own it)."""
 
     def __init__(self, planes: PlaneSet, tuning: Tuning = TUNING, per_key: int = 8, max_graphs: int = 256):
         from sidecar.convert import triton_kernel as tk  # lazy: the CPU torch wheel has no Triton
@@ -126,8 +131,9 @@ class GraphLaunches:
         h, n, d = p.num_heads, p.block_size, p.head_size
         self._geom = dict(N=n, D=d, X=x_of(p.elem_bytes))
         self._chunks = tk.oop_chunks(h, n, d, x_of(p.elem_bytes), tuning)
+        self._in_place = tk.in_place_form(h, n * d, p.elem_bytes, tuning) == "split"  # else never replayed
         self._unused = tk._unused_counts(self.device)
-        self._graphs: OrderedDict[tuple[int, int], list[_Graph]] = OrderedDict()
+        self._graphs: OrderedDict[Key, list[_Graph]] = OrderedDict()
         self._sources: OrderedDict[tuple, _Source] = OrderedDict()  # by every property the checks read
         self.max_sources = 64
         self.count = 0  # graphs held
@@ -136,16 +142,18 @@ class GraphLaunches:
         self._scratch: torch.Tensor | None = None  # where a disarmed launch writes (``Prepared.disarm``)
 
     def launch(
-        self, stream: Any, ids: np.ndarray, src: torch.Tensor, layers: tuple[int, int], src_index: Any = None
+        self, stream: Any, ids: np.ndarray, src: torch.Tensor | None, layers: tuple[int, int],
+        src_index: Any = None,
     ) -> Any:
         """Queue the conversion of layers ``[first, last)`` of blocks ``ids`` from ``src`` ([layers, rows,
-        page], rows picked by ``src_index``, else row i) on ``stream``; return the event after it, or None
-        when this launch is not taken (nothing queued, nothing written). Bad input raises ValueError."""
+        page], rows picked by ``src_index``, else row i; None: in place) on ``stream``; return the event after
+        it, or None when this launch is not taken (nothing queued, nothing written). Bad input raises
+        ValueError."""
         prepared = self.prepare(ids, src, layers, src_index, hold_limit=self.per_key)
         return None if prepared is None else prepared.fire(stream)
 
     def prepare(
-        self, ids: np.ndarray, src: torch.Tensor, layers: tuple[int, int], src_index: Any = None,
+        self, ids: np.ndarray, src: torch.Tensor | None, layers: tuple[int, int], src_index: Any = None,
         hold_limit: int | None = None,
     ) -> Prepared | None:
         """``launch``'s host work, done before the bytes are there: the checks, a graph of the request's key
@@ -155,23 +163,31 @@ class GraphLaunches:
         p = self.planes.planes
         first, last = layer_range(p, layers)  # the ordinary launch's checks, in its order (check_launch)
         limit = max(1, self.per_key // 2) if hold_limit is None else hold_limit
+        in_place = src is None
         # ids unchecked yet: anything but an array counts as no blocks here and is refused by the checks below
-        if self._held(last - first, getattr(ids, "size", 0)) >= limit:
+        if self._held(last - first, getattr(ids, "size", 0), in_place) >= limit:
             # At 16k x 8 four in five groups found their key's limit reached (one H100, 2026-12-05), and
             # each had spent ~40 µs of the loop on checks the launch at landing repeats.
             self.stats["declined"] += 1
             return None
         ids = launch_ids(p, ids)
         m = ids.size
-        source = self._source(src, first, last, m, src_index)
-        if src_index is None:
-            rows = np.arange(m, dtype=np.int64)
+        rows: np.ndarray | None = None
+        if in_place:
+            if src_index is not None:
+                raise ValueError("src_index needs a source: an in-place launch reads its blocks' own pages")
+            source = self._in_place_source(first, last)
         else:
-            rows = launch_src_rows(src_index, ids, source.rows)
-        if self.broken is not None or m == 0 or not (p.aligned16 and source.vectors_fit):
+            source = self._source(src, first, last, m, src_index)
+            if src_index is None:
+                rows = np.arange(m, dtype=np.int64)
+            else:
+                rows = launch_src_rows(src_index, ids, source.rows)
+        fits = p.aligned16 and source.vectors_fit and (self._in_place or not in_place)
+        if self.broken is not None or m == 0 or not fits:
             self.stats["declined"] += 1
             return None
-        key = (last - first, bucket(m))
+        key = (last - first, bucket(m), in_place)
         entry = self._take(key)
         if entry is None:
             self.stats["declined"] += 1
@@ -181,7 +197,7 @@ class GraphLaunches:
         entry.held = True
         return Prepared(owner=self, entry=entry, key=key)
 
-    def _fire(self, entry: _Graph, key: tuple[int, int], stream: Any) -> Any:
+    def _fire(self, entry: _Graph, key: Key, stream: Any) -> Any:
         """``Prepared.fire``: the launch's replay and event; its graph is let go whatever happens."""
         previous = _use_stream(stream)
         try:
@@ -198,7 +214,7 @@ class GraphLaunches:
             _restore_stream(previous)
         return entry.last
 
-    def _queue(self, entry: _Graph, key: tuple[int, int], stream: Any, gates: Any) -> tuple[Any, int] | None:
+    def _queue(self, entry: _Graph, key: Key, stream: Any, gates: Any) -> tuple[Any, int] | None:
         """``Prepared.queue``: the gate's wait on ``stream``, then ``_fire`` behind it."""
         if entry.graph is None or self.broken is not None:
             return None
@@ -221,10 +237,11 @@ class GraphLaunches:
         self.stats["gated"] = self.stats.get("gated", 0) + 1
         return event, slot
 
-    def _disarm(self, entry: _Graph, key: tuple[int, int]) -> None:
+    def _disarm(self, entry: _Graph, key: Key) -> None:
         """``Prepared.disarm``: every layer's K and V destination in the entry's table made the scratch
-        block's, with row stride 0 (every block id lands there); the next fill rewrites the meta."""
-        layers, b = key
+        block's, with row stride 0 (every block id lands there; in place it is read there too); the next
+        fill rewrites the meta."""
+        layers, b, _ = key
         _, meta_at, _ = table_layout(b, layers)
         meta = entry.table[meta_at : meta_at + layers * META_COLUMNS].reshape(layers, META_COLUMNS)
         k_at, v_at = self._scratch_offsets()
@@ -260,12 +277,27 @@ class GraphLaunches:
         self._sources[key] = found
         return found
 
-    def _held(self, layers: int, m: int) -> int:
+    def _in_place_source(self, first: int, last: int) -> _Source:
+        """The in-place launches' "source" of layers [first, last): the blocks themselves, with the meta
+        table of those layers (no source rows); remembered like ``_source``'s."""
+        key = ("in place", first, last)
+        found = self._sources.get(key)
+        if found is not None:
+            return found
+        p = self.planes.planes
+        meta = self.planes.tables.get(p.rows[first:last], None, self._anchor_ptr, p.elem_bytes)
+        found = _Source(rows=0, vectors_fit=True, meta=meta)
+        if len(self._sources) >= self.max_sources:
+            self._sources.popitem(last=False)
+        self._sources[key] = found
+        return found
+
+    def _held(self, layers: int, m: int, in_place: bool) -> int:
         """How many graphs of the key of ``m`` blocks over ``layers`` layers are held (0 for no blocks)."""
-        entries = self._graphs.get((layers, bucket(m))) if m > 0 else None
+        entries = self._graphs.get((layers, bucket(m), in_place)) if m > 0 else None
         return sum(e.held for e in entries) if entries else 0
 
-    def _take(self, key: tuple[int, int]) -> _Graph | None:
+    def _take(self, key: Key) -> _Graph | None:
         """A graph of ``key`` free to rewrite, a new one (not yet captured) if none is, or None. The key's
         hold limit is ``prepare``'s to check, before its checks (``_held``)."""
         entries = self._graphs.get(key)
@@ -296,15 +328,19 @@ class GraphLaunches:
                 self.count -= len(entries)
         return self.count < self.max_graphs
 
-    def _enqueue(self, entry: _Graph, key: tuple[int, int]) -> None:
+    def _enqueue(self, entry: _Graph, key: Key) -> None:
         """The launch itself, on the current stream: the table's copy, then the kernel."""
-        layers, b = key
+        layers, b, in_place = key
         entry.device.copy_(entry.host, non_blocking=True)
         _, meta_at, _ = table_layout(b, layers)
         meta = entry.device[meta_at:]
         ids = entry.device[: 2 * b]
-        hc, nc, dc, hchunks = self._chunks
         p, t = self.planes.planes, self.tuning
+        if in_place:  # the bucket's padding ids (PAD_ID) convert nothing
+            self._tk.launch_split(self.device, True, self.anchor, meta, ids, b, layers * b, p.num_heads,
+                                  self._geom, t)
+            return
+        hc, nc, dc, hchunks = self._chunks
         programs = layers * b * hchunks * (p.block_size // nc) * (p.head_size // dc)
         shape = dict(HC=hc, HCHUNKS=hchunks, NC=nc, DC=dc, KD=t.k_direct_oop, EVICT=t.evict,
                      num_warps=t.oop_warps, SRC_IDX=True, lut=self._unused, cnt=self._unused, REENC=False,
@@ -317,7 +353,7 @@ class GraphLaunches:
             tk._launch(tk.convert_kernel, (programs,), self.device, True, self.anchor, meta, ids, b,
                        p.num_heads, 0, FROM_SRC=True, **shape)
 
-    def _capture(self, entry: _Graph, key: tuple[int, int]) -> None:
+    def _capture(self, entry: _Graph, key: Key) -> None:
         """Capture ``_enqueue`` into the entry's graph; a failure turns graph launches off, with a warning
         (the request itself was already queued the ordinary way)."""
         graph = torch.cuda.CUDAGraph()

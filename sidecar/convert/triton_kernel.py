@@ -212,8 +212,12 @@ def in_place_split_kernel(anchor, meta, ids, M, H, HR: tl.constexpr, G: tl.const
     block, plus half a head for odd H) are loaded first and kept; heads h < H//2 then stream in ascending
     order (G at a time), each group written right after it is read: slot h's reader h//2 <= h has been read
     already and slot H+h's reader is resident. The resident heads are written last.
+
+    A negative block id is a graph's padding row (``graph_tables.PAD_ID``): its program writes nothing.
     """
     pair = tl.program_id(0)
+    if tl.load(ids + pair % M) < 0:
+        return
     k_base, v_base, _ = _row_bases(meta, ids, pair, M)
     lo = H // 2
     kr, vr = _load_sources(anchor, k_base, v_base, 0, lo, 0, 0, HR, N, D, H, True, H, N, D, X, False, KD,
@@ -309,12 +313,15 @@ def oop_chunks(h: int, n: int, d: int, x: int, tuning: Tuning) -> tuple[int, int
 
 def in_place_strategy(job: ConversionJob, tuning: Tuning = TUNING) -> str:
     """How a pair of this shape converts in place: "pipe", "whole" or "split" (on chip) or "scratch"."""
-    h, nd = job.num_heads, job.block_size * job.head_size
-    e = job.elem_bytes
-    pair_bytes = 2 * e * _next_pow2(h) * nd  # K and V, heads padded to a power of two
-    resident_bytes = 2 * e * _next_pow2(h - h // 2) * nd
     if job.lut is not None:
         return "scratch"  # only convert_kernel re-encodes
+    return in_place_form(job.num_heads, job.block_size * job.head_size, job.elem_bytes, tuning)
+
+
+def in_place_form(h: int, nd: int, e: int, tuning: Tuning = TUNING) -> str:
+    """``in_place_strategy`` of a pair without a re-encode: ``h`` heads of ``nd`` elements of ``e`` bytes."""
+    pair_bytes = 2 * e * _next_pow2(h) * nd  # K and V, heads padded to a power of two
+    resident_bytes = 2 * e * _next_pow2(h - h // 2) * nd
     if tuning.in_place == "pipe" and pair_bytes <= tuning.pipe_max_pair_bytes:
         return "pipe"
     if tuning.in_place == "whole" and pair_bytes <= tuning.whole_max_pair_bytes:
@@ -427,6 +434,23 @@ def _launch(fn: Any, grid: tuple[int, ...], device: torch.device, direct: bool, 
     kernel(grid, index, args, kwargs)
 
 
+def launch_split(device: torch.device, direct: bool, anchor: torch.Tensor, meta: torch.Tensor,
+                 ids: torch.Tensor, m: int, pairs: int, h: int, geom: dict[str, int], tuning: Tuning) -> None:
+    """``in_place_split_kernel`` over ``pairs`` = layers x ``m`` (layer, block) pairs, block ids at ``ids``
+    (the ordinary launch's, or a graph's padded to its bucket ``m``). ``geom``: N, D and X."""
+    hr = _next_pow2(h - h // 2)
+    resident = 2 * hr * geom["N"] * geom["D"]
+    _launch(in_place_split_kernel, (pairs,), device, direct, anchor, meta, ids, m, h, HR=hr,
+            G=min(tuning.split_group, _next_pow2(max(1, h // 2))), PREFETCH=tuning.prefetch,
+            KD=tuning.k_direct, EVICT=tuning.evict,
+            num_warps=_warps(resident, tuning.in_place_elems_per_thread), **geom, **register_cap(tuning))
+
+
+def register_cap(tuning: Tuning) -> dict[str, int]:
+    """A register cap lets more in-place programs share an SM (CUDA only: HIP's Triton has no such option)."""
+    return {"maxnreg": tuning.maxnreg} if tuning.maxnreg and torch.version.hip is None else {}
+
+
 class Launcher:
     """A checked job turned into device-side tables once; ``__call__`` only launches (for the benchmark).
 
@@ -449,8 +473,7 @@ class Launcher:
         counts = job.counts if job.counts is not None else _unused_counts(job.device)
         lut = job.lut if job.lut is not None else counts  # unused without REENC
         self.reenc = dict(lut=lut, cnt=counts, REENC=job.lut is not None)
-        # A register cap lets more in-place programs share an SM (CUDA only: HIP's Triton has no such option).
-        self.extra = {"maxnreg": tuning.maxnreg} if tuning.maxnreg and torch.version.hip is None else {}
+        self.extra = register_cap(tuning)
         self.strategy = "out_of_place" if job.srcs is not None else in_place_strategy(job, tuning)
         ids = [job.ids.numpy(), job.src_index.numpy()] if self.src_idx else [job.ids.numpy()]
         segments = [ids, [_meta_table(job, self.anchor, job.src_rows, tables)]]
@@ -494,14 +517,8 @@ class Launcher:
                                       self.t.in_place_elems_per_thread),
                      **self.geom, **self.extra)
         elif self.strategy == "split":
-            h = self.job.num_heads
-            hr = _next_pow2(h - h // 2)
-            resident = 2 * hr * self.job.block_size * self.job.head_size
-            self._go(in_place_split_kernel, (total,), self.anchor, self.meta, self.ids, self.m, h, HR=hr,
-                     G=min(self.t.split_group, _next_pow2(max(1, h // 2))), PREFETCH=self.t.prefetch,
-                     KD=self.t.k_direct, EVICT=self.t.evict,
-                     num_warps=_warps(resident, self.t.in_place_elems_per_thread),
-                     **self.geom, **self.extra)
+            launch_split(self.device, self.direct, self.anchor, self.meta, self.ids, self.m, total,
+                         self.job.num_heads, self.geom, self.t)
         else:
             self._in_place_scratch()
 

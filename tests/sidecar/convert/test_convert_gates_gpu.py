@@ -70,28 +70,38 @@ def test_a_gated_launch_writes_nothing_until_its_gate_opens_then_converts_like_t
     assert rig.graphs.stats["gated"] == 1
 
 
-def test_a_disarmed_launch_writes_only_the_scratch_block_and_its_graph_converts_the_next_request():
+@pytest.mark.parametrize("in_place", [False, True], ids=["staged", "in-place"])
+def test_a_disarmed_launch_writes_only_the_scratch_block_and_its_graph_converts_the_next_request(in_place):
     from sidecar.convert.gates import Gates
 
     rig = GraphRig(8, 16, 128, seed=22)
     rig.graphs.per_key = 1  # one graph for the key: the next request must take the disarmed one's
     gates = Gates(2)
     ids, src, rows = rig.request(9, True)
+    if in_place:  # a direct read's launch: its blocks converted where they are
+        src = rows = None
     _captured(rig, ids, src, rows, (0, 3))
     before = _planes(rig)
-    ids, _, rows = rig.request(9, True)
+    ids, _, new_rows = rig.request(9, True)
+    rows = None if in_place else new_rows
     prepared = rig.graphs.prepare(ids, src, (0, 3), rows, hold_limit=1)
-    rig.graphs._scratch_offsets()  # made here so that it starts zeroed
-    rig.graphs._scratch.zero_()
-    torch.cuda.synchronize()  # zeroed (on the current stream) before the launch can write it
+    rig.graphs._scratch_offsets()  # made here so that it starts known
+    if in_place:  # converted in place, zeros stay zeros: start from random bytes
+        rig.graphs._scratch.random_(1, 256)
+    else:
+        rig.graphs._scratch.zero_()
+    scratch = rig.graphs._scratch.clone()
+    torch.cuda.synchronize()  # set (on the current stream) before the launch can write it
     event, slot = prepared.queue(rig.stream, gates)
     prepared.disarm()
     gates.open(slot)
     _wait(event)
     assert _unchanged(rig, before), "a disarmed launch wrote into the planes"
-    assert rig.graphs._scratch.any(), "a disarmed launch wrote nowhere (it should write the scratch block)"
+    wrote = not torch.equal(rig.graphs._scratch, scratch)
+    assert wrote, "a disarmed launch wrote nowhere (it should write the scratch block)"
     gates.give_back(slot)
-    ids, _, rows = rig.request(9, True)  # the same graph, its meta written again by this fill
+    ids, _, new_rows = rig.request(9, True)  # the same graph, its meta written again by this fill
+    rows = None if in_place else new_rows
     assert rig.both(ids, src, rows, (0, 3)) is not None
     rig.assert_same("the request after a disarmed one")
     assert rig.graphs.count == 1 and rig.graphs.stats["disarmed"] == 1

@@ -1,7 +1,8 @@
-"""Graph-replayed staged launches (``GraphLaunches``) on a GPU: the same bytes as the ordinary launch for
-every request, captured once and replayed with each new request's tables, nothing written outside a request's
-own blocks (the planes are compared whole: every other block is canary), the ordinary way taken when no graph
-is free or a capture failed, and bad input refused before anything is queued."""
+"""Graph-replayed launches (``GraphLaunches``) on a GPU, out of place (staged) and in place (direct): the same
+bytes as the ordinary launch for every request, captured once and replayed with each new request's tables,
+nothing written outside a request's own blocks (the planes are compared whole: every other block is canary,
+and so is a guard row on each side of every plane, where a padding row's id -1 would land), the ordinary way
+taken when no graph is free or a capture failed, and bad input refused before anything is queued."""
 
 from __future__ import annotations
 
@@ -31,8 +32,11 @@ class GraphRig:
         self.h, self.n, self.d, self.layers = h, n, d, layers
         self.row = h * n * d
         gen = torch.Generator(device=DEV).manual_seed(seed)
-        self.k = [self._random((BLOCKS, self.row), gen, dtype) for _ in range(layers)]
-        self.v = [self._random((BLOCKS, self.row), gen, dtype) for _ in range(layers)]
+        # each plane is the middle of a buffer with a guard row on either side
+        self.buffers = [self._random((BLOCKS + 2, self.row), gen, dtype) for _ in range(2 * layers)]
+        self.guards = [torch.stack([b[0], b[-1]]).clone() for b in self.buffers]
+        self.k = [b[1:-1] for b in self.buffers[:layers]]
+        self.v = [b[1:-1] for b in self.buffers[layers:]]
         self.k2 = [t.clone() for t in self.k]
         self.v2 = [t.clone() for t in self.v]
         geom = dict(num_heads=h, block_size=n, head_size=d)
@@ -57,8 +61,9 @@ class GraphRig:
         return ids, self.src, self.rng.choice(self.src.shape[1], m, replace=False).astype(np.int64)
 
     def both(self, ids, src, rows, layers):
-        """The request through graphs and the ordinary way; the graphs' event (None: not taken)."""
-        part = src[layers[0] : layers[1]]
+        """The request through graphs and the ordinary way; the graphs' event (None: not taken). ``src``
+        None: in place."""
+        part = None if src is None else src[layers[0] : layers[1]]
         event = self.graphs.launch(self.stream, ids, part, layers, rows)
         launch_gpu(self.stream, self.ordinary, ids, AITER_SHUFFLED, part, layers, None, None, None, rows)
         return event
@@ -69,6 +74,9 @@ class GraphRig:
             for layer, (x, y) in enumerate(zip(a, b, strict=True)):
                 same = torch.equal(x.view(torch.int16), y.view(torch.int16))
                 assert same, f"{what}: {name} plane of layer {layer} differs from the ordinary launch"
+        for i, (buf, guard) in enumerate(zip(self.buffers, self.guards, strict=True)):
+            kept = torch.equal(torch.stack([buf[0], buf[-1]]).view(torch.int16), guard.view(torch.int16))
+            assert kept, f"{what}: a guard row of plane buffer {i} was written"
 
 
 @pytest.mark.parametrize(("h", "n", "d"), [(8, 16, 128), (3, 32, 64), (1, 16, 256)], ids=str)
@@ -89,6 +97,41 @@ def test_replays_convert_each_new_request_like_the_ordinary_launch(h, n, d, inde
     keys = {(last - first, bucket(m)) for m in sizes for first, last in groups}
     assert rig.graphs.stats == {"captures": len(keys), "replays": len(sizes) * len(groups) - len(keys),
                                 "declined": 0}
+
+
+@pytest.mark.parametrize(("h", "n", "d"), [(8, 16, 128), (3, 32, 64), (1, 16, 256)], ids=str)
+def test_in_place_replays_convert_each_new_request_like_the_ordinary_launch(h, n, d):
+    """Direct reads convert in place: a padding row there must write nothing (its id is PAD_ID, -1, whose
+    block would be the guard row before the plane), and each request converts exactly its own blocks."""
+    from sidecar.convert.graph_tables import bucket
+
+    rig = GraphRig(h, n, d, seed=2 * h + n + d)
+    sizes, groups = (5, 17, 19, 19, 33, 1, 20, 5), ((0, 3), (1, 3))  # 19 -> 20 and 33 -> 36 pad
+    for m in sizes:
+        for layers in groups:
+            ids = rig.rng.choice(BLOCKS, m, replace=False).astype(np.int64)
+            assert rig.both(ids, None, None, layers) is not None, f"{m} blocks, layers {layers}: not taken"
+            rig.assert_same(f"in place, {m} blocks, layers {layers}")
+    keys = {(last - first, bucket(m)) for m in sizes for first, last in groups}
+    assert rig.graphs.stats == {"captures": len(keys), "replays": len(sizes) * len(groups) - len(keys),
+                                "declined": 0}
+
+
+def test_in_place_and_out_of_place_graphs_of_one_size_are_kept_apart():
+    """One bucket and layer count, both forms alternating: each replays its own graph (its own kernel)."""
+    rig = GraphRig(8, 16, 128, seed=21)
+    for i in range(6):
+        ids, src, rows = rig.request(12, True)
+        assert rig.both(ids, None if i % 2 else src, None if i % 2 else rows, (0, 3)) is not None
+        rig.assert_same(f"launch {i} ({'in place' if i % 2 else 'out of place'})")
+    assert rig.graphs.stats == {"captures": 2, "replays": 4, "declined": 0}
+
+
+def test_an_in_place_launch_with_source_rows_is_refused():
+    rig = GraphRig(8, 16, 128, seed=22)
+    with pytest.raises(ValueError, match="src_index needs a source"):
+        rig.graphs.launch(rig.stream, np.array([1, 2]), None, (0, 3), np.array([0, 1]))
+    rig.assert_same("refused")
 
 
 def test_a_graph_taken_by_another_layer_range_or_source_gets_that_ones_meta():

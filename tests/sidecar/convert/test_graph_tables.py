@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sidecar.convert.graph_tables import EXACT_UP_TO, STEPS_PER_OCTAVE, bucket, fill, table_layout
+from sidecar.convert.graph_tables import EXACT_UP_TO, PAD_ID, STEPS_PER_OCTAVE, bucket, fill, table_layout
 from sidecar.convert.tables import ALIGN, META_COLUMNS
 
 
@@ -67,6 +67,36 @@ def test_fill_pads_with_the_first_block_and_its_row(m, layers):
     assert np.array_equal(meta, want_meta)
 
 
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 17, 100, 255, 256, 257, 1000])
+@pytest.mark.parametrize("layers", [1, 36])
+def test_fill_in_place_pads_with_no_block_and_leaves_the_source_rows(m, layers):
+    """In place a padding row must convert nothing (a block converted twice in place is scrambled): the ids
+    past the request are PAD_ID, which no block has, and the unused source rows keep what they held."""
+    rng = np.random.default_rng(m * 10 + layers)
+    b = bucket(m)
+    ids, _, meta = _request(rng, m, b, layers)
+    table = np.full(table_layout(b, layers)[2], 7777, dtype=np.int64)
+    fill(table, b, ids, None, meta)
+    assert np.array_equal(table[:m], ids)
+    assert (table[m:b] == PAD_ID).all() and PAD_ID < 0  # the in-place kernel skips negative ids
+    assert (table[b : 2 * b] == 7777).all()
+    meta_at = table_layout(b, layers)[1]
+    got_meta = table[meta_at : meta_at + layers * META_COLUMNS].reshape(layers, META_COLUMNS)
+    assert np.array_equal(got_meta, meta)
+
+
+def test_fill_in_place_after_an_out_of_place_request_leaves_none_of_its_ids():
+    """A graph's table is reused by requests of its key only, but the table itself must not care: an
+    in-place fill over an out-of-place one pads with PAD_ID, not the earlier request's first id."""
+    rng = np.random.default_rng(3)
+    b, layers = bucket(40), 2
+    table = np.zeros(table_layout(b, layers)[2], dtype=np.int64)
+    fill(table, b, *_request(rng, 40, b, layers))
+    ids = rng.permutation(1000)[:33].astype(np.int64)
+    fill(table, b, ids, None, None)
+    assert np.array_equal(table[:33], ids) and (table[33:b] == PAD_ID).all()
+
+
 def test_fill_over_a_used_table_leaves_nothing_of_the_last_request():
     rng = np.random.default_rng(1)
     b, layers = bucket(200), 3
@@ -79,12 +109,13 @@ def test_fill_over_a_used_table_leaves_nothing_of_the_last_request():
     assert set(table[b : 2 * b].tolist()) == set(rows.tolist())
 
 
-@pytest.mark.parametrize(("m", "b", "rows_m"), [(0, 4, 0), (5, 4, 5), (3, 4, 2)])
+@pytest.mark.parametrize(("m", "b", "rows_m"), [(0, 4, 0), (5, 4, 5), (3, 4, 2), (0, 4, None), (5, 4, None)])
 def test_fill_refuses_what_does_not_fit(m, b, rows_m):
     table = np.zeros(table_layout(b, 2)[2], dtype=np.int64)
     ids = np.arange(m, dtype=np.int64)
+    rows = None if rows_m is None else np.arange(rows_m, dtype=np.int64)
     with pytest.raises(ValueError, match="do not fit a bucket"):
-        fill(table, b, ids, np.arange(rows_m, dtype=np.int64), np.zeros((2, META_COLUMNS), np.int64))
+        fill(table, b, ids, rows, np.zeros((2, META_COLUMNS), np.int64))
 
 
 def test_fill_refuses_a_table_of_another_bucket():
