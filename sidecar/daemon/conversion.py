@@ -99,7 +99,7 @@ class Conversions:
         on_launch: Callable[[str], None] = lambda path: None,
         gates: Callable[[], bool] = lambda: False,
     ) -> None:
-        """``graphs``: whether staged launches may replay CUDA graphs (config ``conversion_graphs``);
+        """``graphs``: whether launches may replay CUDA graphs (config ``conversion_graphs``);
         ``on_launch``: told each GPU launch's path ("gated", "graph" or "ordinary"); ``gates``: whether
         graph launches made ready ahead of their bytes are queued behind gates (config
         ``conversion_gates``), so that landing only opens them."""
@@ -183,12 +183,15 @@ class Conversions:
         """While the job's layer groups still read: make each one's graph launch ready (``GraphLaunches.
         prepare``), so that when it lands only its replay is left to do. Where a group's launch cannot be
         made ready (not a graph launch, no graph to hold), it is built when the group lands. With config
-        ``conversion_gates`` a launch made ready is also queued behind a gate: landing only opens it."""
+        ``conversion_gates`` a launch made ready out of place is also queued behind a gate: landing only
+        opens it."""
         conv: JobConversion | None = job.conversion
         if conv is None or job.caches is None or not self._graph_launch(conv):
             return
         t0 = time.perf_counter()
-        stream = self._gate_stream()
+        # Never in place: with a direct read's launches behind gates the GPU slice test hung on an H100
+        # (2026-12-06, twice; not diagnosed, see conversion_gates).
+        stream = None if conv.src is None else self._gate_stream()
         try:
             graphs = _graph_launches(job.caches)
             for first, last in groups:
@@ -233,10 +236,9 @@ class Conversions:
         return self._gate_streams[self._next_gate_stream]
 
     def _graph_launch(self, conv: JobConversion) -> bool:
-        """Whether this conversion's launches may replay graphs: staged, on a GPU, unsliced, no re-encode,
-        config ``conversion_graphs``."""
-        return (self.on_gpu and conv.src is not None and conv.planes is None and self.limits.unbounded
-                and self._graphs())
+        """Whether this conversion's launches may replay graphs (out of place or in place): on a GPU,
+        unsliced, no re-encode, config ``conversion_graphs``."""
+        return self.on_gpu and conv.planes is None and self.limits.unbounded and self._graphs()
 
     @staticmethod
     def _group_source(conv: JobConversion, first: int, last: int) -> Any:
@@ -266,8 +268,8 @@ class Conversions:
         conv.layers += last - first
 
     def _launch(self, job: Job, src: Any, first: int, last: int) -> None:
-        """Queue a group's conversion on the GPU stream: replayed from a CUDA graph when it can be (staged,
-        unsliced, no re-encode, config ``conversion_graphs``), else built here; timed into the job's Done."""
+        """Queue a group's conversion on the GPU stream: replayed from a CUDA graph when it can be (unsliced,
+        no re-encode, config ``conversion_graphs``), else built here; timed into the job's Done."""
         conv: JobConversion = job.conversion
         caches, ids, layers = job.caches, job.pairs.local, (first, last)
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -286,7 +288,7 @@ class Conversions:
         elif self._graph_launch(conv):
             event = _graph_launches(caches).launch(self._stream, ids, src, layers, conv.src_index)
         self._on_launch("graph" if event is not None else "ordinary")
-        if event is None:  # not taken: in place, sliced, re-encoding, or no graph free
+        if event is None:  # not taken: sliced, re-encoding, a shape graphs do not take, or no graph free
             event = launch_gpu(self._stream, caches, ids, caches.page_format, src, layers, self.limits,
                                conv.planes, conv.counts, conv.src_index)
         conv.last_event = event

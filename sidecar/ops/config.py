@@ -246,22 +246,23 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     conversion_graphs: Annotated[
         bool,
         _doc(
-            "GPU, staged reads: replay each conversion launch from a CUDA graph captured once per size "
-            "bucket (a request of m blocks runs the bucket's grid, at most 1/8 more, padding rows convert "
-            "the request's first block again), instead of building its tables and launching in Python; "
-            "the first request of each bucket launches the ordinary way. In place (direct) launches "
-            "always go the ordinary way"
+            "GPU: replay each conversion launch from a CUDA graph captured once per size bucket (a "
+            "request of m blocks runs the bucket's grid, at most 1/8 more: out of place (staged, mapped) "
+            "padding rows convert the request's first block again, in place (direct) they convert "
+            "nothing), instead of building its tables and launching in Python; the first request of each "
+            "bucket launches the ordinary way, and so do fp8 re-encodes and sliced conversions"
         ),
     ] = True
     conversion_gates: Annotated[
         bool,
         _doc(
-            "GPU, with conversion_graphs: queue each staged layer group's graph launch while its bytes still "
-            "read, held on the GPU behind a gate (a stream memory wait on a word of pinned host memory), so "
-            "that once they land the launch is one store to that word. A request whose bytes never land has "
-            "its launches pointed at a scratch block before their gates open: they write nothing of the "
-            "decoder's. Needs the driver's stream memory waits (cuStreamWaitValue32_v2); without them a "
-            "warning, and off"
+            "GPU, with conversion_graphs: queue each staged (out-of-place) layer group's graph launch while "
+            "its bytes still read, held on the GPU behind a gate (a stream memory wait on a word of pinned "
+            "host memory), so that once they land the launch is one store to that word. A request whose "
+            "bytes never land has its launches pointed at a scratch block before their gates open: they "
+            "write nothing of the decoder's. Needs the driver's stream memory waits "
+            "(cuStreamWaitValue32_v2); without them a warning, and off. Direct reads' in-place launches "
+            "are never gated: with them behind gates the GPU slice test hung (2026-12-06, not diagnosed)"
         ),
     ] = False
     remotes: Annotated[

@@ -106,7 +106,7 @@ class _Graphs:
         if self.fail:
             raise ValueError("block_ids: bad")
         self.calls.append(("prepare", layers))
-        assert src.shape[0] == layers[1] - layers[0]  # the group's own layers of the staged source
+        assert src is None or src.shape[0] == layers[1] - layers[0]  # the group's own layers if staged
         return _Prepared(self.calls, layers) if self.take else None
 
     def launch(self, stream, ids, src, layers, src_index):
@@ -116,13 +116,13 @@ class _Graphs:
         return _Event()
 
 
-def _graph_job(graphs: _Graphs, groups_on: bool = True):
+def _graph_job(graphs: _Graphs, groups_on: bool = True, in_place: bool = False):
     conversions = Conversions(None, graphs=lambda: groups_on)
     conversions._stream = object()  # as on a GPU: launches go through the graphs, not the worker thread
     caches = types.SimpleNamespace(graphs=graphs, page_format=LOCAL)
     job = types.SimpleNamespace(caches=caches, pairs=types.SimpleNamespace(local=np.array([0, 1])),
                                 conversion=None, timings={}, req_id="r")
-    conversions.begin(job, torch.zeros((3, 2, 8)), negotiate(REMOTE, REMOTE))
+    conversions.begin(job, None if in_place else torch.zeros((3, 2, 8)), negotiate(REMOTE, REMOTE))
     return conversions, job
 
 
@@ -261,9 +261,9 @@ class _GatedGraphs(_Graphs):
         return _QueuedPrepared(self.calls, layers)
 
 
-def _gated_job(gates_on: bool = True, count: int = 8):
+def _gated_job(gates_on: bool = True, count: int = 8, in_place: bool = False):
     graphs = _GatedGraphs()
-    conversions, job = _graph_job(graphs)
+    conversions, job = _graph_job(graphs, in_place=in_place)
     conversions._gated = lambda: gates_on
     conversions._gates = gates = _Gates(graphs.calls, count)
     conversions._gate_streams, conversions._gates_tried = ["s0", "s1"], True
@@ -386,6 +386,24 @@ def test_without_a_free_gate_or_with_gates_off_a_launch_is_made_ready_as_before(
         assert ("fire", (1, 3)) in calls  # made ready, fired at landing
         assert paths == ["gated" if queued else "graph", "graph"]
         assert sorted(gates.free_slots) == list(range(count))
+
+
+def test_in_place_launches_are_made_ready_but_never_gated():
+    """A direct read converts in place: its launches replay graphs made ready while it reads, as staged ones
+    do, but even with gates on none is queued behind a gate (config conversion_gates says why)."""
+    conversions, job, calls, gates, paths = _gated_job(in_place=True)
+
+    async def main():
+        conversions.prepare(job, [(0, 1), (1, 3)])
+        assert job.conversion.gated == {} and set(job.conversion.prepared) == {(0, 1), (1, 3)}
+        conversions.convert_group(job, 1, 3)
+        conversions.convert_group(job, 0, 1)
+        await _settle(conversions, job)
+
+    _run(conversions, main)
+    assert not any(c[0] in ("close", "queue") for c in calls)
+    assert [c for c in calls if c[0] == "fire"] == [("fire", (1, 3)), ("fire", (0, 1))]
+    assert paths == ["graph", "graph"] and sorted(gates.free_slots) == list(range(8))
 
 
 def test_a_driver_that_refuses_the_gates_wait_turns_gates_off_and_launches_at_landing(caplog):
