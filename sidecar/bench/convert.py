@@ -6,7 +6,8 @@ GPU, the Triton kernel in place and out of place from a staging buffer (``kernel
 Bandwidths count bytes read + bytes written (2 × the request's pages). Kernel and copy times are the device's
 work (CUDA events, the launch hidden behind a spin: ``timing.LEAD_S``); per-call times are wall times of
 launch + sync, the daemon's way, set against the copy timed the same way. It also checks that the kernel's
-bytes equal the reference's. Writes a table, a JSON list of rows and a PNG plot.
+bytes equal the reference's. Writes a table, a JSON list of rows and a PNG plot. A shape the device's memory
+cannot hold is skipped, with a row that says so, and the others are still measured and written.
 
 Size: shapes, timing, plotting and the JSON report of one benchmark.
 """
@@ -328,6 +329,9 @@ def must_show(rows: list[dict], device: torch.device) -> list[str]:
     """The issue's must-show ratios that do not hold (empty: all hold)."""
     fails = []
     for r in rows:
+        if "skipped" in r:
+            fails.append(f"{r['shape']}: not measured ({r['skipped']})")
+            continue
         tag = f"{r['shape']}" + (f" [{r['variant']}]" if r.get("variant") not in (None, "default") else "")
         if device.type != "cuda":
             if r["torch_ref_vs_copy"] < CPU_REF_MIN:
@@ -458,25 +462,32 @@ def run(args: argparse.Namespace) -> int:
                 if what != "copy":
                     progress.advance(task)
 
-            rows += measure(shape, device, dtype, timer, variants or [], not args.no_verify, step,
-                            kernel=device.type == "cuda",
-                            cache_blocks=args.cache_blocks if device.type == "cuda" else 0)
+            try:
+                rows += measure(shape, device, dtype, timer, variants or [], not args.no_verify, step,
+                                kernel=device.type == "cuda",
+                                cache_blocks=args.cache_blocks if device.type == "cuda" else 0)
+            except torch.OutOfMemoryError as exc:
+                why = f"out of device memory: {str(exc).splitlines()[0]}"
+                console.print(f"[yellow]{shape.name}: skipped, {why}[/yellow]")
+                rows.append({"shape": shape.name, "skipped": why})
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     meta = {"device": name, "date": now.isoformat(timespec="seconds"), "command": _command_line(),
             "torch": torch.__version__, "triton": _triton_version(device), "reps": reps,
             "warmup": args.warmup}
     rows = [{**r, **meta} for r in rows]
+    measured = [r for r in rows if "skipped" not in r]
     title = f"kv-sidecar bench convert — {name}, {args.dtype}, {now.date()}"
-    console.print(_table(rows, title))
+    if measured:
+        console.print(_table(measured, title))
     out_dir = args.out_dir or (Path("bench/results") if Path("bench/results").is_dir() else Path("."))
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = args.tag or (name.split()[-1].lower() if device.type == "cuda" else "cpu")
     stem = out_dir / f"convert-{re.sub(r'[^a-z0-9]+', '-', tag.lower())}-{now.date()}"
     stem.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
     console.print(f"wrote {stem.with_suffix('.json')}")
-    if not args.no_plot:
-        plot(rows, stem.with_suffix(".png"), title)
+    if not args.no_plot and measured:
+        plot(measured, stem.with_suffix(".png"), title)
         console.print(f"wrote {stem.with_suffix('.png')}")
     fails = must_show(rows, device)
     for f in fails:
