@@ -10,13 +10,12 @@ made once (``_source``), and a table is given a meta only when it holds another 
 
 Padding: ``graph_tables`` (a request replays the graph of the smallest bucket holding it; out of place the
 extra rows convert the request's first block again, with the same bytes; in place they name no block).
-Buffers: a graph copies from its own pinned
-buffer, which may be rewritten only once that copy has run, so each graph keeps the event recorded after its
-last replay; a launch takes a graph of its key whose event is complete, captures another (up to
-``per_key``) when all are busy, and otherwise returns None: the caller then launches the ordinary way. So
-does a request this cannot take (a source 16-byte vectors do not fit) and, for good, a ``GraphLaunches``
-whose capture failed once. Neither form re-encodes fp8 (the ordinary launch does); in place replays only
-where the shape converts with the on-chip "split" kernel (every in-scope shape).
+Buffers: a graph copies from its own pinned buffer, which may be rewritten only once that copy has run, so
+each graph keeps the event recorded after its last replay; a launch takes a graph of its key whose event is
+complete, captures another (up to ``per_key``) when all are busy, and otherwise returns None: the caller then
+launches the ordinary way. So does a request this cannot take (a source 16-byte vectors do not fit) and, for
+good, a ``GraphLaunches`` whose capture failed once. Neither form re-encodes fp8 (the ordinary launch does);
+in place replays only where the shape converts with the on-chip "split" kernel (every in-scope shape).
 
 Ahead of the data: ``prepare`` does a launch's host work (the checks, a graph taken and held, its table
 written) while the request still reads, and ``fire`` queues it once the bytes have landed, so only the replay
