@@ -190,7 +190,7 @@ class Conversions:
             return
         t0 = time.perf_counter()
         # Never in place: with a direct read's launches behind gates the GPU slice test hung on an H100
-        # (2026-12-06, twice; not diagnosed, see conversion_gates).
+        # (2026-12-06, three runs of three; not diagnosed, see conversion_gates).
         stream = None if conv.src is None else self._gate_stream()
         try:
             graphs = _graph_launches(job.caches)
