@@ -55,14 +55,14 @@ for step in "$@"; do
     # where a lone pull's round trip goes (delivery, the daemon, return, the rest), staged and mapped
     hops) TAIL=8 run hops 100 "${ONE_GPU[@]}" --contexts 4096,16384 --concurrency 1,8 --reps 10 \
       --pairs staged/contiguous,mapped/contiguous --budget-s 85 --out "$OUT/e2e-$GPU_TAG-hops.json" ;;
-    tests) run tests 240 python3 -m pytest -m gpu -p no:cacheprovider -q tests/sidecar/convert \
+    tests) run tests 360 python3 -m pytest -m gpu -p no:cacheprovider -q tests/sidecar/convert \
       tests/sidecar/daemon tests/gpu/test_gpu_slice.py ;;
     launchtests) TAIL=40 run launchtests 100 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
       tests/sidecar/convert/test_convert_launch_gpu.py tests/sidecar/convert/test_convert_src_index.py ;;
     graphtests) TAIL=30 run graphtests 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
       tests/sidecar/convert/test_convert_graphs_gpu.py tests/sidecar/convert/test_convert_launch_gpu.py \
       tests/gpu/test_gpu_slice.py ;;
-    daemontests) TAIL=20 run daemontests 220 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
+    daemontests) TAIL=20 run daemontests 260 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
       tests/sidecar/daemon tests/gpu/test_gpu_slice.py tests/gpu/test_gpu_tp.py ;;
     defaults) TAIL=30 run defaults 160 python3 -m sidecar.bench.e2e --prefill-device cuda:0 --decoder-device cuda:0 \
       --warmup 1 --contexts 4096,16384 --concurrency 1,8 --reps 10 --pairs staged/contiguous,direct/contiguous \
@@ -256,7 +256,7 @@ for step in "$@"; do
         --daemon-set loop_pieces_slow_us=1 --out "$OUT/e2e-$GPU_TAG-fire-pieces.json" ;;
     # conversion gates (config conversion_gates): their GPU tests, then the staged cells with gates off and on,
     # alternating, two rounds
-    gatestests) TAIL=20 run gatestests 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
+    gatestests) TAIL=20 run gatestests 260 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
         tests/sidecar/convert/test_convert_gates_gpu.py tests/sidecar/convert/test_convert_graphs_gpu.py \
         tests/gpu/test_gpu_slice.py ;;
     gatesab) for r in 1 2; do
