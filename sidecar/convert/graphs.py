@@ -270,11 +270,7 @@ class GraphLaunches:
         ps, p = self.planes, self.planes.planes
         view, src_rows, fit = launch_source(ps.sources, p, src, last - first, m, src_index)
         meta = ps.tables.get(p.rows[first:last], src_rows, self._anchor_ptr, p.elem_bytes)
-        found = _Source(rows=view.shape[1], vectors_fit=fit, meta=meta)
-        if len(self._sources) >= self.max_sources:
-            self._sources.popitem(last=False)
-        self._sources[key] = found
-        return found
+        return self._remember(key, _Source(rows=view.shape[1], vectors_fit=fit, meta=meta))
 
     def _in_place_source(self, first: int, last: int) -> _Source:
         """The in-place launches' "source" of layers [first, last): the blocks themselves, with the meta
@@ -285,7 +281,10 @@ class GraphLaunches:
             return found
         p = self.planes.planes
         meta = self.planes.tables.get(p.rows[first:last], None, self._anchor_ptr, p.elem_bytes)
-        found = _Source(rows=0, vectors_fit=True, meta=meta)
+        return self._remember(key, _Source(rows=0, vectors_fit=True, meta=meta))
+
+    def _remember(self, key: tuple, found: _Source) -> _Source:
+        """``found`` kept under ``key``, the oldest source let go past ``max_sources``."""
         if len(self._sources) >= self.max_sources:
             self._sources.popitem(last=False)
         self._sources[key] = found
