@@ -276,8 +276,7 @@ class Conversions:
         conv.launched.add(layers)
         gated = conv.gated.pop(layers, None)
         if gated is not None:  # queued already: its bytes are here, let it run
-            self._gates.open(gated.slot)
-            conv.opened.append(gated)
+            self._let_run(conv, gated)
             self._on_launch("gated")
             self._timed(job, t0, c0)
             return
@@ -379,10 +378,14 @@ class Conversions:
         disarmed = list(conv.gated.values())
         for gated in disarmed:
             gated.prepared.disarm()
-            self._gates.open(gated.slot)
-            conv.opened.append(gated)
+            self._let_run(conv, gated)
         conv.gated.clear()
         return disarmed
+
+    def _let_run(self, conv: JobConversion, gated: Gated) -> None:
+        """Open ``gated``'s gate; the job's wait then includes the work behind it."""
+        self._gates.open(gated.slot)
+        conv.opened.append(gated)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
