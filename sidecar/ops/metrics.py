@@ -131,8 +131,8 @@ class Metrics:
             "kv_sidecar_conversion_launches",
             "GPU conversion launches by path: gated (a graph launch queued while its bytes read, let run "
             "when they landed, config conversion_gates), graph (replayed from a CUDA graph when they "
-            "landed, config conversion_graphs) or ordinary (tables and launch built in Python: in place, "
-            "sliced, fp8 re-encode, a size's first)",
+            "landed, config conversion_graphs) or ordinary (tables and launch built in Python: sliced, fp8 "
+            "re-encode, a size's first)",
             ["path"],
             registry=r,
         )
