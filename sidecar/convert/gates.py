@@ -10,6 +10,11 @@ A gate must always be opened: work behind a closed gate never runs, its stream s
 after it never complete. Slots are handed out by ``take`` and come back through ``give_back`` only once the
 work behind the gate has run (the caller knows from its event).
 
+While a gate is closed the thread that will open it must not call anything that waits for the device's
+work: that call would wait for the work behind the gate, which waits for that thread. A CUDA graph's
+instantiation does (``cudaGraphInstantiate``: the daemon hung in it, 2026-12-06); ``closed`` tells callers
+when to hold such calls back (``GraphLaunches`` captures no graph then).
+
 Needs a CUDA driver with the stream memory waits ``cuStreamWaitValue32_v2`` (the H100 hosts of 2026-12-06
 had them); ``open_library`` says why when there are none.
 """
@@ -71,11 +76,18 @@ class Gates:
             raise GatesUnavailable(f"cuMemHostGetDevicePointer: CUDA error {err}")
         self._base = dptr.value
         self._free = list(range(count - 1, -1, -1))
+        self._closed = 0
         self._lock = threading.Lock()
 
     @property
     def free(self) -> int:
         return len(self._free)
+
+    @property
+    def closed(self) -> int:
+        """How many gates are closed now: while any is, GPU work is held and a call that waits for the device
+        would wait for it."""
+        return self._closed
 
     def take(self) -> int | None:
         """A free gate's slot, closed (None when every gate is out)."""
@@ -83,7 +95,8 @@ class Gates:
             if not self._free:
                 return None
             slot = self._free.pop()
-        self.words[slot] = CLOSED
+            self.words[slot] = CLOSED
+            self._closed += 1
         return slot
 
     def close_on(self, stream: Any, slot: int) -> None:
@@ -96,6 +109,8 @@ class Gates:
         """Let the work behind ``slot``'s gate run: one store, under the lock so that every store before it
         (a disarmed table) is seen first, non-temporal ones included (a locked instruction orders them)."""
         with self._lock:
+            if self.words[slot] == CLOSED:
+                self._closed -= 1
             self.words[slot] = OPEN
 
     def is_open(self, slot: int) -> bool:

@@ -21,12 +21,17 @@ Ahead of the data: ``prepare`` does a launch's host work (the checks, a graph ta
 written) while the request still reads, and ``fire`` queues it once the bytes have landed, so only the replay
 is left on a lone request's critical path. A held graph is nobody else's until fired or ``drop``ped; at most
 half a key's graphs are held at once, so launches at landing still find one.
+
+Behind gates (``queue``, ``sidecar.convert.gates``): while the owner's ``held`` says GPU work waits behind a
+closed gate, no graph is captured (its instantiation waits for the device: for the gated work, whose gate the
+same thread would open) and none is made (new buffers); a launch that would need either goes the ordinary way.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,7 +118,9 @@ class _Source:
 class GraphLaunches:
     """Graph-replayed launches into one ``PlaneSet``'s planes (its caches own it)."""
 
-    def __init__(self, planes: PlaneSet, tuning: Tuning = TUNING, per_key: int = 8, max_graphs: int = 256):
+    def __init__(self, planes: PlaneSet, tuning: Tuning = TUNING, per_key: int = 8, max_graphs: int = 256,
+                 held: Callable[[], bool] = lambda: False):
+        """``held``: whether GPU work is held behind a closed gate now (``Gates.closed``); see the module."""
         from sidecar.convert import triton_kernel as tk  # lazy: the CPU torch wheel has no Triton
 
         p = planes.planes
@@ -124,6 +131,7 @@ class GraphLaunches:
         self.tuning = tuning
         self.per_key = per_key
         self.max_graphs = max_graphs
+        self._gates_held = held
         self.anchor = p.k_planes[0]
         self._anchor_ptr = self.anchor.data_ptr()
         self.device = p.device
@@ -202,7 +210,10 @@ class GraphLaunches:
         try:
             if entry.graph is None:
                 self._enqueue(entry, key)  # this request, the ordinary way (and Triton compiles if it must)
-                self._capture(entry, key)  # the next one of this key replays
+                if self._gates_held():  # instantiating would wait for the gated work: a later fire captures
+                    self.stats["deferred"] = self.stats.get("deferred", 0) + 1
+                else:
+                    self._capture(entry, key)  # the next one of this key replays
             else:
                 entry.graph.replay()
                 self.stats["replays"] += 1
@@ -217,6 +228,7 @@ class GraphLaunches:
         """``Prepared.queue``: the gate's wait on ``stream``, then ``_fire`` behind it."""
         if entry.graph is None or self.broken is not None:
             return None
+        self._scratch_offsets()  # a disarm writes there: made now, not while the gate holds the GPU
         slot = gates.take()
         if slot is None:
             return None
@@ -305,8 +317,8 @@ class GraphLaunches:
         for entry in entries:
             if entry.free():
                 return entry
-        if len(entries) >= self.per_key or not self._room():
-            return None
+        if len(entries) >= self.per_key or self._gates_held() or not self._room():
+            return None  # at the key's limit, gated work held (``held``), or no room
         _, _, total = table_layout(key[1], key[0])
         host = torch.empty(total, dtype=torch.int64, pin_memory=True)
         entry = _Graph(host=host, table=host.numpy(), device=torch.empty(total, dtype=torch.int64,

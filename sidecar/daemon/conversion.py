@@ -50,15 +50,6 @@ def reencode_planes(caches: Any, plan: Plan) -> Any:
     return found
 
 
-def _graph_launches(caches: Any) -> Any:
-    """The caches' ``GraphLaunches`` (made at first use: it holds pinned and device tables, and graphs)."""
-    if caches.graphs is None:
-        from sidecar.convert.graphs import GraphLaunches  # lazy: GPU only
-
-        caches.graphs = GraphLaunches(caches.plane_set)
-    return caches.graphs
-
-
 @dataclass(eq=False)
 class Gated:
     """A group's launch queued on a gate stream behind a closed gate (``sidecar.convert.gates``)."""
@@ -193,7 +184,7 @@ class Conversions:
         # (2026-12-06, three runs of three; not diagnosed, see conversion_gates).
         stream = None if conv.src is None else self._gate_stream()
         try:
-            graphs = _graph_launches(job.caches)
+            graphs = self._graph_launches(job.caches)
             for first, last in groups:
                 if (first, last) in conv.launched:  # landed before this ran: launched already
                     continue
@@ -234,6 +225,19 @@ class Conversions:
             return None
         self._next_gate_stream = (self._next_gate_stream + 1) % len(self._gate_streams)
         return self._gate_streams[self._next_gate_stream]
+
+    def _graph_launches(self, caches: Any) -> Any:
+        """The caches' ``GraphLaunches`` (made at first use: it holds pinned and device tables, and graphs),
+        told when this daemon's gates hold GPU work (then it captures and makes no graph)."""
+        if caches.graphs is None:
+            from sidecar.convert.graphs import GraphLaunches  # lazy: GPU only
+
+            caches.graphs = GraphLaunches(caches.plane_set, held=self._gates_held)
+        return caches.graphs
+
+    def _gates_held(self) -> bool:
+        """Whether GPU work waits behind a closed gate of this daemon's now."""
+        return self._gates is not None and self._gates.closed > 0
 
     def _graph_launch(self, conv: JobConversion) -> bool:
         """Whether this conversion's launches may replay graphs (out of place or in place): on a GPU,
@@ -285,7 +289,7 @@ class Conversions:
         if prepared is not None:
             event = prepared.fire(self._stream)
         elif self._graph_launch(conv):
-            event = _graph_launches(caches).launch(self._stream, ids, src, layers, conv.src_index)
+            event = self._graph_launches(caches).launch(self._stream, ids, src, layers, conv.src_index)
         self._on_launch("graph" if event is not None else "ordinary")
         if event is None:  # not taken: sliced, re-encoding, a shape graphs do not take, or no graph free
             event = launch_gpu(self._stream, caches, ids, caches.page_format, src, layers, self.limits,

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from sidecar.convert.launch import launch_gpu
+from sidecar.convert.launch import launch_gpu, make_stream
 from sidecar.wire.formats import AITER_SHUFFLED
-from tests.sidecar.convert.test_convert_graphs_gpu import GraphRig
+from tests.sidecar.convert.test_convert_graphs_gpu import DEV, GraphRig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -118,6 +118,53 @@ def test_gates_run_out_and_a_closed_one_is_never_given_back():
     gates.open(slot)
     gates.give_back(slot)
     assert gates.take() == slot
+
+
+def test_while_a_gate_holds_work_no_graph_is_captured_or_made_and_no_call_waits_for_it():
+    """The daemon hung in ``cudaGraphInstantiate`` with a gate closed (an H100, 2026-12-06): instantiating
+    waits for the device, so for the gated work, whose gate that same thread opens. While ``held`` says so, a
+    launch whose graph is not captured yet goes the ordinary way (a later one captures) and one that would
+    need a new graph is declined. A timer opens the gate after 20 s: it must not have been needed."""
+    import threading
+
+    from sidecar.convert.gates import Gates
+    from sidecar.convert.graphs import GraphLaunches
+
+    rig = GraphRig(8, 16, 128, seed=24)
+    gates = Gates(2)
+    rig.graphs = GraphLaunches(rig.ps, per_key=2, held=lambda: gates.closed > 0)
+    ids, src, rows = rig.request(12, True)
+    _captured(rig, ids, src, rows, (0, 3))
+    b_ids, _, b_rows = rig.request(5, True)
+    made = rig.graphs.prepare(b_ids, src[0:1], (0, 1), b_rows)  # a graph made, not captured, gate open
+    a_ids, _, a_rows = rig.request(12, True)
+    event, slot = rig.graphs.prepare(a_ids, src, (0, 3), a_rows).queue(rig.stream, gates)
+    assert gates.closed == 1
+    rescued = threading.Event()
+    timer = threading.Timer(20.0, lambda: (rescued.set(), gates.open(slot)))
+    timer.start()
+    try:
+        other = make_stream(torch.device(DEV))
+        b_event = made.fire(other)  # it would capture now: deferred
+        c_ids, _, c_rows = rig.request(7, True)
+        declined = rig.graphs.launch(other, c_ids, src[1:3], (1, 3), c_rows)  # a new key: no graph made
+    finally:
+        timer.cancel()
+    assert not rescued.is_set(), "a launch waited for the work behind the closed gate"
+    assert declined is None and not event.query()
+    assert rig.graphs.stats["deferred"] == 1 and rig.graphs.stats["captures"] == 1
+    _wait(b_event)
+    gates.open(slot)
+    _wait(event)
+    gates.give_back(slot)
+    assert gates.closed == 0
+    launch_gpu(rig.stream, rig.ordinary, b_ids, AITER_SHUFFLED, src[0:1], (0, 1), None, None, None, b_rows)
+    launch_gpu(rig.stream, rig.ordinary, a_ids, AITER_SHUFFLED, src, (0, 3), None, None, None, a_rows)
+    rig.assert_same("the deferred and the gated launch")
+    b_ids, _, b_rows = rig.request(5, True)
+    assert rig.both(b_ids, src, b_rows, (0, 1)) is not None  # the gate open: this fire captures
+    rig.assert_same("the launch after the gate opened")
+    assert rig.graphs.stats["captures"] == 2
 
 
 def test_the_daemons_conversions_open_landed_groups_and_disarm_the_rest_when_the_job_settles():

@@ -204,6 +204,10 @@ class _Gates:
         self.taken = [0] * count  # times each slot was taken: an event waits on one taking
         self.opened_at: dict[int, int] = {}  # slot -> the taking it was last opened in
 
+    @property
+    def closed(self) -> int:
+        return sum(1 for s in range(len(self.taken)) if s not in self.free_slots and s not in self.opened)
+
     def take(self):
         if not self.free_slots:
             return None
@@ -404,6 +408,32 @@ def test_in_place_launches_are_made_ready_but_never_gated():
     assert not any(c[0] in ("close", "queue") for c in calls)
     assert [c for c in calls if c[0] == "fire"] == [("fire", (1, 3)), ("fire", (0, 1))]
     assert paths == ["graph", "graph"] and sorted(gates.free_slots) == list(range(8))
+
+
+def test_graph_launches_are_told_while_a_gate_holds_gpu_work(monkeypatch):
+    """``GraphLaunches`` captures and makes no graph while a gate is closed (instantiating one waits for the
+    device): the daemon's say so from its gates, closed while a group reads, open once it landed."""
+    from sidecar.convert import graphs as graphs_module
+
+    conversions, job, calls, gates, _ = _gated_job()
+    made = []
+    monkeypatch.setattr(graphs_module, "GraphLaunches", lambda planes, held: made.append(held) or "graphs")
+    caches = types.SimpleNamespace(graphs=None, plane_set="planes")
+    assert conversions._graph_launches(caches) == "graphs" and made == [conversions._gates_held]
+    assert not conversions._gates_held()
+
+    async def main():
+        conversions.prepare(job, [(0, 1), (1, 3)])
+        assert conversions._gates_held() and gates.closed == 2
+        conversions.convert_group(job, 0, 1)
+        assert conversions._gates_held() and gates.closed == 1
+        conversions.convert_group(job, 1, 3)
+        assert not conversions._gates_held()
+        await _settle(conversions, job)
+
+    _run(conversions, main)
+    conversions._gates = None  # gates off or unavailable: nothing is ever held
+    assert not conversions._gates_held()
 
 
 def test_a_driver_that_refuses_the_gates_wait_turns_gates_off_and_launches_at_landing(caplog):
