@@ -174,15 +174,12 @@ class Conversions:
         """While the job's layer groups still read: make each one's graph launch ready (``GraphLaunches.
         prepare``), so that when it lands only its replay is left to do. Where a group's launch cannot be
         made ready (not a graph launch, no graph to hold), it is built when the group lands. With config
-        ``conversion_gates`` a launch made ready out of place is also queued behind a gate: landing only
-        opens it."""
+        ``conversion_gates`` a launch made ready is also queued behind a gate: landing only opens it."""
         conv: JobConversion | None = job.conversion
         if conv is None or job.caches is None or not self._graph_launch(conv):
             return
         t0 = time.perf_counter()
-        # Never in place: with a direct read's launches behind gates the GPU slice test hung on an H100
-        # (2026-12-06, three runs of three; not diagnosed, see conversion_gates).
-        stream = None if conv.src is None else self._gate_stream()
+        stream = self._gate_stream()
         try:
             graphs = self._graph_launches(job.caches)
             for first, last in groups:

@@ -256,13 +256,14 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     conversion_gates: Annotated[
         bool,
         _doc(
-            "GPU, with conversion_graphs: queue each staged (out-of-place) layer group's graph launch while "
+            "GPU, with conversion_graphs: queue each layer group's graph launch (staged and direct) while "
             "its bytes still read, held on the GPU behind a gate (a stream memory wait on a word of pinned "
             "host memory), so that once they land the launch is one store to that word. A request whose "
             "bytes never land has its launches pointed at a scratch block before their gates open: they "
-            "write nothing of the decoder's. Needs the driver's stream memory waits "
-            "(cuStreamWaitValue32_v2); without them a warning, and off. Direct reads' in-place launches "
-            "are never gated: with them behind gates the GPU slice test hung (2026-12-06, not diagnosed)"
+            "write nothing of the decoder's. While any gate is closed no CUDA graph is captured or made "
+            "(instantiating one waits for the gated work): a size not seen before launches the ordinary "
+            "way until one is. Needs the driver's stream memory waits (cuStreamWaitValue32_v2); without "
+            "them a warning, and off"
         ),
     ] = False
     remotes: Annotated[

@@ -178,14 +178,11 @@ def test_slice_on_one_gpu_is_bit_exact(mode: str, groups: int, work, emulator) -
 
 @pytest.mark.parametrize("mode", ["direct", "staged"])
 def test_slice_with_conversion_gates_is_bit_exact(mode: str, work, emulator) -> None:
-    """Gates on (config conversion_gates): once a size was seen, each staged group's launch is queued while
-    it reads and only let run when it landed. Direct reads' (in-place) launches are never gated: they
-    replay their graphs when they land."""
+    """Gates on (config conversion_gates): once a size was seen, each group's launch is queued while it
+    reads and only let run when it landed, staged (out of place) and direct (in place). The direct cell once
+    hung here: a graph was instantiated while a gate held work (three runs of three, an H100, 2026-12-06)."""
     launches = _slice(mode, LAYERS, work, emulator, gates=True)
-    if mode == "staged":
-        assert launches["gated"] > 0, launches
-    else:
-        assert launches["gated"] == 0 and launches["graph"] > 0, launches
+    assert launches["gated"] > 0, launches
 
 
 def _slice(mode: str, groups: int, work, emulator, gates: bool = False) -> dict[str, float]:

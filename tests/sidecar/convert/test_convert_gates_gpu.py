@@ -167,10 +167,11 @@ def test_while_a_gate_holds_work_no_graph_is_captured_or_made_and_no_call_waits_
     assert rig.graphs.stats["captures"] == 2
 
 
-def test_the_daemons_conversions_open_landed_groups_and_disarm_the_rest_when_the_job_settles():
+@pytest.mark.parametrize("in_place", [False, True], ids=["staged", "direct"])
+def test_the_daemons_conversions_open_landed_groups_and_disarm_the_rest_when_the_job_settles(in_place):
     """Gates on: the first request of a size launches at landing (it captures); the next one's groups are
     queued ahead, group 0 lands and converts, group 1 never lands: settling disarms and opens it, and the
-    planes hold group 0's conversion and group 1's layers untouched."""
+    planes hold group 0's conversion and group 1's layers untouched. Direct: the same, converted in place."""
     from sidecar.daemon.conversion import Conversions
     from sidecar.daemon.polling import Pacer, Poller
 
@@ -191,25 +192,29 @@ def test_the_daemons_conversions_open_landed_groups_and_disarm_the_rest_when_the
         plan = types.SimpleNamespace(reencode=None)
         try:
             ids, src, rows = rig.request(10, True)
+            if in_place:
+                src = rows = None
             first = job(ids)
             conv.begin(first, src, plan, rows)
             conv.prepare(first, groups)
             assert not first.conversion.gated  # no graph captured yet: made ready, launched at landing
             for a, b in groups:
                 conv.convert_group(first, a, b)
-                launch_gpu(rig.stream, rig.ordinary, ids, AITER_SHUFFLED, src[a:b], (a, b), None, None, None,
+                part = None if in_place else src[a:b]
+                launch_gpu(rig.stream, rig.ordinary, ids, AITER_SHUFFLED, part, (a, b), None, None, None,
                            rows)
             await conv.finish(first, 4)
             rig.assert_same("the first request")
             ids, _, rows = rig.request(10, True)
+            rows = None if in_place else rows
             second = job(ids)
             conv.begin(second, src, plan, rows)
             conv.prepare(second, groups)
             assert set(second.conversion.gated) == set(groups)
             conv.convert_group(second, *groups[0])  # landed
             await conv.settle(second)  # the job ends: group 1 never lands
-            launch_gpu(rig.stream, rig.ordinary, ids, AITER_SHUFFLED, src[0:2], (0, 2), None, None, None,
-                       rows)
+            part = None if in_place else src[0:2]
+            launch_gpu(rig.stream, rig.ordinary, ids, AITER_SHUFFLED, part, (0, 2), None, None, None, rows)
             rig.assert_same("group 0 converted, group 1 disarmed")
             assert conv._gates.free == len(conv._gates.words)  # every gate back once its work ran
             return second.timings

@@ -392,22 +392,22 @@ def test_without_a_free_gate_or_with_gates_off_a_launch_is_made_ready_as_before(
         assert sorted(gates.free_slots) == list(range(count))
 
 
-def test_in_place_launches_are_made_ready_but_never_gated():
-    """A direct read converts in place: its launches replay graphs made ready while it reads, as staged ones
-    do, but even with gates on none is queued behind a gate (config conversion_gates says why)."""
+def test_in_place_launches_are_queued_behind_gates_as_staged_ones_are():
+    """A direct read converts in place: with gates on, its launches are queued while it reads, as staged ones
+    are (they once hung the daemon: ``GraphLaunches`` instantiated a graph with a gate closed)."""
     conversions, job, calls, gates, paths = _gated_job(in_place=True)
 
     async def main():
         conversions.prepare(job, [(0, 1), (1, 3)])
-        assert job.conversion.gated == {} and set(job.conversion.prepared) == {(0, 1), (1, 3)}
+        assert set(job.conversion.gated) == {(0, 1), (1, 3)} and job.conversion.prepared == {}
         conversions.convert_group(job, 1, 3)
         conversions.convert_group(job, 0, 1)
         await _settle(conversions, job)
 
     _run(conversions, main)
-    assert not any(c[0] in ("close", "queue") for c in calls)
-    assert [c for c in calls if c[0] == "fire"] == [("fire", (1, 3)), ("fire", (0, 1))]
-    assert paths == ["graph", "graph"] and sorted(gates.free_slots) == list(range(8))
+    assert [c[1] for c in calls if c[0] == "queue"] == [(0, 1), (1, 3)]
+    assert not any(c[0] == "fire" for c in calls)
+    assert paths == ["gated", "gated"] and sorted(gates.free_slots) == list(range(8))
 
 
 def test_graph_launches_are_told_while_a_gate_holds_gpu_work(monkeypatch):
