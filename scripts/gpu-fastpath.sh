@@ -7,7 +7,7 @@
 #   steps: tests launchtests graphtests daemontests launch graphlaunch sweep convertgraph contiguous defaults
 #          graphsab groupsab gilab headcheck ab orders groups poll interference profile daemonprofile map
 #          mapped lingerab convertlead convertsweep pieces loopbench
-#          coldab alltests hops queuepieces fireparts gatestests gatesab
+#          coldab alltests hops queuepieces fireparts gatestests gatesab directgatesab
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -263,6 +263,14 @@ for step in "$@"; do
         for g in false true; do
           TAIL=6 run "gates-$g-$r" 60 "${ONE_GPU[@]}" "${CONTIGUOUS_CELLS[@]}" --budget-s 45 \
             --daemon-set "conversion_gates=$g" --out "$OUT/e2e-$GPU_TAG-gates-$g-$r.json"
+        done
+      done ;;
+    # direct reads (in-place launches) with gates off and on, alternating, two rounds: the launch after landing
+    directgatesab) for r in 1 2; do
+        for g in false true; do
+          TAIL=6 run "direct-gates-$g-$r" 70 "${ONE_GPU[@]}" --contexts 4096 --concurrency 1,8 --reps 6 \
+            --pairs direct/contiguous --budget-s 50 --daemon-set "conversion_gates=$g" \
+            --out "$OUT/e2e-$GPU_TAG-direct-gates-$g-$r.json"
         done
       done ;;
     # the queue at 8 in flight under a magnifier: staged contiguous 4k and 16k x 8, every call of the daemon of
