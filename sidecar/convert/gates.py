@@ -12,8 +12,10 @@ work behind the gate has run (the caller knows from its event).
 
 While a gate is closed the thread that will open it must not call anything that waits for the device's
 work: that call would wait for the work behind the gate, which waits for that thread. A CUDA graph's
-instantiation does (``cudaGraphInstantiate``: the daemon hung in it, 2026-12-06); ``closed`` tells callers
-when to hold such calls back (``GraphLaunches`` captures no graph then).
+instantiation does (``cudaGraphInstantiate``: the daemon hung in it, 2026-12-06), and so do a kernel's first
+launch and ``cudaFree``. ``closed`` tells callers when to hold such calls back (``GraphLaunches`` captures no
+graph then); for the calls nobody can foresee, another thread may ``force`` a gate open once the opener is
+seen stuck, pointing the work behind it away first.
 
 Needs a CUDA driver with the stream memory waits ``cuStreamWaitValue32_v2`` (the H100 hosts of 2026-12-06
 had them); ``open_library`` says why when there are none.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -77,6 +80,8 @@ class Gates:
         self._base = dptr.value
         self._free = list(range(count - 1, -1, -1))
         self._closed = 0
+        self._takes = np.zeros(count, dtype=np.int64)  # times each slot was taken: ``force`` names one taking
+        self._forced = np.zeros(count, dtype=bool)  # opened by ``force`` in its current taking
         self._lock = threading.Lock()
 
     @property
@@ -97,7 +102,13 @@ class Gates:
             slot = self._free.pop()
             self.words[slot] = CLOSED
             self._closed += 1
+            self._takes[slot] += 1
+            self._forced[slot] = False
         return slot
+
+    def taking(self, slot: int) -> int:
+        """Which taking of ``slot`` this is (``force`` names it, so that it never opens a later one)."""
+        return int(self._takes[slot])
 
     def close_on(self, stream: Any, slot: int) -> None:
         """Queue the wait for ``slot``'s gate on ``stream``: what is queued after it waits until ``open``."""
@@ -105,13 +116,33 @@ class Gates:
         if err:
             raise GatesUnavailable(f"cuStreamWaitValue32: CUDA error {err}")
 
-    def open(self, slot: int) -> None:
+    def open(self, slot: int) -> bool:
         """Let the work behind ``slot``'s gate run: one store, under the lock so that every store before it
-        (a disarmed table) is seen first, non-temporal ones included (a locked instruction orders them)."""
+        (a disarmed table) is seen first, non-temporal ones included (a locked instruction orders them).
+        False when ``force`` got there first: the work then ran (or runs) disarmed."""
         with self._lock:
+            if self._forced[slot]:
+                return False
             if self.words[slot] == CLOSED:
                 self._closed -= 1
             self.words[slot] = OPEN
+        return True
+
+    def force(self, slot: int, taking: int, disarm: Callable[[], None]) -> bool:
+        """For a thread other than the opener's, when that one is stuck: claim ``slot`` if it is still closed
+        in ``taking``, ``disarm()`` the work behind it, then open it. Once claimed, ``open`` answers False.
+        False when there was nothing to claim (opened already, or taken again since)."""
+        with self._lock:
+            if self.words[slot] != CLOSED or self._forced[slot] or self._takes[slot] != taking:
+                return False
+            self._forced[slot] = True
+        try:
+            disarm()
+        finally:  # opened even if the disarm failed: a gate left closed holds its stream for good
+            with self._lock:
+                self._closed -= 1
+                self.words[slot] = OPEN
+        return True
 
     def is_open(self, slot: int) -> bool:
         return bool(self.words[slot] == OPEN)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,10 @@ log = logging.getLogger("kv_sidecar.conversion")
 
 GATES = 256  # gates of the daemon (a job's layer groups take one each until their work has run)
 GATE_STREAMS = 8
+# A loop silent this long while launches wait behind its gates is taken to be stuck in a host call that waits
+# for the device, and so for them (``Gates``); far above any pass of a working loop.
+GATE_STALL_S = 5.0
+GUARD_TICK_S = 0.25  # how often the gate guard asks the loop for a sign of life while gates are closed
 
 
 def reencode_planes(caches: Any, plan: Plan) -> Any:
@@ -57,6 +62,7 @@ class Gated:
     prepared: Any  # the graph launch (``Prepared``): disarmed if its bytes never land
     slot: int  # its gate
     event: Any  # recorded after it, behind the gate
+    taking: int = 0  # which taking of the slot (``Gates.taking``)
 
 
 @dataclass(eq=False)
@@ -75,6 +81,7 @@ class JobConversion:
     launched: set[tuple[int, int]] = field(default_factory=set)  # groups launched at landing
     layers: int = 0  # layers started
     all_done: asyncio.Future | None = None
+    forced: bool = False  # a gated launch was let run disarmed by the gate guard: the job must fail
 
 
 class Conversions:
@@ -101,6 +108,11 @@ class Conversions:
         self._gate_streams: list[Any] = []
         self._next_gate_stream = 0
         self._gates_tried = False
+        self._holding: dict[int, Gated] = {}  # slot -> the launch behind that closed gate (guard reads it)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_seen = 0.0  # when the loop last ran while gates were closed (the guard's sign of life)
+        self._guard: threading.Thread | None = None
+        self._guard_stop = threading.Event()
         self._on_launch = on_launch
         self._on_reencode = on_reencode
         self._wake = wake
@@ -191,7 +203,9 @@ class Conversions:
                     continue
                 queued = None if stream is None else self._queue(prepared, stream)
                 if queued is not None:
-                    conv.gated[(first, last)] = Gated(prepared, queued[1], queued[0])
+                    gated = Gated(prepared, queued[1], queued[0], self._gates.taking(queued[1]))
+                    conv.gated[(first, last)] = gated
+                    self._hold(gated)
                 else:
                     conv.prepared[(first, last)] = prepared
         except Exception:  # noqa: BLE001 - the launch at landing meets the same error and fails the group
@@ -211,6 +225,47 @@ class Conversions:
             log.warning("conversion gates off: %s; launches are queued when their bytes land", exc)
             self._gate_streams = []
             return None
+
+    def _hold(self, gated: Gated) -> None:
+        """``gated``'s gate is closed: the guard watches it until ``_let_run`` (on the loop thread)."""
+        self._holding[gated.slot] = gated
+        self._loop_seen = time.monotonic()
+        if self._guard is None:
+            self._loop = asyncio.get_running_loop()
+            self._guard = threading.Thread(target=self._guard_gates, name="kv-sidecar-gate-guard",
+                                           daemon=True)
+            self._guard.start()
+
+    def _guard_gates(self) -> None:
+        """The gate guard's thread: while gates are closed, ask the loop for a sign of life every tick, and
+        let the held launches go (``force_stalled``) once it has given none for ``GATE_STALL_S``."""
+        while not self._guard_stop.wait(GUARD_TICK_S):
+            if not self._holding:
+                continue
+            try:
+                self._loop.call_soon_threadsafe(self._seen)
+            except RuntimeError:  # the loop is closed: the daemon is stopping
+                return
+            self.force_stalled(time.monotonic())
+
+    def _seen(self) -> None:
+        self._loop_seen = time.monotonic()
+
+    def force_stalled(self, now: float) -> int:
+        """If the loop has not run for ``GATE_STALL_S`` while launches wait behind gates, it is stuck in a
+        host call that waits for the device, so for them, and nothing else would open their gates: point
+        each away from the decoder's blocks and open its gate (``Gates.force``); their jobs then fail.
+        Returns how many were let go. Runs on the guard's thread (no CUDA call: tables and gate words)."""
+        stalled = now - self._loop_seen
+        if stalled < GATE_STALL_S or not self._holding:
+            return 0
+        held = list(self._holding.items())
+        forced = sum(self._gates.force(slot, g.taking, g.prepared.disarm) for slot, g in held)
+        if forced:
+            log.error("the loop has not run for %.1f s with conversion launches behind gates: %d let run "
+                      "disarmed (their pulls fail); a host call waited for the device (conversion_gates)",
+                      stalled, forced)
+        return forced
 
     def _gate_stream(self) -> Any:
         """The gate stream for the next job's launches, or None: gates off or unavailable."""
@@ -345,6 +400,9 @@ class Conversions:
         if errors:
             raise Failed(f"convert: {reason_of(errors[0])}") from errors[0]
         conv: JobConversion | None = job.conversion
+        if conv is not None and conv.forced:
+            raise Failed(f"convert: the daemon's loop stalled {GATE_STALL_S:g} s with this pull's launches "
+                         "behind gates; they were let run disarmed (config conversion_gates)")
         if conv is not None and conv.counts and self._on_reencode is not None:
             saturated, nan = (int(v) for v in sum(c.cpu() for c in conv.counts).tolist())
             self._on_reencode(saturated, nan)
@@ -384,9 +442,13 @@ class Conversions:
         return disarmed
 
     def _let_run(self, conv: JobConversion, gated: Gated) -> None:
-        """Open ``gated``'s gate; the job's wait then includes the work behind it."""
-        self._gates.open(gated.slot)
+        """Open ``gated``'s gate; the job's wait then includes the work behind it. Where the guard forced it
+        open first, that work ran disarmed: the job fails."""
+        self._holding.pop(gated.slot, None)
+        if not self._gates.open(gated.slot):
+            conv.forced = True
         conv.opened.append(gated)
 
     def close(self) -> None:
+        self._guard_stop.set()
         self._executor.shutdown(wait=True)

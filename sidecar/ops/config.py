@@ -262,8 +262,10 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             "bytes never land has its launches pointed at a scratch block before their gates open: they "
             "write nothing of the decoder's. While any gate is closed no CUDA graph is captured or made "
             "(instantiating one waits for the gated work): a size not seen before launches the ordinary "
-            "way until one is. Needs the driver's stream memory waits (cuStreamWaitValue32_v2); without "
-            "them a warning, and off"
+            "way until one is; should the loop still sit 5 s in a host call that waits for the device, a "
+            "guard thread points the gated launches away and opens their gates, and their pulls fail "
+            "(logged as an error). Needs the driver's stream memory waits (cuStreamWaitValue32_v2); "
+            "without them a warning, and off"
         ),
     ] = False
     remotes: Annotated[

@@ -226,6 +226,65 @@ def test_the_daemons_conversions_open_landed_groups_and_disarm_the_rest_when_the
     assert timings["launch"] < timings["launch_prep"]  # the landing only opened a gate
 
 
+def test_a_loop_stuck_in_a_call_that_waits_for_the_device_is_let_go_and_its_pull_fails(monkeypatch):
+    """The gate guard on a GPU: with a request's launches behind gates, the loop calls
+    ``torch.cuda.synchronize()``, which waits for the gated work, so for ever. The guard forces the gates
+    after GATE_STALL_S (1 s here): the launches run disarmed, the call returns, the group landing after that
+    fails its job, and the planes hold only the first request's conversion."""
+    from sidecar.daemon import conversion as conversion_module
+    from sidecar.daemon.conversion import Conversions
+    from sidecar.daemon.errors import Failed
+    from sidecar.daemon.polling import Pacer, Poller
+
+    monkeypatch.setattr(conversion_module, "GATE_STALL_S", 1.0)
+    rig = GraphRig(8, 16, 128, layers=4, seed=25)
+    caches = types.SimpleNamespace(plane_set=rig.ps, graphs=None, reencode_sets={})
+    groups = [(0, 2), (2, 4)]
+    plan = types.SimpleNamespace(reencode=None)
+
+    def job(ids):
+        return types.SimpleNamespace(caches=caches, pairs=types.SimpleNamespace(local=ids), req_id="r",
+                                     timings={}, conversion=None)
+
+    async def main():
+        poller = Poller(Pacer(lambda: 0.05, lambda: 0.001))
+        conv = Conversions(0, wake=poller.wake, graphs=lambda: True, gates=lambda: True)
+        conv.make_stream()
+        poller.add(conv.poll)
+        task = asyncio.create_task(poller.loop())
+        try:
+            ids, src, rows = rig.request(10, True)
+            first = job(ids)
+            conv.begin(first, src, plan, rows)
+            conv.prepare(first, groups)
+            for a, b in groups:
+                conv.convert_group(first, a, b)
+                launch_gpu(rig.stream, rig.ordinary, ids, AITER_SHUFFLED, src[a:b], (a, b), None, None, None,
+                           rows)
+            await conv.finish(first, 4)
+            ids, _, rows = rig.request(10, True)
+            second = job(ids)
+            conv.begin(second, src, plan, rows)
+            conv.prepare(second, groups)
+            assert set(second.conversion.gated) == set(groups)
+            t0 = time.monotonic()
+            torch.cuda.synchronize()  # waits for the gated work: only the guard can let it go
+            stalled = time.monotonic() - t0
+            conv.convert_group(second, *groups[0])  # its bytes land after the guard let the launch go
+            with pytest.raises(Failed, match="let run disarmed"):
+                await conv.finish(second, 4)
+            await conv.settle(second)
+            rig.assert_same("the forced launches wrote none of the planes")
+            assert conv._gates.free == len(conv._gates.words) and conv._gates.closed == 0
+            return stalled
+        finally:
+            task.cancel()
+            conv.close()
+
+    stalled = asyncio.run(main())
+    assert 1.0 <= stalled < 10.0
+
+
 def test_gate_words_are_one_pinned_page():
     from sidecar.convert.gates import OPEN, Gates
 

@@ -9,6 +9,7 @@ graphs and gates themselves are tested on a GPU: ``test_convert_graphs_gpu.py``,
 from __future__ import annotations
 
 import asyncio
+import time
 import types
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch
 from sidecar.convert import PlaneSet
 from sidecar.convert.gates import GatesUnavailable
 from sidecar.convert.launch import convert_blocks
-from sidecar.daemon.conversion import Conversions, reencode_planes
+from sidecar.daemon.conversion import GATE_STALL_S, Conversions, reencode_planes
 from sidecar.daemon.errors import Failed
 from sidecar.wire.formats import AITER_SHUFFLED, STANDARD, PageFormat, Plan, negotiate
 
@@ -203,6 +204,7 @@ class _Gates:
         self.running, self.refuse = True, False
         self.taken = [0] * count  # times each slot was taken: an event waits on one taking
         self.opened_at: dict[int, int] = {}  # slot -> the taking it was last opened in
+        self.forced: set[int] = set()  # slots opened by ``force`` in their current taking
 
     @property
     def closed(self) -> int:
@@ -213,17 +215,36 @@ class _Gates:
             return None
         slot = self.free_slots.pop(0)
         self.taken[slot] += 1
+        self.forced.discard(slot)
         return slot
+
+    def taking(self, slot) -> int:
+        return self.taken[slot]
 
     def close_on(self, stream, slot) -> None:
         if self.refuse:
             raise GatesUnavailable("cuStreamWaitValue32: CUDA error 801")
         self.calls.append(("close", slot, stream))
 
-    def open(self, slot) -> None:
+    def open(self, slot) -> bool:
+        if slot in self.forced:
+            self.calls.append(("open refused", slot))
+            return False
         self.calls.append(("open", slot))
         self.opened.add(slot)
         self.opened_at[slot] = self.taken[slot]
+        return True
+
+    def force(self, slot, taking, disarm) -> bool:
+        closed = slot not in self.free_slots and slot not in self.opened
+        if not closed or slot in self.forced or self.taken[slot] != taking:
+            return False
+        self.forced.add(slot)
+        disarm()
+        self.calls.append(("force", slot))
+        self.opened.add(slot)
+        self.opened_at[slot] = self.taken[slot]
+        return True
 
     def give_back(self, slot) -> None:
         assert slot in self.opened, f"gate {slot} given back closed"
@@ -434,6 +455,70 @@ def test_graph_launches_are_told_while_a_gate_holds_gpu_work(monkeypatch):
     _run(conversions, main)
     conversions._gates = None  # gates off or unavailable: nothing is ever held
     assert not conversions._gates_held()
+
+
+def test_a_stalled_loop_has_its_held_launches_let_run_disarmed_and_their_pull_fails():
+    """The gate guard sees the loop silent for GATE_STALL_S with launches behind gates (stuck in a host call
+    that waits for the device, so for them): it points each away from the decoder's blocks and opens its
+    gate. A group that lands after that finds its gate forced, and the job fails rather than answer with
+    bytes never converted. A loop that ran lately is left alone, and a gate is forced once."""
+    conversions, job, calls, gates, paths = _gated_job()
+
+    async def main():
+        conversions.prepare(job, [(0, 1), (1, 3)])
+        now = time.monotonic()
+        assert conversions.force_stalled(now) == 0  # the loop ran just now
+        assert conversions.force_stalled(now + GATE_STALL_S + 0.1) == 2
+        assert conversions.force_stalled(now + GATE_STALL_S + 0.2) == 0
+        conversions.convert_group(job, 0, 1)  # lands after the guard let it go
+        with pytest.raises(Failed, match="loop stalled 5 s .* let run disarmed"):
+            await asyncio.wait_for(_finish(conversions, job), 5)
+        await _settle(conversions, job)
+
+    _run(conversions, main)
+    slots = [_slot_of(calls, g) for g in [(0, 1), (1, 3)]]
+    # each pointed away, then opened; settling points the one that never landed away again (harmless)
+    assert [c[0] for c in calls if c[0] in ("disarm", "force")] == ["disarm", "force"] * 2 + ["disarm"]
+    assert [c for c in calls if c[0] in ("open", "open refused")] == [("open refused", s) for s in slots]
+    assert sorted(gates.free_slots) == list(range(8))  # given back once the disarmed work had run
+
+
+async def _finish(conversions: Conversions, job) -> None:
+    task = asyncio.ensure_future(conversions.finish(job, 1))
+    await asyncio.sleep(0)
+    conversions.poll(0.0)
+    await task
+
+
+@pytest.mark.parametrize("stuck", [True, False], ids=["loop-stuck", "loop-waiting"])
+def test_the_gate_guard_thread_forces_gates_only_while_the_loop_is_stuck(stuck, monkeypatch):
+    """The guard's own thread: the loop blocked in a call (a sleep stands in for a driver call that waits for
+    the device) has its gates forced; a loop that only awaits (a long read) keeps them."""
+    from sidecar.daemon import conversion as conversion_module
+
+    monkeypatch.setattr(conversion_module, "GATE_STALL_S", 0.3)
+    monkeypatch.setattr(conversion_module, "GUARD_TICK_S", 0.02)
+    conversions, job, calls, gates, _ = _gated_job()
+
+    async def main():
+        conversions.prepare(job, [(0, 1)])
+        if stuck:
+            time.sleep(1.0)
+        else:
+            await asyncio.sleep(1.0)
+        forced = [c for c in calls if c[0] == "force"]
+        conversions.convert_group(job, 0, 1)
+        await _settle(conversions, job)
+        return forced
+
+    forced = []
+    _run(conversions, lambda: _collect(main(), forced))
+    assert len(forced) == (1 if stuck else 0), calls
+    assert job.conversion.forced is stuck
+
+
+async def _collect(coro, into: list) -> None:
+    into.extend(await coro)
 
 
 def test_a_driver_that_refuses_the_gates_wait_turns_gates_off_and_launches_at_landing(caplog):
