@@ -8,6 +8,7 @@
 #          graphsab groupsab gilab headcheck ab orders groups poll interference profile daemonprofile map
 #          mapped lingerab convertlead convertsweep pieces loopbench
 #          coldab alltests hops queuepieces fireparts gatestests gatesab directgatesab
+#          gateprobe
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -272,6 +273,11 @@ for step in "$@"; do
             --pairs direct/contiguous --budget-s 50 --daemon-set "conversion_gates=$g" \
             --out "$OUT/e2e-$GPU_TAG-direct-gates-$g-$r.json"
         done
+      done ;;
+    # which host calls wait for work held behind a closed gate, with lazy and with eager module loading
+    gateprobe) for m in LAZY EAGER; do
+        TAIL=12 CUDA_MODULE_LOADING=$m run "gate-probe-$m" 120 python3 scripts/gate-probe.py \
+          --out "$OUT/gate-probe-$GPU_TAG-$(echo $m | tr A-Z a-z).json"
       done ;;
     # the queue at 8 in flight under a magnifier: staged contiguous 4k and 16k x 8, every call of the daemon of
     # 0.1 ms or more kept one by one (loop_pieces_slow_us), to lay over the cells' timelines:
