@@ -8,7 +8,7 @@
 #          graphsab groupsab gilab headcheck ab orders groups poll interference profile daemonprofile map
 #          mapped lingerab convertlead convertsweep pieces loopbench
 #          coldab alltests hops queuepieces fireparts gatestests gatesab directgatesab
-#          gateprobe
+#          gateprobe percallpieces
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -279,6 +279,9 @@ for step in "$@"; do
         TAIL=12 CUDA_MODULE_LOADING=$m run "gate-probe-$m" 120 python3 scripts/gate-probe.py \
           --out "$OUT/gate-probe-$GPU_TAG-$(echo $m | tr A-Z a-z).json"
       done ;;
+    # one in-place graph launch per call split into its host and device pieces, beside a copy
+    percallpieces) TAIL=4 run percallpieces 120 python3 scripts/convert-percall-pieces.py \
+        --out "$OUT/convert-percall-pieces-$GPU_TAG.json" ;;
     # the queue at 8 in flight under a magnifier: staged contiguous 4k and 16k x 8, every call of the daemon of
     # 0.1 ms or more kept one by one (loop_pieces_slow_us), to lay over the cells' timelines:
     # python -m sidecar.bench.overlay e2e-<gpu>-queue-pieces.json pieces-<gpu>-queue.slow.json
