@@ -167,60 +167,79 @@ def test_while_a_gate_holds_work_no_graph_is_captured_or_made_and_no_call_waits_
     assert rig.graphs.stats["captures"] == 2
 
 
+class DaemonRig:
+    """The daemon's ``Conversions`` with gates on, its events polled by a running ``Poller`` as in the daemon,
+    converting into a ``GraphRig``'s planes (4 layers, two layer groups); ``ordinary`` does the same requests
+    the ordinary way for the comparison. Use inside ``async with``."""
+
+    groups = [(0, 2), (2, 4)]
+
+    def __init__(self, seed: int, in_place: bool = False) -> None:
+        self.rig = GraphRig(8, 16, 128, layers=4, seed=seed)
+        self.in_place = in_place
+        self.caches = types.SimpleNamespace(plane_set=self.rig.ps, graphs=None, reencode_sets={})
+        self.plan = types.SimpleNamespace(reencode=None)
+
+    async def __aenter__(self) -> DaemonRig:
+        from sidecar.daemon.conversion import Conversions
+        from sidecar.daemon.polling import Pacer, Poller
+
+        poller = Poller(Pacer(lambda: 0.05, lambda: 0.001))
+        self.conv = Conversions(0, wake=poller.wake, graphs=lambda: True, gates=lambda: True)
+        self.conv.make_stream()
+        poller.add(self.conv.poll)
+        self._task = asyncio.create_task(poller.loop())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._task.cancel()
+        self.conv.close()
+
+    def begin(self):
+        """A new request (random blocks; staged from random source rows, or in place), begun and its groups'
+        launches made ready while it "reads"."""
+        ids, src, rows = self.rig.request(10, True)
+        src, rows = (None, None) if self.in_place else (src, rows)
+        job = types.SimpleNamespace(caches=self.caches, pairs=types.SimpleNamespace(local=ids), req_id="r",
+                                    timings={}, conversion=None)
+        self.conv.begin(job, src, self.plan, rows)
+        self.conv.prepare(job, self.groups)
+        return job, src, rows
+
+    def ordinary(self, job, src, rows, layers) -> None:
+        part = None if src is None else src[layers[0] : layers[1]]
+        launch_gpu(self.rig.stream, self.rig.ordinary, job.pairs.local, AITER_SHUFFLED, part, layers, None,
+                   None, None, rows)
+
+    async def first_request(self) -> None:
+        """A size's first request: no graph is captured yet to queue behind a gate, so each group is made
+        ready, launched at landing (and captured)."""
+        job, src, rows = self.begin()
+        assert not job.conversion.gated
+        for layers in self.groups:
+            self.conv.convert_group(job, *layers)
+            self.ordinary(job, src, rows, layers)
+        await self.conv.finish(job, 4)
+        self.rig.assert_same("the first request")
+
+
 @pytest.mark.parametrize("in_place", [False, True], ids=["staged", "direct"])
 def test_the_daemons_conversions_open_landed_groups_and_disarm_the_rest_when_the_job_settles(in_place):
     """Gates on: the first request of a size launches at landing (it captures); the next one's groups are
     queued ahead, group 0 lands and converts, group 1 never lands: settling disarms and opens it, and the
     planes hold group 0's conversion and group 1's layers untouched. Direct: the same, converted in place."""
-    from sidecar.daemon.conversion import Conversions
-    from sidecar.daemon.polling import Pacer, Poller
-
-    rig = GraphRig(8, 16, 128, layers=4, seed=23)
-    caches = types.SimpleNamespace(plane_set=rig.ps, graphs=None, reencode_sets={})
-    groups = [(0, 2), (2, 4)]
-
-    def job(ids):
-        return types.SimpleNamespace(caches=caches, pairs=types.SimpleNamespace(local=ids), req_id="r",
-                                     timings={}, conversion=None)
 
     async def main():
-        poller = Poller(Pacer(lambda: 0.05, lambda: 0.001))
-        conv = Conversions(0, wake=poller.wake, graphs=lambda: True, gates=lambda: True)
-        conv.make_stream()
-        poller.add(conv.poll)
-        task = asyncio.create_task(poller.loop())
-        plan = types.SimpleNamespace(reencode=None)
-        try:
-            ids, src, rows = rig.request(10, True)
-            if in_place:
-                src = rows = None
-            first = job(ids)
-            conv.begin(first, src, plan, rows)
-            conv.prepare(first, groups)
-            assert not first.conversion.gated  # no graph captured yet: made ready, launched at landing
-            for a, b in groups:
-                conv.convert_group(first, a, b)
-                part = None if in_place else src[a:b]
-                launch_gpu(rig.stream, rig.ordinary, ids, AITER_SHUFFLED, part, (a, b), None, None, None,
-                           rows)
-            await conv.finish(first, 4)
-            rig.assert_same("the first request")
-            ids, _, rows = rig.request(10, True)
-            rows = None if in_place else rows
-            second = job(ids)
-            conv.begin(second, src, plan, rows)
-            conv.prepare(second, groups)
-            assert set(second.conversion.gated) == set(groups)
-            conv.convert_group(second, *groups[0])  # landed
-            await conv.settle(second)  # the job ends: group 1 never lands
-            part = None if in_place else src[0:2]
-            launch_gpu(rig.stream, rig.ordinary, ids, AITER_SHUFFLED, part, (0, 2), None, None, None, rows)
-            rig.assert_same("group 0 converted, group 1 disarmed")
-            assert conv._gates.free == len(conv._gates.words)  # every gate back once its work ran
+        async with DaemonRig(23, in_place) as d:
+            await d.first_request()
+            second, src, rows = d.begin()
+            assert set(second.conversion.gated) == set(d.groups)
+            d.conv.convert_group(second, *d.groups[0])  # landed
+            await d.conv.settle(second)  # the job ends: group 1 never lands
+            d.ordinary(second, src, rows, d.groups[0])
+            d.rig.assert_same("group 0 converted, group 1 disarmed")
+            assert d.conv._gates.free == len(d.conv._gates.words)  # every gate back once its work ran
             return second.timings
-        finally:
-            task.cancel()
-            conv.close()
 
     timings = asyncio.run(main())
     assert timings["launch"] < timings["launch_prep"]  # the landing only opened a gate
@@ -232,54 +251,25 @@ def test_a_loop_stuck_in_a_call_that_waits_for_the_device_is_let_go_and_its_pull
     after GATE_STALL_S (1 s here): the launches run disarmed, the call returns, the group landing after that
     fails its job, and the planes hold only the first request's conversion."""
     from sidecar.daemon import conversion as conversion_module
-    from sidecar.daemon.conversion import Conversions
     from sidecar.daemon.errors import Failed
-    from sidecar.daemon.polling import Pacer, Poller
 
     monkeypatch.setattr(conversion_module, "GATE_STALL_S", 1.0)
-    rig = GraphRig(8, 16, 128, layers=4, seed=25)
-    caches = types.SimpleNamespace(plane_set=rig.ps, graphs=None, reencode_sets={})
-    groups = [(0, 2), (2, 4)]
-    plan = types.SimpleNamespace(reencode=None)
-
-    def job(ids):
-        return types.SimpleNamespace(caches=caches, pairs=types.SimpleNamespace(local=ids), req_id="r",
-                                     timings={}, conversion=None)
 
     async def main():
-        poller = Poller(Pacer(lambda: 0.05, lambda: 0.001))
-        conv = Conversions(0, wake=poller.wake, graphs=lambda: True, gates=lambda: True)
-        conv.make_stream()
-        poller.add(conv.poll)
-        task = asyncio.create_task(poller.loop())
-        try:
-            ids, src, rows = rig.request(10, True)
-            first = job(ids)
-            conv.begin(first, src, plan, rows)
-            conv.prepare(first, groups)
-            for a, b in groups:
-                conv.convert_group(first, a, b)
-                launch_gpu(rig.stream, rig.ordinary, ids, AITER_SHUFFLED, src[a:b], (a, b), None, None, None,
-                           rows)
-            await conv.finish(first, 4)
-            ids, _, rows = rig.request(10, True)
-            second = job(ids)
-            conv.begin(second, src, plan, rows)
-            conv.prepare(second, groups)
-            assert set(second.conversion.gated) == set(groups)
+        async with DaemonRig(25) as d:
+            await d.first_request()
+            second, _, _ = d.begin()
+            assert set(second.conversion.gated) == set(d.groups)
             t0 = time.monotonic()
             torch.cuda.synchronize()  # waits for the gated work: only the guard can let it go
             stalled = time.monotonic() - t0
-            conv.convert_group(second, *groups[0])  # its bytes land after the guard let the launch go
+            d.conv.convert_group(second, *d.groups[0])  # its bytes land after the guard let the launch go
             with pytest.raises(Failed, match="let run disarmed"):
-                await conv.finish(second, 4)
-            await conv.settle(second)
-            rig.assert_same("the forced launches wrote none of the planes")
-            assert conv._gates.free == len(conv._gates.words) and conv._gates.closed == 0
+                await d.conv.finish(second, 4)
+            await d.conv.settle(second)
+            d.rig.assert_same("the forced launches wrote none of the planes")
+            assert d.conv._gates.free == len(d.conv._gates.words) and d.conv._gates.closed == 0
             return stalled
-        finally:
-            task.cancel()
-            conv.close()
 
     stalled = asyncio.run(main())
     assert 1.0 <= stalled < 10.0
