@@ -109,6 +109,7 @@ class Daemon:
             graphs=lambda: self.config.conversion_graphs,
             on_launch=self.metrics.launched,
             gates=lambda: self.config.conversion_gates,
+            on_forced=self.metrics.gates_forced_open,
         )
         self.poller.add(self.conversions.poll)
         self.caches: CacheRegistry | None = None

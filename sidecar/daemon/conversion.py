@@ -96,11 +96,13 @@ class Conversions:
         graphs: Callable[[], bool] = lambda: False,
         on_launch: Callable[[str], None] = lambda path: None,
         gates: Callable[[], bool] = lambda: False,
+        on_forced: Callable[[int], None] = lambda launches: None,
     ) -> None:
         """``graphs``: whether launches may replay CUDA graphs (config ``conversion_graphs``);
         ``on_launch``: told each GPU launch's path ("gated", "graph" or "ordinary"); ``gates``: whether
         graph launches made ready ahead of their bytes are queued behind gates (config
-        ``conversion_gates``), so that landing only opens them."""
+        ``conversion_gates``), so that landing only opens them; ``on_forced``: told how many gated launches
+        the gate guard let go (from its thread)."""
         self._gpu = gpu
         self._graphs = graphs
         self._gated = gates
@@ -114,6 +116,7 @@ class Conversions:
         self._guard: threading.Thread | None = None
         self._guard_stop = threading.Event()
         self._on_launch = on_launch
+        self._on_forced = on_forced
         self._on_reencode = on_reencode
         self._wake = wake
         self.limits = limits or ConversionLimits()
@@ -262,6 +265,7 @@ class Conversions:
         held = list(self._holding.items())
         forced = sum(self._gates.force(slot, g.taking, g.prepared.disarm) for slot, g in held)
         if forced:
+            self._on_forced(forced)
             log.error("the loop has not run for %.1f s with conversion launches behind gates: %d let run "
                       "disarmed (their pulls fail); a host call waited for the device (conversion_gates)",
                       stalled, forced)

@@ -163,6 +163,13 @@ class Metrics:
             "does not return, and every later pull waits behind it (/healthz fails past poster_stall_s)",
             registry=r,
         )
+        self.gates_forced = Counter(
+            "kv_sidecar_conversion_gates_forced",
+            "Gated conversion launches the gate guard let run disarmed: the loop sat 5 s in a host call that "
+            "waited for the GPU while they were held behind gates (config conversion_gates); each one's pull "
+            "failed",
+            registry=r,
+        )
         self.build_info = Gauge("kv_sidecar_build_info", "kv-sidecar version", ["version"], registry=r)
         self.build_info.labels(version=__version__).set(1)
         # Pre-create label sets so every series exists (at 0) from the start.
@@ -203,6 +210,10 @@ class Metrics:
     def launched(self, path: str) -> None:
         """One GPU conversion launch, by ``LAUNCH_PATHS`` path."""
         self._launches[path].inc()
+
+    def gates_forced_open(self, launches: int) -> None:
+        """``launches`` gated launches let run disarmed by the gate guard (called on its thread)."""
+        self.gates_forced.inc(launches)
 
     def read_mode(self, mode: str) -> None:
         """One Pull's read posted (or launched, mapped), by ``READ_MODES`` mode."""

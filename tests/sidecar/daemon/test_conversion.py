@@ -463,6 +463,8 @@ def test_a_stalled_loop_has_its_held_launches_let_run_disarmed_and_their_pull_fa
     gate. A group that lands after that finds its gate forced, and the job fails rather than answer with
     bytes never converted. A loop that ran lately is left alone, and a gate is forced once."""
     conversions, job, calls, gates, paths = _gated_job()
+    told: list[int] = []
+    conversions._on_forced = told.append  # the daemon's kv_sidecar_conversion_gates_forced_total
 
     async def main():
         conversions.prepare(job, [(0, 1), (1, 3)])
@@ -481,6 +483,7 @@ def test_a_stalled_loop_has_its_held_launches_let_run_disarmed_and_their_pull_fa
     assert [c[0] for c in calls if c[0] in ("disarm", "force")] == ["disarm", "force"] * 2 + ["disarm"]
     assert [c for c in calls if c[0] in ("open", "open refused")] == [("open refused", s) for s in slots]
     assert sorted(gates.free_slots) == list(range(8))  # given back once the disarmed work had run
+    assert told == [2]
 
 
 async def _finish(conversions: Conversions, job) -> None:

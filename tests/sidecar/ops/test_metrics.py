@@ -122,3 +122,12 @@ def test_conversion_launches_count_by_path_from_zero():
     assert 'kv_sidecar_conversion_launches_total{path="ordinary"} 1.0' in text
     with pytest.raises(KeyError):
         m.launched("eager")
+
+
+def test_gates_forced_open_count_from_zero():
+    from sidecar.ops.metrics import Metrics
+
+    m = Metrics()
+    assert "kv_sidecar_conversion_gates_forced_total 0.0" in m.expose().decode()  # an alert can watch it
+    m.gates_forced_open(2)
+    assert "kv_sidecar_conversion_gates_forced_total 2.0" in m.expose().decode()
