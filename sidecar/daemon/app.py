@@ -110,6 +110,7 @@ class Daemon:
             on_launch=self.metrics.launched,
             gates=lambda: self.config.conversion_gates,
             on_forced=self.metrics.gates_forced_open,
+            loop_seen=lambda: self.health.last_tick,
         )
         self.poller.add(self.conversions.poll)
         self.caches: CacheRegistry | None = None
@@ -167,7 +168,7 @@ class Daemon:
             self.health.socket_bound = True
             self._spawn(self.router.receive_loop(), essential="receive loop")
         assert self.reads is not None and self.heartbeats is not None and self.mapped is not None
-        loops = {"poller": self.poller.loop(), "tick loop": self._tick_loop(),
+        loops = {"poller": self.poller.loop(), "tick loop": self.health.beat(),
                  "lease renewals": self.heartbeats.renew_loop(),
                  "mapping release": self.mapped.release_loop()}
         if not cfg.nixl_progress_thread:
@@ -413,11 +414,6 @@ class Daemon:
             f"poster thread inside one NIXL call for {busy:.0f} s (poster_stall_s {limit:g}): pulls behind "
             "it cannot be posted; restart the daemon"
         )
-
-    async def _tick_loop(self) -> None:
-        while True:
-            self.health.tick()
-            await asyncio.sleep(0.5)
 
 
 def _gpu_platform(gpu: int | None) -> str | None:

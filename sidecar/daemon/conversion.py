@@ -31,7 +31,7 @@ GATE_STREAMS = 8
 # A loop silent this long while launches wait behind its gates is taken to be stuck in a host call that waits
 # for the device, and so for them (``Gates``); far above any pass of a working loop.
 GATE_STALL_S = 5.0
-GUARD_TICK_S = 0.25  # how often the gate guard asks the loop for a sign of life while gates are closed
+GUARD_TICK_S = 0.25  # how often the gate guard looks at the loop's last tick while gates are closed
 
 
 def reencode_planes(caches: Any, plan: Plan) -> Any:
@@ -97,12 +97,14 @@ class Conversions:
         on_launch: Callable[[str], None] = lambda path: None,
         gates: Callable[[], bool] = lambda: False,
         on_forced: Callable[[int], None] = lambda launches: None,
+        loop_seen: Callable[[], float] = time.monotonic,
     ) -> None:
         """``graphs``: whether launches may replay CUDA graphs (config ``conversion_graphs``);
         ``on_launch``: told each GPU launch's path ("gated", "graph" or "ordinary"); ``gates``: whether
         graph launches made ready ahead of their bytes are queued behind gates (config
         ``conversion_gates``), so that landing only opens them; ``on_forced``: told how many gated launches
-        the gate guard let go (from its thread)."""
+        the gate guard let go (from its thread); ``loop_seen``: when the event loop last ran (the daemon's
+        ``Health`` tick; the default, now, never looks stuck)."""
         self._gpu = gpu
         self._graphs = graphs
         self._gated = gates
@@ -111,8 +113,7 @@ class Conversions:
         self._next_gate_stream = 0
         self._gates_tried = False
         self._holding: dict[int, Gated] = {}  # slot -> the launch behind that closed gate (guard reads it)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_seen = 0.0  # when the loop last ran while gates were closed (the guard's sign of life)
+        self._loop_seen = loop_seen
         self._guard: threading.Thread | None = None
         self._guard_stop = threading.Event()
         self._on_launch = on_launch
@@ -232,35 +233,26 @@ class Conversions:
     def _hold(self, gated: Gated) -> None:
         """``gated``'s gate is closed: the guard watches it until ``_let_run`` (on the loop thread)."""
         self._holding[gated.slot] = gated
-        self._loop_seen = time.monotonic()
         if self._guard is None:
-            self._loop = asyncio.get_running_loop()
             self._guard = threading.Thread(target=self._guard_gates, name="kv-sidecar-gate-guard",
                                            daemon=True)
             self._guard.start()
 
     def _guard_gates(self) -> None:
-        """The gate guard's thread: while gates are closed, ask the loop for a sign of life every tick, and
-        let the held launches go (``force_stalled``) once it has given none for ``GATE_STALL_S``."""
+        """The gate guard's thread: while gates are closed, let the held launches go (``force_stalled``) once
+        the loop has not ticked for ``GATE_STALL_S``."""
         while not self._guard_stop.wait(GUARD_TICK_S):
-            if not self._holding:
-                continue
-            try:
-                self._loop.call_soon_threadsafe(self._seen)
-            except RuntimeError:  # the loop is closed: the daemon is stopping
-                return
             self.force_stalled(time.monotonic())
-
-    def _seen(self) -> None:
-        self._loop_seen = time.monotonic()
 
     def force_stalled(self, now: float) -> int:
         """If the loop has not run for ``GATE_STALL_S`` while launches wait behind gates, it is stuck in a
         host call that waits for the device, so for them, and nothing else would open their gates: point
         each away from the decoder's blocks and open its gate (``Gates.force``); their jobs then fail.
         Returns how many were let go. Runs on the guard's thread (no CUDA call: tables and gate words)."""
-        stalled = now - self._loop_seen
-        if stalled < GATE_STALL_S or not self._holding:
+        if not self._holding:
+            return 0
+        stalled = now - self._loop_seen()
+        if stalled < GATE_STALL_S:
             return 0
         held = list(self._holding.items())
         forced = sum(self._gates.force(slot, g.taking, g.prepared.disarm) for slot, g in held)

@@ -7,6 +7,7 @@ daemons (tests) can live in one process.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
@@ -250,6 +251,13 @@ class Health:
 
     def tick(self) -> None:
         self.last_tick = time.monotonic()
+
+    async def beat(self, period_s: float = 0.5) -> None:
+        """``tick`` every ``period_s`` for as long as the event loop runs it: a loop stuck in a call stops
+        ticking (/healthz, and the conversions' gate guard, read ``last_tick``)."""
+        while True:
+            self.tick()
+            await asyncio.sleep(period_s)
 
     def add_check(self, check: Callable[[], str | None]) -> None:
         """One more liveness condition: ``check`` (called from the HTTP thread) says why the daemon is not

@@ -168,9 +168,10 @@ def test_while_a_gate_holds_work_no_graph_is_captured_or_made_and_no_call_waits_
 
 
 class DaemonRig:
-    """The daemon's ``Conversions`` with gates on, its events polled by a running ``Poller`` as in the daemon,
-    converting into a ``GraphRig``'s planes (4 layers, two layer groups); ``ordinary`` does the same requests
-    the ordinary way for the comparison. Use inside ``async with``."""
+    """The daemon's ``Conversions`` with gates on, its events polled by a running ``Poller`` and its gate
+    guard reading a ``Health`` tick as in the daemon, converting into a ``GraphRig``'s planes (4 layers, two
+    layer groups); ``ordinary`` does the same requests the ordinary way for the comparison. Use inside
+    ``async with``."""
 
     groups = [(0, 2), (2, 4)]
 
@@ -183,16 +184,20 @@ class DaemonRig:
     async def __aenter__(self) -> DaemonRig:
         from sidecar.daemon.conversion import Conversions
         from sidecar.daemon.polling import Pacer, Poller
+        from sidecar.ops.metrics import Health
 
         poller = Poller(Pacer(lambda: 0.05, lambda: 0.001))
-        self.conv = Conversions(0, wake=poller.wake, graphs=lambda: True, gates=lambda: True)
+        self.health = Health()
+        self.conv = Conversions(0, wake=poller.wake, graphs=lambda: True, gates=lambda: True,
+                                loop_seen=lambda: self.health.last_tick)
         self.conv.make_stream()
         poller.add(self.conv.poll)
-        self._task = asyncio.create_task(poller.loop())
+        self._tasks = [asyncio.create_task(poller.loop()), asyncio.create_task(self.health.beat(0.05))]
         return self
 
     async def __aexit__(self, *exc) -> None:
-        self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
         self.conv.close()
 
     def begin(self):
@@ -261,6 +266,7 @@ def test_a_loop_stuck_in_a_call_that_waits_for_the_device_is_let_go_and_its_pull
             second, _, _ = d.begin()
             assert set(second.conversion.gated) == set(d.groups)
             t0 = time.monotonic()
+            d.health.tick()  # the loop's last tick: from here it is stuck
             torch.cuda.synchronize()  # waits for the gated work: only the guard can let it go
             stalled = time.monotonic() - t0
             d.conv.convert_group(second, *d.groups[0])  # its bytes land after the guard let the launch go

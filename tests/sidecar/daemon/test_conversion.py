@@ -495,21 +495,28 @@ async def _finish(conversions: Conversions, job) -> None:
 
 @pytest.mark.parametrize("stuck", [True, False], ids=["loop-stuck", "loop-waiting"])
 def test_the_gate_guard_thread_forces_gates_only_while_the_loop_is_stuck(stuck, monkeypatch):
-    """The guard's own thread: the loop blocked in a call (a sleep stands in for a driver call that waits for
-    the device) has its gates forced; a loop that only awaits (a long read) keeps them."""
+    """The guard's own thread, reading the loop's ``Health`` tick as the daemon's does: the loop blocked in a
+    call (a sleep stands in for a driver call that waits for the device) has its gates forced; a loop that
+    only awaits (a long read) keeps them."""
     from sidecar.daemon import conversion as conversion_module
+    from sidecar.ops.metrics import Health
 
     monkeypatch.setattr(conversion_module, "GATE_STALL_S", 0.3)
     monkeypatch.setattr(conversion_module, "GUARD_TICK_S", 0.02)
     conversions, job, calls, gates, _ = _gated_job()
+    health = Health()
+    conversions._loop_seen = lambda: health.last_tick
 
     async def main():
+        beat = asyncio.ensure_future(health.beat(0.02))
+        await asyncio.sleep(0)
         conversions.prepare(job, [(0, 1)])
         if stuck:
             time.sleep(1.0)
         else:
             await asyncio.sleep(1.0)
         forced = [c for c in calls if c[0] == "force"]
+        beat.cancel()
         conversions.convert_group(job, 0, 1)
         await _settle(conversions, job)
         return forced
