@@ -434,8 +434,37 @@ def check_launch(
     return _job(planes, first, last, _tensor(ids), srcs, src_rows, lut, counts, index, src_aligned)
 
 
+@dataclass(frozen=True, eq=False)
+class CheckedIds:
+    """Block ids that passed ``launch_ids``' checks for planes of ``num_blocks`` blocks (``checked_ids``).
+
+    A daemon's request converts the same ids in every layer group: checked once, before its bytes land, each
+    group's launch takes them as they are. ``ids`` is a read-only copy, so nobody changes them after the
+    check."""
+
+    ids: np.ndarray  # int64, flat, read-only, each in [0, num_blocks), none twice
+    num_blocks: int
+
+    @property
+    def size(self) -> int:
+        return int(self.ids.size)
+
+
+def checked_ids(planes: Planes, block_ids: object) -> CheckedIds:
+    """``block_ids`` checked as ``launch_ids`` checks them, kept (a read-only copy) for later launches."""
+    ids = np.array(launch_ids(planes, block_ids), dtype=np.int64)
+    ids.flags.writeable = False
+    return CheckedIds(ids=ids, num_blocks=planes.num_blocks)
+
+
 def launch_ids(planes: Planes, block_ids: object) -> np.ndarray:
-    """A launch's block ids as a flat int64 array, each in [0, num_blocks), none twice."""
+    """A launch's block ids as a flat int64 array, each in [0, num_blocks), none twice. ``CheckedIds``
+    checked for at most these planes' blocks are taken as they are (no second pass over them)."""
+    if isinstance(block_ids, CheckedIds):
+        if block_ids.num_blocks > planes.num_blocks:
+            raise ValueError(f"block_ids were checked for {block_ids.num_blocks} blocks; these planes hold "
+                             f"{planes.num_blocks}")
+        return block_ids.ids
     ids = _id_array("block_ids", block_ids)
     _check_id_values(ids, planes.num_blocks)
     return ids

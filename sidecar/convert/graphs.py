@@ -4,8 +4,9 @@ The daemon's launch is the same two steps for every request: copy the request's 
 rows, meta) to the device, then run the kernel over its (layer, block) pairs: ``convert_kernel`` out of place
 (staged, mapped), ``in_place_split_kernel`` in place (direct). Done in Python each time that is 150-420 µs
 of host time on the H200 host (bench/results/launch-inline-h200-2026-12-02.json). Captured once per size
-bucket, layer count and form, a launch checks the ids, writes the table into the graph's pinned buffer,
-replays the graph (the copy, then the kernel) and records an event. A source's checks and meta table are
+bucket, layer count and form, a launch checks the ids (unless handed ``CheckedIds``: the daemon checks a
+request's once, not once a layer group), writes the table into the graph's pinned buffer, replays the graph
+(the copy, then the kernel) and records an event. A source's checks and meta table are
 made once (``_source``), and a table is given a meta only when it holds another one.
 
 Padding: ``graph_tables`` (a request replays the graph of the smallest bucket holding it; out of place the
@@ -40,6 +41,7 @@ import torch
 
 from sidecar.convert.api import PlaneSet
 from sidecar.convert.checks import (
+    CheckedIds,
     launch_ids,
     launch_source,
     launch_src_rows,
@@ -149,19 +151,19 @@ class GraphLaunches:
         self._scratch: torch.Tensor | None = None  # where a disarmed launch writes (``Prepared.disarm``)
 
     def launch(
-        self, stream: Any, ids: np.ndarray, src: torch.Tensor | None, layers: tuple[int, int],
+        self, stream: Any, ids: np.ndarray | CheckedIds, src: torch.Tensor | None, layers: tuple[int, int],
         src_index: Any = None,
     ) -> Any:
         """Queue the conversion of layers ``[first, last)`` of blocks ``ids`` from ``src`` ([layers, rows,
         page], rows picked by ``src_index``, else row i; None: in place) on ``stream``; return the event after
         it, or None when this launch is not taken (nothing queued, nothing written). Bad input raises
-        ValueError."""
+        ValueError. ``ids`` as ``CheckedIds`` (``checks.checked_ids``) skip the id checks."""
         prepared = self.prepare(ids, src, layers, src_index, hold_limit=self.per_key)
         return None if prepared is None else prepared.fire(stream)
 
     def prepare(
-        self, ids: np.ndarray, src: torch.Tensor | None, layers: tuple[int, int], src_index: Any = None,
-        hold_limit: int | None = None,
+        self, ids: np.ndarray | CheckedIds, src: torch.Tensor | None, layers: tuple[int, int],
+        src_index: Any = None, hold_limit: int | None = None,
     ) -> Prepared | None:
         """``launch``'s host work, done before the bytes are there: the checks, a graph of the request's key
         taken and held, its table written. None when not taken (then nothing is held). ``hold_limit``: how
@@ -171,7 +173,8 @@ class GraphLaunches:
         first, last = layer_range(p, layers)  # the ordinary launch's checks, in its order (check_launch)
         limit = max(1, self.per_key // 2) if hold_limit is None else hold_limit
         in_place = src is None
-        # ids unchecked yet: anything but an array counts as no blocks here and is refused by the checks below
+        # ids maybe unchecked yet: anything but an array (or ``CheckedIds``) counts as no blocks here and is
+        # refused by the checks below
         if self._held(last - first, getattr(ids, "size", 0), in_place) >= limit:
             # At 16k x 8 four in five groups found their key's limit reached (one H100, 2026-12-05), and
             # each had spent ~40 µs of the loop on checks the launch at landing repeats.

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar.convert.checks import checked_ids
 from sidecar.convert.launch import ConversionLimits, convert_blocks, launch_gpu, make_stream
 from sidecar.daemon.errors import Failed, reason_of
 from sidecar.daemon.jobs import Job
@@ -80,6 +81,7 @@ class JobConversion:
     opened: list[Gated] = field(default_factory=list)  # GPU: gated launches let go (landed or disarmed)
     launched: set[tuple[int, int]] = field(default_factory=set)  # groups launched at landing
     layers: int = 0  # layers started
+    ids: Any = None  # GPU graph launches: the job's local ids as ``CheckedIds``, checked once for all groups
     all_done: asyncio.Future | None = None
     forced: bool = False  # a gated launch was let run disarmed by the gate guard: the job must fail
 
@@ -202,7 +204,7 @@ class Conversions:
                 if (first, last) in conv.launched:  # landed before this ran: launched already
                     continue
                 src = self._group_source(conv, first, last)
-                prepared = graphs.prepare(job.pairs.local, src, (first, last), conv.src_index)
+                prepared = graphs.prepare(self._checked_ids(job), src, (first, last), conv.src_index)
                 if prepared is None:
                     continue
                 queued = None if stream is None else self._queue(prepared, stream)
@@ -283,6 +285,16 @@ class Conversions:
             caches.graphs = GraphLaunches(caches.plane_set, held=self._gates_held)
         return caches.graphs
 
+    @staticmethod
+    def _checked_ids(job: Job) -> Any:
+        """The job's local ids checked for its caches' planes, once (the pairing checked them at admission
+        too; this is the converter's own check, the last before a kernel writes the decoder's blocks): each
+        layer group's graph launch takes them as they are. Raises ValueError as ``launch_ids`` does."""
+        conv: JobConversion = job.conversion
+        if conv.ids is None:
+            conv.ids = checked_ids(job.caches.plane_set.planes, job.pairs.local)
+        return conv.ids
+
     def _gates_held(self) -> bool:
         """Whether GPU work waits behind a closed gate of this daemon's now."""
         return self._gates is not None and self._gates.closed > 0
@@ -337,7 +349,8 @@ class Conversions:
         if prepared is not None:
             event = prepared.fire(self._stream)
         elif self._graph_launch(conv):
-            event = self._graph_launches(caches).launch(self._stream, ids, src, layers, conv.src_index)
+            event = self._graph_launches(caches).launch(self._stream, self._checked_ids(job), src, layers,
+                                                        conv.src_index)
         self._on_launch("graph" if event is not None else "ordinary")
         if event is None:  # not taken: sliced, re-encoding, a shape graphs do not take, or no graph free
             event = launch_gpu(self._stream, caches, ids, caches.page_format, src, layers, self.limits,

@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from sidecar.convert import PlaneSet
-from sidecar.convert.checks import SourceMemo, aligned16, check_launch, check_request
+from sidecar.convert.checks import (
+    CheckedIds,
+    SourceMemo,
+    aligned16,
+    check_launch,
+    check_request,
+    checked_ids,
+    launch_ids,
+)
 
 H, N, D, LAYERS, BLOCKS = 2, 16, 64, 3, 8
 ROW = H * N * D
@@ -283,3 +291,53 @@ def test_source_row_check_refuses_exactly_the_rows_outside(dtype):
         bad = lo if lo < 0 else hi
         with pytest.raises(ValueError, match=re.escape(f"src_index holds {bad}, out of range")):
             _check_source_rows(rows, available)
+
+
+@pytest.mark.parametrize("ids", IDS, ids=str)
+def test_checked_ids_refuse_what_a_launch_refuses_and_launch_the_same_job(ids):
+    """``checked_ids`` is ``launch_ids``' check, once: the same refusals in the same words, and a launch
+    handed the result builds the job a launch of the raw ids builds."""
+    _, ps, stage = _arena()
+    raw = np.array(ids, dtype=np.int64)
+    once = _outcome(checked_ids, ps.planes, raw)
+    direct = _outcome(launch_ids, ps.planes, raw)
+    assert isinstance(once, ValueError) == isinstance(direct, ValueError)
+    if isinstance(direct, ValueError):
+        assert str(once) == str(direct)
+        return
+    assert once.size == len(ids) and once.num_blocks == BLOCKS
+    for src in (None, stage[:, : len(ids)]):
+        _same_job(check_launch(ps.planes, once, src, None, SourceMemo()),
+                  check_launch(ps.planes, raw, src, None, SourceMemo()))
+
+
+def test_checked_ids_are_a_read_only_copy_and_are_not_checked_again(monkeypatch):
+    """Changing the array they were made from changes nothing; they cannot be written; a launch takes them
+    without a second pass (the point: one check a request, not one a layer group)."""
+    from sidecar.convert import checks
+
+    _, ps, _ = _arena()
+    raw = np.array([3, 1, 5], dtype=np.int64)
+    once = checked_ids(ps.planes, raw)
+    raw[0] = 99
+    assert once.ids.tolist() == [3, 1, 5]
+    with pytest.raises(ValueError, match="read-only"):
+        once.ids[0] = 99
+    passes = []
+    real = checks._check_id_values
+    monkeypatch.setattr(checks, "_check_id_values", lambda *a: passes.append(a) or real(*a))
+    assert launch_ids(ps.planes, once) is once.ids
+    assert check_launch(ps.planes, once, None, None, SourceMemo()).ids.tolist() == [3, 1, 5]
+    assert passes == []
+
+
+def test_ids_checked_for_a_larger_cache_are_refused():
+    """Checked against more blocks than these planes hold, an id may be past their end: refused, naming both
+    counts. Checked against fewer, every id still fits: taken."""
+    _, ps, _ = _arena()
+    wider = CheckedIds(ids=np.array([BLOCKS + 3]), num_blocks=BLOCKS + 4)
+    with pytest.raises(ValueError, match=f"checked for {BLOCKS + 4} blocks; these planes hold {BLOCKS}"):
+        launch_ids(ps.planes, wider)
+    few = torch.zeros(2, BLOCKS - 2, ROW, dtype=torch.bfloat16)
+    narrower = PlaneSet([few[0]], [few[1]], num_heads=H, block_size=N, head_size=D)
+    assert launch_ids(ps.planes, checked_ids(narrower.planes, np.array([0, 5]))).tolist() == [0, 5]

@@ -101,11 +101,13 @@ class _Graphs:
 
     def __init__(self, take: bool = True, fail: bool = False) -> None:
         self.calls: list[tuple[str, tuple[int, int]]] = []
+        self.ids: list = []  # the ids each prepare and launch was handed
         self.take, self.fail = take, fail
 
     def prepare(self, ids, src, layers, src_index):
         if self.fail:
             raise ValueError("block_ids: bad")
+        self.ids.append(ids)
         self.calls.append(("prepare", layers))
         assert src is None or src.shape[0] == layers[1] - layers[0]  # the group's own layers if staged
         return _Prepared(self.calls, layers) if self.take else None
@@ -113,15 +115,18 @@ class _Graphs:
     def launch(self, stream, ids, src, layers, src_index):
         if self.fail:
             raise ValueError("block_ids: bad")
+        self.ids.append(ids)
         self.calls.append(("launch", layers))
         return _Event()
 
 
-def _graph_job(graphs: _Graphs, groups_on: bool = True, in_place: bool = False):
+def _graph_job(graphs: _Graphs, groups_on: bool = True, in_place: bool = False, ids=(0, 1)):
     conversions = Conversions(None, graphs=lambda: groups_on)
     conversions._stream = object()  # as on a GPU: launches go through the graphs, not the worker thread
-    caches = types.SimpleNamespace(graphs=graphs, page_format=LOCAL)
-    job = types.SimpleNamespace(caches=caches, pairs=types.SimpleNamespace(local=np.array([0, 1])),
+    planes = torch.zeros((2, BLOCKS, H * N * D), dtype=torch.bfloat16)
+    caches = types.SimpleNamespace(graphs=graphs, page_format=LOCAL,
+                                   plane_set=PlaneSet([planes[0]], [planes[1]], **GEOM))
+    job = types.SimpleNamespace(caches=caches, pairs=types.SimpleNamespace(local=np.array(ids)),
                                 conversion=None, timings={}, req_id="r")
     conversions.begin(job, None if in_place else torch.zeros((3, 2, 8)), negotiate(REMOTE, REMOTE))
     return conversions, job
@@ -189,6 +194,50 @@ def test_a_prepare_that_fails_leaves_the_error_to_the_launch_at_landing():
 
     try:
         with pytest.raises(Failed, match="convert: block_ids: bad"):
+            asyncio.run(main())
+    finally:
+        conversions.close()
+    assert graphs.calls == []
+
+
+def test_a_jobs_ids_are_checked_once_for_all_its_groups(monkeypatch):
+    """Every group's prepare and launch is handed the same ``CheckedIds``, made by one pass of the checks."""
+    from sidecar.convert import checks
+
+    passes = []
+    real = checks._check_id_values
+    monkeypatch.setattr(checks, "_check_id_values", lambda *a: passes.append(a) or real(*a))
+    graphs = _Graphs(take=False)  # every group declined ahead: each launches whole at landing
+    conversions, job = _graph_job(graphs, ids=(5, 0, 3))
+
+    async def main():
+        conversions.prepare(job, [(0, 1), (1, 2), (2, 3)])
+        for group in ((0, 1), (1, 2), (2, 3)):
+            conversions.convert_group(job, *group)
+        await _settle(conversions, job)
+
+    try:
+        asyncio.run(main())
+    finally:
+        conversions.close()
+    assert len(graphs.ids) == 6 and all(ids is graphs.ids[0] for ids in graphs.ids)
+    assert isinstance(graphs.ids[0], checks.CheckedIds) and graphs.ids[0].ids.tolist() == [5, 0, 3]
+    assert len(passes) == 1
+
+
+def test_ids_out_of_the_caches_fail_the_job_at_its_first_launch_and_nothing_is_launched():
+    """The converter's own check still stands behind the pairing's: an id past the caches is refused before
+    any graph is handed it, and the job fails naming it."""
+    graphs = _Graphs()
+    conversions, job = _graph_job(graphs, ids=(1, BLOCKS))
+
+    async def main():
+        conversions.prepare(job, [(0, 3)])  # refused here too, quietly: the launch at landing says why
+        conversions.convert_group(job, 0, 3)
+        await conversions.finish(job, 3)
+
+    try:
+        with pytest.raises(Failed, match=f"block_ids holds {BLOCKS}, out of range"):
             asyncio.run(main())
     finally:
         conversions.close()
