@@ -8,7 +8,7 @@
 #          graphsab groupsab gilab headcheck ab orders groups poll interference profile daemonprofile map
 #          mapped lingerab convertlead convertsweep pieces loopbench
 #          coldab alltests hops queuepieces fireparts gatestests gatesab directgatesab
-#          gateprobe percallpieces
+#          gateprobe percallpieces convertfired
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -282,6 +282,10 @@ for step in "$@"; do
     # one in-place graph launch per call split into its host and device pieces, beside a copy
     percallpieces) TAIL=4 run percallpieces 120 python3 scripts/convert-percall-pieces.py \
         --out "$OUT/convert-percall-pieces-$GPU_TAG.json" ;;
+    # per call with the launch made ready ahead (fired) beside the whole launch, Qwen3-8B 4k and 16k
+    convertfired) TAIL=10 run convertfired 150 python3 -m sidecar.cli bench convert --device cuda --dtype bfloat16 \
+        --shapes qwen3-8b-4k,qwen3-8b-16k --no-plot --reps 40 --tag "$GPU_TAG-fired" --out-dir "$OUT" \
+        --variant default: ;;
     # the queue at 8 in flight under a magnifier: staged contiguous 4k and 16k x 8, every call of the daemon of
     # 0.1 ms or more kept one by one (loop_pieces_slow_us), to lay over the cells' timelines:
     # python -m sidecar.bench.overlay e2e-<gpu>-queue-pieces.json pieces-<gpu>-queue.slow.json
