@@ -20,6 +20,8 @@ from sidecar.convert.reference import run_reference
 from sidecar.convert.tables import MetaCache
 from sidecar.convert.tuning import Tuning
 
+IDENTITY_LUT = np.tile(np.arange(256, dtype=np.int32), (2, 1))  # a re-encode table that keeps every byte
+
 
 def _run(job: ConversionJob, tuning: Tuning | None = None, tables: MetaCache | None = None) -> None:
     if job.device.type == "cuda":  # CUDA and ROCm (HIP) builds of torch both say "cuda"
@@ -120,7 +122,7 @@ class PlaneSet:
     def warm_up(self) -> None:
         """Compile (or load from Triton's cache) the GPU kernels these planes need, on two scratch blocks of
         the same geometry, never on the planes: a first request then does not wait the ~1 s of a compile.
-        No-op on the CPU."""
+        1-byte planes also warm the fp8 re-encode's variants. No-op on the CPU."""
         p = self.planes
         if p.device.type != "cuda":
             return
@@ -128,13 +130,18 @@ class PlaneSet:
         with torch.cuda.device(p.device):
             k, v = (torch.zeros((2, row), dtype=p.dtype, device=p.device) for _ in range(2))
             geom = dict(num_heads=p.num_heads, block_size=p.block_size, head_size=p.head_size)
-            scratch = PlaneSet([k], [v], **geom)
+            scratches = [PlaneSet([k], [v], **geom)]
+            if p.elem_bytes == 1:
+                # an fp8 pairing's re-encode (its own PlaneSet, made at its first pull) launches other
+                # variants; their first launch would load a module on the loop, which waits for the device
+                scratches.append(PlaneSet([k], [v], **geom, lut=IDENTITY_LUT))
             ids = torch.tensor([1, 0])
-            scratch.convert(ids)  # in place
-            scratch.convert(ids, src=torch.zeros((1, 2, 2 * row), dtype=p.dtype, device=p.device))
-            # staged spans read through gaps convert with a source index: another kernel variant
-            scratch.convert(ids, src=torch.zeros((1, 3, 2 * row), dtype=p.dtype, device=p.device),
-                            src_index=torch.tensor([2, 0]))
+            for scratch in scratches:
+                scratch.convert(ids)  # in place
+                scratch.convert(ids, src=torch.zeros((1, 2, 2 * row), dtype=p.dtype, device=p.device))
+                # staged spans read through gaps convert with a source index: another kernel variant
+                scratch.convert(ids, src=torch.zeros((1, 3, 2 * row), dtype=p.dtype, device=p.device),
+                                src_index=torch.tensor([2, 0]))
             torch.cuda.current_stream().synchronize()
 
     def convert(

@@ -286,3 +286,85 @@ def test_gate_words_are_one_pinned_page():
 
     gates = Gates(8)
     assert gates.words.dtype == np.int32 and (gates.words == OPEN).all()
+
+
+def _fp8_planes(h: int, n: int, d: int, blocks: int = 16, seed: int = 0):
+    """Random fnuz planes of one layer (their raw bytes [2, blocks, row]), their PlaneSet and the re-encoding
+    one of an fp8 pairing (scales all 1), both over the same bytes."""
+    from sidecar.convert import PlaneSet
+    from sidecar.wire import fp8
+
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    raw = torch.randint(0, 256, (2, blocks, h * n * d), dtype=torch.int32, device=DEV, generator=g)
+    raw = raw.to(torch.uint8)
+    k, v = raw[0].view(torch.float8_e4m3fnuz), raw[1].view(torch.float8_e4m3fnuz)
+    geom = dict(num_heads=h, block_size=n, head_size=d)
+    return raw, PlaneSet([k], [v], **geom), PlaneSet([k], [v], **geom, lut=fp8.pair_table(1.0, 1.0, 1.0, 1.0))
+
+
+def _staging(h: int, n: int, d: int, rows: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    pages = torch.randint(0, 256, (1, rows, 2 * h * n * d), dtype=torch.int32, device=DEV, generator=g)
+    return pages.to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+def _new_variants(fn) -> int:
+    """How many kernel variants ``fn``'s launches went through Triton for (a compile or a module load)."""
+    from sidecar.convert import triton_kernel as tk
+
+    def count() -> int:
+        return sum(len(k._compiled) for k in tk._DIRECT.values())
+
+    before = count()
+    fn()
+    torch.cuda.synchronize()
+    return count() - before
+
+
+def test_warmed_fp8_planes_reencode_without_loading_a_kernel_even_behind_a_closed_gate():
+    """An fp8 pairing's re-encode launches kernel variants of its own, and a variant's first launch loads a
+    module, which waits for the device: with a gate closed, for the gated work (the gate probe, an H100,
+    2026-12-06). ``warm_up`` of 1-byte planes (at registration) now loads them. Geometries no other test uses:
+    unwarmed, the same launches go through Triton; warmed, none does, and behind a closed gate they return (a
+    timer opens the gate after 20 s: it must not have been needed) and, once it opens, convert as the same
+    launches with no gate do."""
+    import threading
+
+    from sidecar.convert.gates import Gates
+
+    ids, src_rows = np.array([9, 2, 5]), np.array([2, 0, 1])
+    _, _, cold = _fp8_planes(2, 32, 64, seed=1)
+    assert _new_variants(lambda: cold.convert_arrays(ids, src=_staging(2, 32, 64, 3, 1),
+                                                     src_index=src_rows)) > 0  # the test can fail
+
+    raw, plain, reencode = _fp8_planes(4, 16, 64, seed=2)
+    want_raw, _, want = _fp8_planes(4, 16, 64, seed=2)
+    staged = _staging(4, 16, 64, 3, 2)
+    plain.warm_up()
+    gates, stream = Gates(1), make_stream(torch.device(DEV))
+    slot = gates.take()
+    gates.close_on(stream, slot)
+    rescued = threading.Event()
+    timer = threading.Timer(20.0, lambda: (rescued.set(), gates.open(slot)))
+    timer.start()
+
+    def gated() -> None:
+        with torch.cuda.stream(stream):
+            reencode.convert_arrays(ids)  # in place
+            reencode.convert_arrays(ids, src=staged, src_index=src_rows)
+            event = torch.cuda.Event()
+            event.record(stream)
+        assert not rescued.is_set(), "a warmed re-encode launch waited for the work behind the gate"
+        assert not event.query()
+        gates.open(slot)
+        _wait(event)
+
+    try:
+        assert _new_variants(gated) == 0
+    finally:
+        timer.cancel()
+    gates.give_back(slot)
+    want.convert_arrays(ids)
+    want.convert_arrays(ids, src=staged, src_index=src_rows)
+    torch.cuda.synchronize()
+    assert torch.equal(raw, want_raw)
