@@ -155,6 +155,18 @@ class Conversions:
         self._events = left
         return changed, bool(left)
 
+    def fence(self) -> Any:
+        """An event recorded now on the conversion stream, after every conversion launched on it so far (a
+        mapped prefill's pages are read only there: never behind a gate); None on the CPU twin. Callable
+        from any thread."""
+        if self._stream is None:
+            return None
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
     @property
     def on_gpu(self) -> bool:
         """Whether conversions run on a GPU stream (else the CPU twin's worker thread)."""

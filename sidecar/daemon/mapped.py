@@ -73,7 +73,7 @@ class MappedReads:
 
     async def _map(self, peer: Any, dtype: Any) -> Any | None:
         try:
-            source = await self._on_poster(self._port.map_pages, peer, dtype)
+            source = await self._on_poster(self._port.map_pages, peer, dtype, self._conversions.fence)
         except Exception as exc:  # noqa: BLE001 - whatever stops the mapping, the usual read still works
             why = str(exc) if isinstance(exc, MappingUnavailable) else f"{type(exc).__name__}: {exc}"
             log.warning(

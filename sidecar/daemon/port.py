@@ -20,7 +20,7 @@ What the daemon reads off the objects the port returns:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -96,11 +96,13 @@ class TransferPort(Protocol):
 
     def remove_peer(self, peer: Any) -> None: ...
 
-    def map_pages(self, peer: Any, dtype: Any) -> Any:
+    def map_pages(self, peer: Any, dtype: Any, fence: Callable[[], Any] | None = None) -> Any:
         """One prefill rank's pages mapped into this process (the mapped read mode): ``[layers,
         blocks, page]`` of ``dtype``, row ``b`` its kernel block ``b``. Mapped once per peer and
         unmapped when the peer is removed; ``MappingUnavailable`` says why not (remembered: asked
-        again, raised again at once). Runs on the poster thread (its CUDA context)."""
+        again, raised again at once). Runs on the poster thread (its CUDA context). ``fence``:
+        records and returns an event after every kernel queued so far that may read the pages (the
+        conversion stream's), which unmapping waits for (None: the whole device)."""
         ...
 
     def unmap_pages(self, peer: Any) -> None:

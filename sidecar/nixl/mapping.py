@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,13 +109,20 @@ def memory_view(ptr: int, nbytes: int, device: int | None) -> Any:
 
 class MappedPages:
     """A prefill rank's pages mapped here: ``source(dtype)`` is ``[layers, blocks, page elements]``, row
-    ``b`` of layer ``l`` the prefill's kernel block ``b``. Holds the UCP worker, endpoint and keys."""
+    ``b`` of layer ``l`` the prefill's kernel block ``b``. Holds the UCP worker, endpoint and keys.
 
-    def __init__(self, worker: Any, memory: Any, layout: MappingLayout, device: int | None) -> None:
+    ``fence``: records and returns an event after every kernel queued so far that may read through the
+    mapping (the daemon's conversion stream), or None; ``close`` waits for that event instead of the whole
+    device, whose other work may wait on the host (a conversion behind a closed gate, whose gate is opened by
+    the loop that may be the one closing)."""
+
+    def __init__(self, worker: Any, memory: Any, layout: MappingLayout, device: int | None,
+                 fence: Callable[[], Any] | None = None) -> None:
         self._worker = worker
         self._memory = memory  # uint8, from the first layer's base
         self.layout = layout
         self.device = device
+        self._fence = fence
         self._views: dict[Any, Any] = {}
 
     def source(self, dtype: Any) -> Any:
@@ -131,8 +139,9 @@ class MappedPages:
         return view
 
     def close(self) -> None:
-        """Unmap (destroy the keys) and close the endpoint, once every kernel this process queued on the
-        device has finished: one may still read through the mapping (a prefill replaced mid-request)."""
+        """Unmap (destroy the keys) and close the endpoint, once every kernel that may read through the
+        mapping has finished (one may still, a prefill replaced mid-request): the fence's event, without a
+        fence every kernel this process queued on the device."""
         self._views.clear()
         self._memory = None
         if self.device is None:
@@ -141,7 +150,11 @@ class MappedPages:
         import torch
 
         with torch.cuda.device(self.device):  # cuda_ipc closes its handles in the device's context
-            torch.cuda.synchronize()
+            fence = None if self._fence is None else self._fence()
+            if fence is None:
+                torch.cuda.synchronize()
+            else:
+                fence.synchronize()
             self._worker.close()
 
 
@@ -151,9 +164,11 @@ def map_pages(
     layout: MappingLayout,
     device: int | None,
     ucp: Any = None,
+    fence: Callable[[], Any] | None = None,
 ) -> MappedPages:
     """Map the prefill's pages (``layout``, from ``mapping_layout``) into this process. On a GPU, call it in
-    a thread whose current device is ``device``. ``MappingUnavailable`` when any layer does not map."""
+    a thread whose current device is ``device``. ``MappingUnavailable`` when any layer does not map.
+    ``fence``: as ``MappedPages``'."""
     from sidecar.nixl.ucx import UcpWorker, UcxError
     from sidecar.wire.nixl_metadata import NixlMetadataError, read_agent_metadata
 
@@ -197,4 +212,4 @@ def map_pages(
         with contextlib.suppress(Exception):
             worker.close()
         raise MappingUnavailable(str(exc), getattr(exc, "field", None) or "ucp_rkey_ptr") from None
-    return MappedPages(worker, memory, layout, device)
+    return MappedPages(worker, memory, layout, device, fence)

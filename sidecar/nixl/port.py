@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,7 +193,7 @@ class NixlPort:
     def remove_peer(self, peer: Peer) -> None:
         self.agent.remove_peer(peer)
 
-    def map_pages(self, peer: Peer, dtype: Any) -> Any:
+    def map_pages(self, peer: Peer, dtype: Any, fence: Callable[[], Any] | None = None) -> Any:
         if isinstance(peer.mapping, MappingUnavailable):
             raise peer.mapping
         if peer.mapping is None:
@@ -206,7 +206,7 @@ class NixlPort:
                 layers = peer.regions.num_regions // regions_per_layer(fmt)
                 layout = mapping_layout(peer.regions, layers, fmt.page_bytes, fmt.elem_bytes)
                 device = self.agent.settings.cuda_device
-                peer.mapping = map_pages(peer.agent_metadata, peer.regions, layout, device)
+                peer.mapping = map_pages(peer.agent_metadata, peer.regions, layout, device, fence=fence)
             except MappingUnavailable as exc:
                 peer.mapping = exc
                 raise

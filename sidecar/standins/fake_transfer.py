@@ -101,6 +101,7 @@ class FakePort:
         self.pairings = 0  # blocks() calls: the daemon pairs each job once
         self.mapped: Any = None  # map_pages' answer: a [layers, blocks, page] tensor; None: nothing maps
         self.map_calls: list[str] = []  # the thread of each map_pages call
+        self.fences: list[Any] = []  # the fence each map_pages call was handed
         self.unmapped: list[FakePeer] = []  # unmap_pages calls
 
     # -- local memory
@@ -158,9 +159,10 @@ class FakePort:
     def remove_peer(self, peer: FakePeer) -> None:
         peer.removed = True
 
-    def map_pages(self, peer: FakePeer, dtype: Any) -> Any:
+    def map_pages(self, peer: FakePeer, dtype: Any, fence: Any = None) -> Any:
         """``mapped`` (a test's tensor standing for the prefill's pages), else ``MappingUnavailable``."""
         self.map_calls.append(threading.current_thread().name)
+        self.fences.append(fence)
         if self.mapped is None:
             raise MappingUnavailable("the fake prefill maps nothing", "ucp_rkey_ptr")
         return self.mapped.view(dtype)

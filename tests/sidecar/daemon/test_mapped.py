@@ -69,6 +69,8 @@ def test_a_mapped_pull_converts_the_remote_blocks_and_touches_nothing_else():
             assert h.port.reads == []  # no NIXL read at all
             await until(lambda: h.port.notified == ["r-a"])  # told once, after the conversion
             assert h.port.map_calls == ["kv-sidecar-post_0"]  # mapped on the poster thread (its context)
+            # unmapping waits for the conversion stream's fence (None on the CPU twin), not the whole device
+            assert h.port.fences == [h.daemon.conversions.fence] and h.port.fences[0]() is None
             planes = _planes(h)
             for layer in range(LAYERS):
                 k, v = _expected(h.port.mapped, layer, remote)

@@ -157,17 +157,20 @@ def test_the_port_maps_once_then_answers_from_the_mapping_and_unmaps_it(monkeypa
 
     made = []
 
-    def fake_map(metadata, regions, layout, device):
-        made.append((metadata, layout.layers, device))
+    def fake_map(metadata, regions, layout, device, fence=None):
+        made.append((metadata, layout.layers, device, fence))
         return mapped
+
+    def fence():
+        return None
 
     mapped = _Closable()
     monkeypatch.setattr(port_mod, "map_pages", fake_map)
     monkeypatch.setattr(port_mod, "MappedPages", _Closable)
     port, peer = _port_and_peer()
-    assert port.map_pages(peer, "bf16") == ("source", "bf16")
-    assert port.map_pages(peer, "fp16") == ("source", "fp16")
-    assert made == [(b"x", 3, None)]
+    assert port.map_pages(peer, "bf16", fence) == ("source", "bf16")
+    assert port.map_pages(peer, "fp16", fence) == ("source", "fp16")
+    assert made == [(b"x", 3, None, fence)]  # the mapping keeps the fence its unmapping waits for
     port.unmap_pages(peer)
     assert mapped.closed == 1 and peer.mapping is None
     port.unmap_pages(peer)  # nothing held: nothing to do
