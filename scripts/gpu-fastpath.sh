@@ -8,7 +8,7 @@
 #          graphsab groupsab gilab headcheck ab orders groups poll interference profile daemonprofile map
 #          mapped lingerab convertlead convertsweep pieces loopbench
 #          coldab alltests hops queuepieces fireparts gatestests gatesab directgatesab
-#          gateprobe percallpieces convertfired
+#          gateprobe percallpieces hazardtests convertfired connab
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -282,6 +282,20 @@ for step in "$@"; do
     # one in-place graph launch per call split into its host and device pieces, beside a copy
     percallpieces) TAIL=4 run percallpieces 120 python3 scripts/convert-percall-pieces.py \
         --out "$OUT/convert-percall-pieces-$GPU_TAG.json" ;;
+    # a kernel's first launch behind a closed gate held up later work on every stream (an H100, 2026-12-06,
+    # lazy module loading): did the hardware queues matter? Staged 4k/16k x 1/x 8, gates on and off,
+    # CUDA_DEVICE_MAX_CONNECTIONS 8 (CUDA's default) and 32 for every process of the run
+    connab) for arm in true-32 true-8 false-32 false-8; do
+        export CUDA_DEVICE_MAX_CONNECTIONS=${arm#*-}
+        TAIL=6 run "conn-$arm" 60 "${ONE_GPU[@]}" "${CONTIGUOUS_CELLS[@]}" --budget-s 45 \
+          --daemon-set "conversion_gates=${arm%-*}" --out "$OUT/e2e-$GPU_TAG-conn-$arm.json"
+      done
+      unset CUDA_DEVICE_MAX_CONNECTIONS ;;
+    # the host-call hazards behind closed gates (graphs, the fp8 re-encode's warm-up, a mapping's close) and the
+    # daemon's conversions with ids checked once a request
+    hazardtests) TAIL=20 run hazardtests 300 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
+        tests/sidecar/convert/test_convert_gates_gpu.py tests/sidecar/convert/test_convert_graphs_gpu.py \
+        tests/sidecar/nixl/test_mapping_gpu.py tests/sidecar/daemon tests/gpu/test_gpu_mapped.py ;;
     # per call with the launch made ready ahead (fired) beside the whole launch, Qwen3-8B 4k and 16k
     convertfired) TAIL=10 run convertfired 150 python3 -m sidecar.cli bench convert --device cuda --dtype bfloat16 \
         --shapes qwen3-8b-4k,qwen3-8b-16k --no-plot --reps 40 --tag "$GPU_TAG-fired" --out-dir "$OUT" \
