@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -192,6 +193,13 @@ class Conversions:
             log.warning("conversion gates off: %s; launches are queued when their bytes land", exc)
             return
         self._gate_streams = [make_stream(self._gpu, self.limits) for _ in range(GATE_STREAMS)]
+        if os.environ.get("CUDA_MODULE_LOADING", "").upper() != "EAGER":  # torch sets LAZY if unset
+            log.warning(
+                "conversion gates with lazy CUDA module loading: a kernel's first launch while a gate is "
+                "closed makes later work on every stream of this process wait for that gate (a read's copies "
+                "too: its pull would stall until it times out); set CUDA_MODULE_LOADING=EAGER in the "
+                "daemon's environment"
+            )
 
     def begin(self, job: Job, src: Any, plan: Plan, src_index: Any = None) -> None:
         """The job will convert what it reads (call before its first layer group can land)."""

@@ -619,3 +619,27 @@ def test_gates_are_opened_only_once_they_are_asked_for(caplog, monkeypatch):
     finally:
         conversions.close()
     assert caplog.text.count("conversion gates off: no CUDA driver library") == 1
+
+
+@pytest.mark.parametrize("loading", [None, "LAZY", "EAGER"])
+def test_gates_opened_under_lazy_module_loading_say_how_to_load_eagerly(loading, caplog, monkeypatch):
+    """A kernel's first launch behind a closed gate holds every stream's later work with lazy loading (an
+    H100, 2026-12-06), eager loading not: gates opened under lazy loading (unset: torch's default) warn once,
+    naming the variable."""
+    from sidecar.convert import gates as gates_module
+    from sidecar.daemon import conversion as conversion_module
+
+    monkeypatch.setattr(gates_module, "Gates", lambda count: object())
+    monkeypatch.setattr(conversion_module, "make_stream", lambda gpu, limits=None: object())
+    if loading is None:
+        monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_MODULE_LOADING", loading)
+    conversions = Conversions(0, graphs=lambda: True, gates=lambda: True)
+    conversions._stream = object()
+    try:
+        with caplog.at_level("WARNING", logger="kv_sidecar.conversion"):
+            assert conversions._gate_stream() is not None and conversions._gate_stream() is not None
+    finally:
+        conversions.close()
+    assert caplog.text.count("set CUDA_MODULE_LOADING=EAGER") == (0 if loading == "EAGER" else 1)
