@@ -8,7 +8,7 @@
 #          graphsab groupsab gilab headcheck ab orders groups poll interference profile daemonprofile map
 #          mapped lingerab convertlead convertsweep pieces loopbench
 #          coldab alltests hops queuepieces fireparts gatestests gatesab directgatesab
-#          gateprobe percallpieces hazardtests convertfired connab
+#          gateprobe percallpieces hazardtests convertfired connab loadingab
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -296,6 +296,17 @@ for step in "$@"; do
     hazardtests) TAIL=20 run hazardtests 300 python3 -m pytest -m gpu -p no:cacheprovider -q -rf \
         tests/sidecar/convert/test_convert_gates_gpu.py tests/sidecar/convert/test_convert_graphs_gpu.py \
         tests/sidecar/nixl/test_mapping_gpu.py tests/sidecar/daemon tests/gpu/test_gpu_mapped.py ;;
+    # CUDA's module loading, lazy (torch's default) against eager: init time, device memory, and whether a
+    # kernel's first launch behind a closed gate holds other streams; then staged 4k/16k x 1/x 8 with gates on
+    # under each, alternating, every process of the run in that mode
+    loadingab) TAIL=4 run moduleloading 60 python3 scripts/module-loading.py \
+        --out "$OUT/module-loading-$GPU_TAG.json"
+      for m in EAGER LAZY; do
+        export CUDA_MODULE_LOADING=$m
+        TAIL=6 run "loading-$m" 60 "${ONE_GPU[@]}" "${CONTIGUOUS_CELLS[@]}" --budget-s 45 \
+          --daemon-set conversion_gates=true --out "$OUT/e2e-$GPU_TAG-gates-loading-$m.json"
+      done
+      unset CUDA_MODULE_LOADING ;;
     # per call with the launch made ready ahead (fired) beside the whole launch, Qwen3-8B 4k and 16k
     convertfired) TAIL=10 run convertfired 150 python3 -m sidecar.cli bench convert --device cuda --dtype bfloat16 \
         --shapes qwen3-8b-4k,qwen3-8b-16k --no-plot --reps 40 --tag "$GPU_TAG-fired" --out-dir "$OUT" \
