@@ -264,8 +264,10 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             "(instantiating one waits for the gated work): a size not seen before launches the ordinary "
             "way until one is; should the loop still sit 5 s in a host call that waits for the device, a "
             "guard thread points the gated launches away and opens their gates, and their pulls fail "
-            "(logged as an error). Needs the driver's stream memory waits (cuStreamWaitValue32_v2); "
-            "without them a warning, and off"
+            "(logged as an error). Run the daemon with CUDA_MODULE_LOADING=EAGER: with lazy loading a "
+            "kernel's first launch while a gate is closed holds every stream's later work behind that gate "
+            "(a warning says so). Needs the driver's stream memory waits (cuStreamWaitValue32_v2); without "
+            "them a warning, and off"
         ),
     ] = False
     remotes: Annotated[
