@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sidecar.wire.block_ids import increasing, repeat_in_sorted, within
+from sidecar.wire.block_ids import increasing, read_only, repeat_in_sorted, within
 
 CONVERTIBLE = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2,
                torch.uint8, torch.int8)
@@ -439,8 +439,8 @@ class CheckedIds:
     """Block ids that passed ``launch_ids``' checks for planes of ``num_blocks`` blocks (``checked_ids``).
 
     A daemon's request converts the same ids in every layer group: checked once, before its bytes land, each
-    group's launch takes them as they are. ``ids`` is a read-only copy, so nobody changes them after the
-    check."""
+    group's launch takes them as they are. ``ids`` is read-only (``read_only``: a copy unless nobody could
+    write them already), so nobody changes them after the check."""
 
     ids: np.ndarray  # int64, flat, read-only, each in [0, num_blocks), none twice
     num_blocks: int
@@ -451,10 +451,8 @@ class CheckedIds:
 
 
 def checked_ids(planes: Planes, block_ids: object) -> CheckedIds:
-    """``block_ids`` checked as ``launch_ids`` checks them, kept (a read-only copy) for later launches."""
-    ids = np.array(launch_ids(planes, block_ids), dtype=np.int64)
-    ids.flags.writeable = False
-    return CheckedIds(ids=ids, num_blocks=planes.num_blocks)
+    """``block_ids`` checked as ``launch_ids`` checks them, kept read-only for later launches."""
+    return CheckedIds(ids=read_only(launch_ids(planes, block_ids)), num_blocks=planes.num_blocks)
 
 
 def launch_ids(planes: Planes, block_ids: object) -> np.ndarray:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from sidecar.wire.block_ids import increasing, repeat_in_sorted, within
+from sidecar.wire.block_ids import increasing, read_only, repeat_in_sorted, within
 
 _I64 = np.int64
 _I64_DTYPE = np.dtype(np.int64)  # as_ids' fast path: the daemon's unpacked ids
@@ -49,13 +49,9 @@ class PairRule:
 
 
 def _frozen(values: np.ndarray, field: str) -> np.ndarray:
-    """``values`` as a flat int64 array nobody can write into: itself when it and every array it views are
-    read-only already (the daemon's id arrays), else a read-only copy."""
-    a = values
-    while isinstance(a, np.ndarray) and not a.flags.writeable:
-        a = a.base
-    if a is None and values.dtype == _I64 and values.ndim == 1:
-        return values
+    """``values`` as a flat int64 array nobody can write into (``read_only``; a copy when not int64)."""
+    if values.dtype == _I64 and values.ndim == 1:
+        return read_only(values)
     out = np.array(values, dtype=_I64)
     if out.ndim != 1:
         raise GeometryError(field, f"must be flat, got shape {out.shape}")

@@ -26,6 +26,19 @@ def repeat_in_sorted(ordered: np.ndarray) -> int | None:
     return int(dup[0]) if dup.size else None
 
 
+def read_only(ids: np.ndarray) -> np.ndarray:
+    """``ids`` as an array nobody can write into: itself when it and every array it views are read-only
+    already (the daemon's id arrays), else a read-only copy."""
+    a = ids
+    while isinstance(a, np.ndarray) and not a.flags.writeable:
+        a = a.base
+    if a is None:
+        return ids
+    out = ids.copy()
+    out.flags.writeable = False
+    return out
+
+
 def within(ids: np.ndarray, limit: int) -> bool:
     """Every id in [0, limit). int64 ids take one pass: read as uint64, a negative id is above any limit."""
     if not ids.size:

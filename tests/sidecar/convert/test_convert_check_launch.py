@@ -329,6 +329,9 @@ def test_checked_ids_are_a_read_only_copy_and_are_not_checked_again(monkeypatch)
     assert launch_ids(ps.planes, once) is once.ids
     assert check_launch(ps.planes, once, None, None, SourceMemo()).ids.tolist() == [3, 1, 5]
     assert passes == []
+    frozen = np.array([4, 0], dtype=np.int64)
+    frozen.flags.writeable = False  # as the daemon's pairs are: nobody can change them, so no copy
+    assert checked_ids(ps.planes, frozen).ids is frozen
 
 
 def test_ids_checked_for_a_larger_cache_are_refused():

@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from sidecar.wire.block_ids import consecutive, increasing, repeat_in_sorted, within
+from sidecar.wire.block_ids import consecutive, increasing, read_only, repeat_in_sorted, within
 
 VALUES = (-(2**31), -2, -1, 0, 1, 2, 3, 4, 2**31 - 1)
 
@@ -37,3 +37,20 @@ def test_int64_extremes_are_outside_any_limit_below_them():
     assert not within(extremes[:1], 2**62)  # read as uint64 it is 2**63: above the limit, as it must be
     assert not within(extremes[1:], 2**62)
     assert within(np.array([5], dtype=np.int64), 6)
+
+
+def test_read_only_copies_only_what_someone_could_still_write():
+    owned = np.array([3, 1, 2])
+    owned.flags.writeable = False
+    assert read_only(owned) is owned
+    view = owned[1:]
+    assert read_only(view) is view  # read-only all the way down
+    writable = np.array([3, 1, 2])
+    behind = writable[:]
+    behind.flags.writeable = False  # read-only itself, but its base is not
+    for ids in (writable, behind):
+        got = read_only(ids)
+        assert got is not ids and not got.flags.writeable and got.tolist() == ids.tolist()
+        writable[0] = 9
+        assert got[0] == 3
+        writable[0] = 3
