@@ -238,7 +238,10 @@ class NixlTransfer:
         )
         self.lock = threading.RLock()
         self.agent = _Serialized(_nixl_call("create agent", nixl_agent, self.name, conf), self.lock)
-        self._peers: dict[tuple[str, int], Peer] = {}
+        self._peers: dict[tuple[str, int], Peer] = {}  # the current peer of each (engine id, rank)
+        # every peer added and not yet removed: one replaced by a re-admission stays readable until the
+        # daemon removes it, once no pull reads through it
+        self._loaded: dict[int, Peer] = {}
         self._registrations: list[Registration] = []
         self._dests: dict[int, Destination] = {}
 
@@ -327,7 +330,7 @@ class NixlTransfer:
         dest = self._dests.pop(key)
         if dest.local_handle is not None:
             self.agent.release_dlist_handle(dest.local_handle)
-        for peer in self._peers.values():
+        for peer in self._loaded.values():
             for gk in [gk for gk in peer.geometries if gk[0] == key]:
                 del peer.geometries[gk]
 
@@ -354,28 +357,37 @@ class NixlTransfer:
         source: Any = None,
         notif_count: int = 1,
     ) -> Peer:
-        """Load a checked remote (see ``admit_remote``). Cached per (engine id, rank) and registration
-        generation: a higher generation replaces it, and so does a new engine at the same address and rank
-        (a restarted prefill gets a fresh engine id)."""
+        """Load a checked remote (see ``admit_remote``) as the current peer of (engine id, rank). A higher
+        registration generation replaces the loaded one, and so does a new engine at the same address and
+        rank (a restarted prefill gets a fresh engine id). The same engine and generation admitted again (a
+        reload's new rules) is a new peer on the remote agent already loaded: the one it replaces stays
+        readable until ``remove_peer``, which unloads the agent once no peer uses it."""
         key = (engine_id, tp_rank)
         old = self._peers.get(key)
         if old is not None:
-            if generation == old.generation:
-                return old
             if generation < old.generation:
                 raise RemoteRefused(
                     f"generation {generation} is older than the loaded {old.generation}",
                     "remote_registration_generation",
                 )
-            self.remove_peer(old)
+            if generation > old.generation or agent_metadata != old.agent_metadata:
+                self.remove_peer(old)
         for stale in [p for p in self._peers.values() if p.address == address and p.tp_rank == tp_rank]:
-            log.info("prefill at %s rank %d restarted: dropping engine %s", address, tp_rank, stale.engine_id)
-            self.remove_peer(stale)
-        name = _nixl_call("add_remote_agent", self.agent.add_remote_agent, agent_metadata)
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        if any(p.agent_name == name for p in self._peers.values()):
-            raise RemoteRefused(f"agent name {name!r} is already loaded for another engine", "agent_metadata")
-        _nixl_call("make_connection", self.agent.make_connection, name)
+            if stale.key != key:
+                log.info("prefill at %s rank %d restarted: dropping engine %s", address, tp_rank,
+                         stale.engine_id)
+                self.remove_peer(stale)
+        shared = next((p for p in self._loaded.values() if p.agent_metadata == agent_metadata), None)
+        if shared is not None:
+            name = shared.agent_name
+        else:
+            name = _nixl_call("add_remote_agent", self.agent.add_remote_agent, agent_metadata)
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            if any(p.agent_name == name for p in self._loaded.values()):
+                raise RemoteRefused(
+                    f"agent name {name!r} is already loaded for another engine", "agent_metadata"
+                )
+            _nixl_call("make_connection", self.agent.make_connection, name)
         peer = Peer(
             engine_id=engine_id,
             tp_rank=tp_rank,
@@ -389,11 +401,17 @@ class NixlTransfer:
             agent_metadata=agent_metadata,
         )
         self._peers[key] = peer
+        self._loaded[id(peer)] = peer
         return peer
 
     @_locked
     def remove_peer(self, peer: Peer) -> None:
-        self._peers.pop(peer.key, None)
+        """Let ``peer`` go: its mapping, its prepared lists, and NIXL's remote agent once no other peer loaded
+        on it remains. Removing a peer twice, or one already replaced, touches no other peer."""
+        if self._loaded.pop(id(peer), None) is None:
+            return
+        if self._peers.get(peer.key) is peer:
+            del self._peers[peer.key]
         mapping, peer.mapping = peer.mapping, None
         if hasattr(mapping, "close"):
             try:
@@ -407,6 +425,8 @@ class NixlTransfer:
                 log.warning("releasing a dlist of %s: %s", peer.agent_name, exc)
         peer.remote_handles.clear()
         peer.geometries.clear()
+        if any(p.agent_name == peer.agent_name for p in self._loaded.values()):
+            return  # a peer that replaced it reads through the same agent
         try:
             self.agent.remove_remote_agent(peer.agent_name)
         except Exception as exc:  # noqa: BLE001
@@ -763,7 +783,7 @@ class NixlTransfer:
 
     def close(self) -> None:
         """Release everything this agent holds (peers, lists, registrations)."""
-        for peer in list(self._peers.values()):
+        for peer in list(self._loaded.values()):
             self.remove_peer(peer)
         for key in list(self._dests):
             self._drop_destination(key)

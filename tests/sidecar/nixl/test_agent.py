@@ -617,7 +617,11 @@ def test_peer_cache_by_engine_generation_and_address(emu, tx, planes):
         plan=peer.plan,
         regions=peer.regions,
     )
-    assert tx.add_peer(engine_id=emu.ready.engine_id, generation=1, **kw) is peer
+    again = tx.add_peer(engine_id=emu.ready.engine_id, generation=1, **kw)  # re-admitted: a peer of its own
+    assert again is not peer and again.agent_name == peer.agent_name
+    assert tx.peer(emu.ready.engine_id, 0) is again
+    tx.remove_peer(peer)
+    peer = again
     tx.prepare(peer, planes.dest, "direct")
     assert "direct" in peer.remote_handles and peer.prep_seconds["direct"] >= 0
     newer = tx.add_peer(engine_id=emu.ready.engine_id, generation=2, **kw)
@@ -642,6 +646,27 @@ def test_peer_cache_by_engine_generation_and_address(emu, tx, planes):
     )
     check_planes(planes.arr, reply, [0, 1, 2, 3])
     tx.remove_peer(restarted)
+
+
+def test_a_readmitted_peer_reads_on_after_the_one_it_replaced_is_removed(emu, tx, planes):
+    """A reload re-admits a prefill while pulls still read through its old admission: the daemon retires the
+    old peer and removes it once they let go. The same engine and generation loaded again is a peer of its
+    own (its new plan) on NIXL's remote agent already loaded, and removing the old one leaves it reading."""
+    old = connect(tx, emu)
+    tx.prepare(old, planes.dest, "direct")
+    new = connect(tx, emu)  # admitted again, as the daemon does after a reload
+    assert new is not old and new.agent_name == old.agent_name and tx.peer(emu.ready.engine_id, 0) is new
+    tx.remove_peer(old)
+    assert old.remote_handles == {} and tx.peer(emu.ready.engine_id, 0) is new
+    tx.remove_peer(old)  # a second removal is a no-op: it takes nothing from the peer that replaced it
+    reply, params = new_request(emu, 4)
+    planes.reset()
+    rid = params.remote_request_id
+    tx.wait(tx.pull(new, planes.dest, "direct", [0, 1, 2, 3], params.remote_block_ids[0], rid))
+    check_planes(planes.arr, reply, [0, 1, 2, 3])
+    wait_until(lambda: emu.client.status(rid).notif_counts == [1], "the prefill's notification")
+    tx.remove_peer(new)
+    assert tx.peer(emu.ready.engine_id, 0) is None
 
 
 def test_heartbeats_reach_the_prefill(emu, tx):
