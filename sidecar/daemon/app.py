@@ -209,6 +209,7 @@ class Daemon:
             self._spawn,
             reads.sent,
             reads.in_background,
+            reads.on_poster,
         )
         self.heartbeats = Heartbeats(
             leases=self.leases,

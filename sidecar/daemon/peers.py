@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sidecar.daemon.errors import Failed, Refused, reason_of
-from sidecar.daemon.port import Admission, PeerTarget, TransferPort
+from sidecar.daemon.port import Admission, PeerTarget, Runner, TransferPort
 from sidecar.nixl.admission import RemoteFormatRule
 from sidecar.nixl.errors import RemoteRefused
 from sidecar.ops.config import Config
@@ -62,9 +62,11 @@ class Peers:
         spawn: Callable[[Any], asyncio.Task],
         sent: Callable[[], None],
         later: Callable[..., Any] | None = None,
+        on_poster: Runner | None = None,
     ) -> None:
         self._port = port
         self._later = later  # runs a call on the poster thread (Reads.in_background), when one is given
+        self._on_poster = on_poster  # the same, awaited for its result (Reads.on_poster)
         self._config = config
         self._metrics = metrics
         self._on_admitted = on_admitted
@@ -103,7 +105,7 @@ class Peers:
                 # replaced now, even while pulls still read through it (a restarted prefill's new pulls must
                 # not read the old one, nor a reload wait for a quiet moment); removed once they let go
                 if peer is not None and entry.users == 0:
-                    self._port.remove_peer(peer)
+                    self._remove(peer)
                 elif peer is not None:
                     self._retiring.add(entry)
                 entry = None
@@ -116,7 +118,18 @@ class Peers:
         entry.users -= 1
         if entry.users == 0 and entry in self._retiring:
             self._retiring.discard(entry)
-            self._port.remove_peer(entry.peer)
+            self._remove(entry.peer)
+
+    def _remove(self, peer: Any) -> None:
+        """Let a peer no pull reads through go: on the poster thread, after the post in progress (NIXL's
+        removal waits for it, and unmapping waits for the conversions queued so far)."""
+        if self._later is not None:
+            try:
+                self._later(self._port.remove_peer, peer)
+                return
+            except RuntimeError:  # the poster thread is shut down: no post can be in progress
+                pass
+        self._port.remove_peer(peer)
 
     def start(self, target: PeerTarget, caches: Any) -> PeerEntry:
         """Start a handshake with ``target`` (replacing any entry for its key)."""
@@ -161,7 +174,7 @@ class Peers:
     async def _handshake(self, target: PeerTarget, caches: Any) -> Any:
         t0 = time.monotonic()
         try:
-            peer = await self._port.connect(target, self._admission(target.address, caches))
+            peer = await self._port.connect(target, self._admission(target.address, caches), self._on_poster)
         except RemoteRefused as exc:
             self._metrics.handshake(False)
             raise Refused(exc.field or "remote", exc.reason, getattr(exc, "peer", None)) from None

@@ -4,8 +4,9 @@ The daemon's parts talk to prefills only through this contract. ``sidecar.nixl.p
 one (vLLM's side channel + a NIXL agent); ``sidecar.standins.fake_transfer.FakePort`` is an in-process fake
 that can be told to be slow, fail a READ, lose a peer or complete out of order, so the daemon's logic can be
 unit-tested without processes. All methods except ``connect`` are synchronous. ``read`` (posting: long on
-a NIXL agent, ~5-8 µs per descriptor) and ``release``/``abort`` of reads run on the daemon's poster thread
-(``reads.py``); the rest on its event loop. The port serialises the two threads itself; the loop asks
+a NIXL agent, ~5-8 µs per descriptor), ``release``/``abort`` of reads, ``remove_peer`` and the transport half
+of ``connect`` (its ``run``) run on the daemon's poster thread (``reads.py``), so the loop never waits for a
+post to end; the rest on its event loop. The port serialises the two threads itself; the loop asks
 ``hold(blocking=False)`` before work it may skip while the poster is inside the transport.
 
 What the daemon reads off the objects the port returns:
@@ -20,7 +21,7 @@ What the daemon reads off the objects the port returns:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -33,6 +34,8 @@ from sidecar.nixl.geometry import BlockPairs, LocalRegions, StagingPool
 from sidecar.wire.formats import PageFormat
 
 ReadMode = Literal["direct", "staged", "plain", "mapped"]
+# ``run(fn, *args)``: ``fn(*args)`` run elsewhere (the daemon's poster thread), awaited for its result
+Runner = Callable[..., Awaitable[Any]]
 
 
 class PeerTarget(msgspec.Struct, frozen=True):
@@ -90,11 +93,16 @@ class TransferPort(Protocol):
     def staging(self, registration: Any, pool: StagingPool) -> StagingPool: ...
 
     # -- prefills
-    async def connect(self, target: PeerTarget, admission: Admission) -> Any:
-        """Handshake with one prefill rank, admit it (format, identity, geometry) and load it."""
+    async def connect(self, target: PeerTarget, admission: Admission, run: Runner | None = None) -> Any:
+        """Handshake with one prefill rank, admit it (format, identity, geometry) and load it. ``run(fn,
+        *args)`` runs the transport calls (loading the prefill's agent) and is awaited for their result: the
+        daemon's poster thread (``Reads.on_poster``); None: here."""
         ...
 
-    def remove_peer(self, peer: Any) -> None: ...
+    def remove_peer(self, peer: Any) -> None:
+        """Let a peer go (its mapping, prepared lists, and its agent once no other peer uses it); the
+        daemon calls it once no pull reads through the peer. A second call is a no-op."""
+        ...
 
     def map_pages(self, peer: Any, dtype: Any, fence: Callable[[], Any] | None = None) -> Any:
         """One prefill rank's pages mapped into this process (the mapped read mode): ``[layers,

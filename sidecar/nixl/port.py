@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from sidecar.daemon.port import Admission, PeerTarget, ReadMode
+from sidecar.daemon.port import Admission, PeerTarget, ReadMode, Runner
 from sidecar.nixl import tp
 from sidecar.nixl.admission import admit_remote, resolve_remote_format
 from sidecar.nixl.agent import NixlTransfer, Peer, ReadOp, TransferSettings
@@ -79,6 +79,11 @@ class ReadGroup:
                     self.landed.append(r)
 
 
+async def _run(run: Runner | None, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` where ``run`` runs it (the daemon's poster thread), else here."""
+    return fn(*args) if run is None else await run(fn, *args)
+
+
 def _members(peers: Any) -> tuple[Any, ...]:
     """The prefill ranks of a ``PeerSet`` (or a lone peer)."""
     return tuple(getattr(peers, "peers", (peers,)))
@@ -107,7 +112,7 @@ class NixlPort:
     def staging(self, registration: Any, pool: StagingPool) -> StagingPool:
         return self.agent.staging(registration, pool)
 
-    async def connect(self, target: PeerTarget, admission: Admission) -> Peer:
+    async def connect(self, target: PeerTarget, admission: Admission, run: Runner | None = None) -> Peer:
         replies = await vllm_wire.fetch_handshake_async(
             target.host,
             target.port,
@@ -117,15 +122,23 @@ class NixlPort:
         )
         reply = replies[(0, target.tp_rank)]
         source, count = None, tp.notif_count(local_tp=target.local_tp, remote_tp=target.remote_tp)
+        metadata = reply.metadata.agent_metadata
         try:
             view = None
             if target.remote_tp != target.local_tp:
                 source, view = self._slice(target, admission, reply)
             plan, regions = self._admit(target, admission, reply, view)
         except RemoteRefused as exc:
-            exc.peer = self._notify_only_peer(target, reply.metadata.agent_metadata, count)
+            exc.peer = await _run(run, self._notify_only_peer, target, metadata, count)
             raise
-        stale = self._notify_only.pop(reply.metadata.agent_metadata, None)
+        return await _run(run, self._load, target, metadata, plan, regions, source, count)
+
+    def _load(
+        self, target: PeerTarget, metadata: bytes, plan: Any, regions: Any, source: Any, count: int
+    ) -> Peer:
+        """``connect``'s transport calls: the admitted prefill's agent loaded (a notify-only load of it let
+        go first)."""
+        stale = self._notify_only.pop(metadata, None)
         if stale is not None:  # refused before, admitted now (a reload): load it as a full peer
             self.agent.agent.remove_remote_agent(stale.agent_name)
         return self.agent.add_peer(
@@ -133,7 +146,7 @@ class NixlPort:
             tp_rank=target.tp_rank,
             generation=target.generation,
             address=target.address,
-            agent_metadata=reply.metadata.agent_metadata,
+            agent_metadata=metadata,
             plan=plan,
             regions=regions,
             source=source,

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from sidecar.daemon.port import Admission, PeerTarget, ReadMode
+from sidecar.daemon.port import Admission, PeerTarget, ReadMode, Runner
 from sidecar.nixl import tp
 from sidecar.nixl.errors import (
     MappingUnavailable,
@@ -103,6 +103,8 @@ class FakePort:
         self.map_calls: list[str] = []  # the thread of each map_pages call
         self.fences: list[Any] = []  # the fence each map_pages call was handed
         self.unmapped: list[FakePeer] = []  # unmap_pages calls
+        self.load_threads: list[str] = []  # the thread each connect's load ran on
+        self.removal_threads: list[str] = []  # the thread each remove_peer ran on
 
     # -- local memory
     def register(self, ranges: Sequence[tuple[int, int, int]], mem_type: str) -> Any:
@@ -119,7 +121,7 @@ class FakePort:
         return pool
 
     # -- prefills
-    async def connect(self, target: PeerTarget, admission: Admission) -> FakePeer:
+    async def connect(self, target: PeerTarget, admission: Admission, run: Runner | None = None) -> FakePeer:
         self.connects += 1
         self.targets.append(target)
         count = tp.notif_count(local_tp=target.local_tp, remote_tp=target.remote_tp)
@@ -153,11 +155,19 @@ class FakePort:
             raise RemoteRefused(plan.reason, plan.field)
         peer = FakePeer(target.engine_id, target.tp_rank, target.address, target.generation, plan,
                         notif_count=count)
-        self.peers.append(peer)
+        return self._load(peer) if run is None else await run(self._load, peer)
+
+    def _load(self, peer: FakePeer) -> FakePeer:
+        """``connect``'s transport half, as NIXL's load of a prefill's agent: a post in progress holds it."""
+        with self._lock:
+            self.load_threads.append(threading.current_thread().name)
+            self.peers.append(peer)
         return peer
 
     def remove_peer(self, peer: FakePeer) -> None:
-        peer.removed = True
+        with self._lock:  # as NIXL's: a post in progress holds it
+            self.removal_threads.append(threading.current_thread().name)
+            peer.removed = True
 
     def map_pages(self, peer: FakePeer, dtype: Any, fence: Any = None) -> Any:
         """``mapped`` (a test's tensor standing for the prefill's pages), else ``MappingUnavailable``."""

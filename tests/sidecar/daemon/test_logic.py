@@ -425,6 +425,55 @@ def test_pulls_are_received_and_planned_while_another_request_posts():
     run(main())
 
 
+def test_a_new_prefill_is_loaded_on_the_poster_thread_after_the_post_in_progress():
+    """A handshake's transport half (NIXL loading the prefill's agent waits for a post to end) runs on the
+    poster thread: the loop serves on meanwhile, and the pull goes on once the post has returned."""
+
+    async def main():
+        async with started() as h:
+            await _posting(h, "a")  # prefill-0 loaded before "a"'s post began
+            h.send(p.Pull(req_id="b", remote_engine_id="prefill-1", remote_host="127.0.0.1", remote_port=5601,
+                          remote_request_id="r-b", remote_block_ids=p.pack_block_ids([4]),
+                          local_block_ids=p.pack_block_ids([4])))
+            await h.until_stage("b", "handshake")
+            await asyncio.sleep(0.05)  # this coroutine runs on the loop: it was not held by the post
+            assert h.port.load_threads == ["kv-sidecar-post_0"] and h.job_stage("b") == "handshake"
+            h.port.post_gate.set()
+            for req in ("a", "b"):
+                done = await h.reply(p.Done, req)
+                assert done.ok, done
+            assert h.port.load_threads == ["kv-sidecar-post_0"] * 2
+
+    run(main())
+
+
+def test_a_retired_peer_is_removed_on_the_poster_thread_once_its_pulls_let_go():
+    """A reload re-admits a prefill while a pull still reads through its old admission: the old peer goes once
+    that pull lets go, on the poster thread (NIXL's removal waits for a post, unmapping for conversions)."""
+
+    async def main():
+        async with started() as h:
+            await _posting(h, "a")
+            h.daemon.peers.invalidate()  # as a reload that changes the remotes does
+            h.pull("b", [4])
+            await h.until_stage("b", "handshake")
+            await asyncio.sleep(0.05)
+            old = h.port.peers[0]
+            assert not old.removed and h.port.removal_threads == []
+            h.port.post_gate.set()
+            for req in ("a", "b"):
+                done = await h.reply(p.Done, req)
+                assert done.ok, done
+            deadline = time.monotonic() + 2
+            while not old.removed:
+                assert time.monotonic() < deadline, "the retired peer was never removed"
+                await asyncio.sleep(0.002)
+            assert h.port.removal_threads == ["kv-sidecar-post_0"]
+            assert [peer.removed for peer in h.port.peers] == [True, False]
+
+    run(main())
+
+
 INLINE = {"pull_mode": "staged", "staging_bytes": 64 * PAGE_BYTES, "inline_post_max_descriptors": LAYERS}
 
 
@@ -495,6 +544,8 @@ def test_an_inline_post_never_waits_for_the_transport():
 
     async def main():
         async with started(**INLINE) as h:
+            h.pull("warm", [5])  # the prefill loaded (a handshake's load waits for the transport too)
+            assert (await h.reply(p.Done, "warm")).ok
             held, let_go = threading.Event(), threading.Event()
 
             def hold_port() -> None:
@@ -512,7 +563,7 @@ def test_an_inline_post_never_waits_for_the_transport():
             let_go.set()
             holder.join(2)
             assert (await h.reply(p.Done, "a")).ok
-            assert h.port.post_threads == ["kv-sidecar-post_0"]
+            assert h.port.post_threads[1:] == ["kv-sidecar-post_0"]
 
     run(main())
 
