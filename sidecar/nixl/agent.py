@@ -145,6 +145,10 @@ class Peer:
     notif_count: int = 1  # the n of "id:n" this rank expects (decoder ranks reading it)
     agent_metadata: bytes = b""  # its NIXL agent metadata (UCX worker address, region keys): for mapping
     mapping: Any = None  # mapping.MappedPages once mapped, or the MappingUnavailable that said why not
+    # NIXL let it go when a newer registration or a restarted engine replaced it: no read goes through it
+    # any more (its old regions may now be another registration's), while its mapping stays until
+    # ``remove_peer``, as a pull may still convert through it
+    unloaded: bool = False
 
     @property
     def key(self) -> tuple[str, int]:
@@ -358,10 +362,11 @@ class NixlTransfer:
         notif_count: int = 1,
     ) -> Peer:
         """Load a checked remote (see ``admit_remote``) as the current peer of (engine id, rank). A higher
-        registration generation replaces the loaded one, and so does a new engine at the same address and
-        rank (a restarted prefill gets a fresh engine id). The same engine and generation admitted again (a
-        reload's new rules) is a new peer on the remote agent already loaded: the one it replaces stays
-        readable until ``remove_peer``, which unloads the agent once no peer uses it."""
+        registration generation or other agent metadata replaces the loaded one, and so does a new engine at
+        the same address and rank (a restarted prefill gets a fresh engine id): NIXL lets the old one go at
+        once (``_unload``), its mapping stays until ``remove_peer``. The same engine, generation and metadata
+        admitted again (a reload's new rules) is a new peer on the remote agent already loaded; the one it
+        replaces reads on until ``remove_peer``."""
         key = (engine_id, tp_rank)
         old = self._peers.get(key)
         if old is not None:
@@ -371,19 +376,19 @@ class NixlTransfer:
                     "remote_registration_generation",
                 )
             if generation > old.generation or agent_metadata != old.agent_metadata:
-                self.remove_peer(old)
+                self._unload(old)
         for stale in [p for p in self._peers.values() if p.address == address and p.tp_rank == tp_rank]:
             if stale.key != key:
                 log.info("prefill at %s rank %d restarted: dropping engine %s", address, tp_rank,
                          stale.engine_id)
-                self.remove_peer(stale)
-        shared = next((p for p in self._loaded.values() if p.agent_metadata == agent_metadata), None)
+                self._unload(stale)
+        shared = next((p for p in self._current() if p.agent_metadata == agent_metadata), None)
         if shared is not None:
             name = shared.agent_name
         else:
             name = _nixl_call("add_remote_agent", self.agent.add_remote_agent, agent_metadata)
             name = name.decode() if isinstance(name, bytes) else str(name)
-            if any(p.agent_name == name for p in self._loaded.values()):
+            if any(p.agent_name == name for p in self._current()):
                 raise RemoteRefused(
                     f"agent name {name!r} is already loaded for another engine", "agent_metadata"
                 )
@@ -406,18 +411,30 @@ class NixlTransfer:
 
     @_locked
     def remove_peer(self, peer: Peer) -> None:
-        """Let ``peer`` go: its mapping, its prepared lists, and NIXL's remote agent once no other peer loaded
-        on it remains. Removing a peer twice, or one already replaced, touches no other peer."""
+        """Let ``peer`` go (the daemon calls it once no pull reads through it): NIXL's side (``_unload``),
+        then its mapping. A second call is a no-op; neither touches a peer that replaced it."""
         if self._loaded.pop(id(peer), None) is None:
             return
-        if self._peers.get(peer.key) is peer:
-            del self._peers[peer.key]
+        self._unload(peer)
         mapping, peer.mapping = peer.mapping, None
         if hasattr(mapping, "close"):
             try:
                 mapping.close()  # waits for this process's kernels first: one may still read through it
             except Exception as exc:  # noqa: BLE001 - best effort on teardown
                 log.warning("unmapping %s: %s", peer.agent_name, exc)
+
+    def _current(self) -> list[Peer]:
+        """The loaded peers NIXL still reads through."""
+        return [p for p in self._loaded.values() if not p.unloaded]
+
+    def _unload(self, peer: Peer) -> None:
+        """NIXL's side of letting ``peer`` go: its prepared lists, and its remote agent unless a current peer
+        reads through the same one. Reads through it are refused from now on (``_post``)."""
+        if peer.unloaded:
+            return
+        peer.unloaded = True
+        if self._peers.get(peer.key) is peer:
+            del self._peers[peer.key]
         for handle in peer.remote_handles.values():
             try:
                 self.agent.release_dlist_handle(handle)
@@ -425,7 +442,7 @@ class NixlTransfer:
                 log.warning("releasing a dlist of %s: %s", peer.agent_name, exc)
         peer.remote_handles.clear()
         peer.geometries.clear()
-        if any(p.agent_name == peer.agent_name for p in self._loaded.values()):
+        if any(p.agent_name == peer.agent_name for p in self._current()):
             return  # a peer that replaced it reads through the same agent
         try:
             self.agent.remove_remote_agent(peer.agent_name)
@@ -481,6 +498,7 @@ class NixlTransfer:
     def _post(self, pull: ReadOp, make, what: str, count: int, nbytes: int) -> None:
         if pull.sealed or pull.finished:
             raise TransferFailed("the pull is sealed; no more transfers", "pull")
+        self._refuse_unloaded(pull)
         try:
             handle = _nixl_call(what, make)
         except TransferError as exc:
@@ -491,6 +509,18 @@ class NixlTransfer:
         pull.done_flags[-1] = self._state(pull, "transfer", self.agent.transfer, handle)
         pull.descriptors += count
         pull.nbytes += nbytes
+
+    def _refuse_unloaded(self, pull: ReadOp) -> None:
+        """Fail the pull if NIXL let its peer go: its old regions may now lie in the prefill's newer
+        registration (fail closed rather than read them)."""
+        if pull.peer.unloaded:
+            exc = TransferFailed(
+                f"prefill {pull.peer.engine_id} rank {pull.peer.tp_rank} re-registered or restarted since "
+                "this pull's handshake: its old regions are not read",
+                "remote_registration_generation",
+            )
+            self._fail(pull, exc)
+            raise exc
 
     def read_indices(
         self,
@@ -504,6 +534,7 @@ class NixlTransfer:
         """Post one READ of prepared-table rows (a layer group of ``DescIndices``)."""
         if local_idx.size == 0:
             return
+        self._refuse_unloaded(pull)  # before its lists are prepared
         local_h, remote_h = self.prepare(pull.peer, dest, mode)
         li, ri = np.ascontiguousarray(local_idx, np.int32), np.ascontiguousarray(remote_idx, np.int32)
         self._post(

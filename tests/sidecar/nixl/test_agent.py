@@ -669,6 +669,40 @@ def test_a_readmitted_peer_reads_on_after_the_one_it_replaced_is_removed(emu, tx
     assert tx.peer(emu.ready.engine_id, 0) is None
 
 
+class _Mapping:
+    """Stands for a peer's ``MappedPages``: whether it was closed."""
+
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_newer_registration_unloads_the_old_peer_but_leaves_its_mapping_to_its_removal(emu, tx, planes):
+    """A newer registration generation replaces the loaded peer at once: NIXL lets it go and a read through it
+    is refused naming the field, nothing written (its old regions may lie in the newer registration). Its
+    mapping, which a pull holding it may still convert through, stays open until the daemon removes it."""
+    old = connect(tx, emu)
+    old.mapping = mapping = _Mapping()
+    kw = dict(tp_rank=0, address=address(emu), agent_metadata=old.agent_metadata, plan=old.plan,
+              regions=old.regions)
+    newer = tx.add_peer(engine_id=emu.ready.engine_id, generation=2, **kw)
+    assert not mapping.closed and tx.peer(emu.ready.engine_id, 0) is newer and old.unloaded
+    _, params = new_request(emu, 2)
+    planes.reset()
+    with pytest.raises(TransferFailed) as e:
+        tx.pull(old, planes.dest, "direct", [0, 1], params.remote_block_ids[0], params.remote_request_id)
+    assert e.value.field == "remote_registration_generation" and old.remote_handles == {}
+    assert (planes.arr == SENTINEL).all()
+    tx.remove_peer(old)
+    assert mapping.closed and tx.peer(emu.ready.engine_id, 0) is newer
+    reply, params = new_request(emu, 2)
+    rid = params.remote_request_id
+    tx.wait(tx.pull(newer, planes.dest, "direct", [0, 1], params.remote_block_ids[0], rid))
+    check_planes(planes.arr, reply, [0, 1])
+    tx.remove_peer(newer)
+
+
 def test_heartbeats_reach_the_prefill(emu, tx):
     peer = connect(tx, emu)
     _, params = new_request(emu, 2, lease_s=30.0)
