@@ -5,11 +5,14 @@ Posting runs on one poster thread: NIXL's ``transfer()`` spends ~5-8 µs per des
 behind it. The loop keeps receiving and planning Pulls meanwhile; a poll pass that finds the poster inside
 the transport skips (the post itself moves UCX along) and the loop is woken when the post returns. A job
 stopped while its post runs waits for the post, then stops what it posted (``post``), so nothing is written
-after its answer. Aborts and the release of finished reads run on the poster thread too (in order, after
-the post in progress), and so do notifications and heartbeats that find the transport busy (``Peers``,
-``Leases``): the loop never waits for a post. One exception, config ``inline_post_max_descriptors``: a short
-staged read that is the daemon's only pull is posted on the loop itself when the poster thread is idle and the
-transport free, since the two thread hand-offs would cost it more than the post does.
+after its answer. Aborts and the release of finished reads run on the poster thread too, and so do
+notifications and heartbeats that find the transport busy (``Peers``, ``Leases``), a prefill's loading and
+removal, and mappings: the loop never waits for a post. Those calls go ahead of the posts still queued (after
+the one in progress), each kind in the order it was submitted, so a heartbeat or a new prefill's handshake
+waits for one post at most, not for every request queued to post. One exception, config
+``inline_post_max_descriptors``: a short staged read that is the daemon's only pull is posted on the loop
+itself when the poster thread is idle and the transport free, since the two thread hand-offs would cost it
+more than the post does.
 
 ``poll`` is one pass over every read in flight, run by the daemon's ``Poller`` (``polling.py``: hot while
 reads are in flight, asleep when none is). A layer group seen DONE is handed to the conversion at once
@@ -20,6 +23,7 @@ goes out only after its last group's conversion was launched.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -65,7 +69,11 @@ class Reads:
         self._sent_event: asyncio.Event | None = None
         # calls handed to the poster thread and returned from it; each counted by one thread only
         self._submitted = self._returned = 0
-        self._held_back: list[Callable[[], None]] = []  # submitted, handed over once this loop pass ends
+        # submitted (each with whether it is a post), handed over once this loop pass ends
+        self._held_back: list[tuple[Callable[[], None], bool]] = []
+        # handed over, not yet run: the poster thread takes any call before the next post
+        self._calls: collections.deque[Callable[[], None]] = collections.deque()
+        self._posts: collections.deque[Callable[[], None]] = collections.deque()
         self._call_began: float | None = None  # when the poster thread's call in progress began (None: idle)
         self._closed = False
         self._poster = ThreadPoolExecutor(
@@ -126,7 +134,8 @@ class Reads:
                     return
         ran: list[float] = []  # when the poster thread began and ended this post
         submitted = time.monotonic()
-        fut = self.on_poster(self._post_timed, ran, job, mode, layer_groups, pool, slots, gaps)
+        args = (ran, job, mode, layer_groups, pool, slots, gaps)
+        fut = self._on_poster(self._post_timed, args, post=True)
         cancelled = False
         while True:
             try:
@@ -174,9 +183,13 @@ class Reads:
             raise asyncio.CancelledError
 
     def on_poster(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-        """Run ``fn`` on the poster thread, after the calls before it: a loop future of its result, settled in
-        the one hop back that also wakes the poller (a pass that found the transport busy skipped the reads
-        in flight). A call whose future was cancelled before its turn does not run."""
+        """Run ``fn`` on the poster thread, after the call in progress and the calls (not posts) before it:
+        a loop future of its result, settled in the one hop back that also wakes the poller (a pass that
+        found the transport busy skipped the reads in flight). A call whose future was cancelled before its
+        turn does not run."""
+        return self._on_poster(fn, args)
+
+    def _on_poster(self, fn: Callable[..., Any], args: tuple, post: bool = False) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
@@ -191,13 +204,13 @@ class Reads:
                 self._call_began = None
             self._back(loop, _settle, fut, result, error)
 
-        self._submit(run)
+        self._submit(run, post)
         return fut
 
     def in_background(
         self, fn: Callable[..., Any], *args: Any, then: Callable[[], None] | None = None
     ) -> None:
-        """Run ``fn`` on the poster thread after the calls before it, for calls nobody awaits (a release, a
+        """Run ``fn`` on the poster thread as ``on_poster`` does, for calls nobody awaits (a release, a
         notification, an unmap): a failure is logged; ``then`` runs on the loop once ``fn`` has returned or
         failed."""
         loop = asyncio.get_running_loop()
@@ -213,12 +226,13 @@ class Reads:
 
         self._submit(run)
 
-    def _submit(self, run: Callable[[], None]) -> None:
-        """Hand ``run`` to the poster thread. Not ``run_in_executor``: its future chains to the executor's and
-        comes back to the loop twice (130 more Python calls a staged pull, in bench/results
-        ``loop-cpu-background-handoff-2026-12-05.json`` and ``loop-cpu-poster-futures-2026-12-05.json``),
-        and a call it cancels before its turn never runs ``run``, so it is never counted as returned. Raises
-        RuntimeError when the poster is shut down (nothing was handed over).
+    def _submit(self, run: Callable[[], None], post: bool = False) -> None:
+        """Hand ``run`` to the poster thread (into the posts' queue if ``post``, else the calls'). Not
+        ``run_in_executor``: its future chains to the executor's and comes back to the loop twice (130 more
+        Python calls a staged pull, in bench/results ``loop-cpu-background-handoff-2026-12-05.json`` and
+        ``loop-cpu-poster-futures-2026-12-05.json``), and a call it cancels before its turn never runs
+        ``run``, so it is never counted as returned. Raises RuntimeError when the poster is shut down
+        (nothing was handed over).
 
         Handed over once the callbacks the loop has ready have run (``_hand_over``), not at once: Pulls that
         came in together then all take their first step before the first post begins, where each one's
@@ -229,13 +243,19 @@ class Reads:
         self._submitted += 1
         if not self._held_back:
             asyncio.get_running_loop().call_soon(self._hand_over)
-        self._held_back.append(run)
+        self._held_back.append((run, post))
 
     def _hand_over(self) -> None:
         """Give the poster thread what was submitted since the last hand-over, in order."""
         runs, self._held_back = self._held_back, []
-        for run in runs:
-            self._poster.submit(run)
+        for run, post in runs:
+            (self._posts if post else self._calls).append(run)
+            self._poster.submit(self._next)
+
+    def _next(self) -> None:
+        """On the poster thread, one turn (one per hand-over): the oldest call waiting, else the oldest post.
+        Only this thread takes from the queues."""
+        (self._calls or self._posts).popleft()()
 
     def _back(self, loop: asyncio.AbstractEventLoop, then: Callable[..., None] | None, *args: Any) -> None:
         """On the poster thread, once a call is over: count it, and on the loop wake the poller, then

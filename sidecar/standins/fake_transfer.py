@@ -105,6 +105,8 @@ class FakePort:
         self.unmapped: list[FakePeer] = []  # unmap_pages calls
         self.load_threads: list[str] = []  # the thread each connect's load ran on
         self.removal_threads: list[str] = []  # the thread each remove_peer ran on
+        # inside the transport, in the order they got there: "read <remote request id>", "load <engine id>"
+        self.transport_order: list[str] = []
 
     # -- local memory
     def register(self, ranges: Sequence[tuple[int, int, int]], mem_type: str) -> Any:
@@ -161,6 +163,7 @@ class FakePort:
         """``connect``'s transport half, as NIXL's load of a prefill's agent: a post in progress holds it."""
         with self._lock:
             self.load_threads.append(threading.current_thread().name)
+            self.transport_order.append(f"load {peer.engine_id}")
             self.peers.append(peer)
         return peer
 
@@ -214,6 +217,7 @@ class FakePort:
     ) -> FakeRead:
         self.post_threads.append(threading.current_thread().name)
         with self._lock:
+            self.transport_order.append(f"read {remote_request_id}")
             if self.post_gate is not None:
                 self.post_gate.wait(10.0)
             if pairs is not None and (not isinstance(pairs, BlockPairs) or pairs.rule != _rule(peer, dest)):

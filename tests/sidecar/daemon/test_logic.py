@@ -447,6 +447,36 @@ def test_a_new_prefill_is_loaded_on_the_poster_thread_after_the_post_in_progress
     run(main())
 
 
+def test_a_new_prefills_load_goes_ahead_of_the_posts_still_queued():
+    """Calls other than posts (here a new prefill's load) run after the post in progress but ahead of the
+    posts still queued, posts among themselves in order: a handshake waits for one post, not for every
+    request queued to post."""
+
+    async def main():
+        async with started() as h:
+            await _posting(h, "a")
+            h.pull("b", [4])
+            h.pull("c", [5])
+            queued = h.daemon.reads._posts  # noqa: SLF001 - the posts handed over and not yet begun
+            deadline = time.monotonic() + 2
+            while len(queued) < 2:  # "b" and "c" wait behind "a"'s post
+                assert time.monotonic() < deadline, "the posts never queued"
+                await asyncio.sleep(0.002)
+            h.send(p.Pull(req_id="d", remote_engine_id="prefill-1", remote_host="127.0.0.1", remote_port=5601,
+                          remote_request_id="r-d", remote_block_ids=p.pack_block_ids([6]),
+                          local_block_ids=p.pack_block_ids([6])))
+            await h.until_stage("d", "handshake")
+            h.port.post_gate.set()
+            for req in ("a", "b", "c", "d"):
+                done = await h.reply(p.Done, req)
+                assert done.ok, done
+            assert h.port.transport_order == [
+                "load prefill-0", "read r-a", "load prefill-1", "read r-b", "read r-c", "read r-d"
+            ]
+
+    run(main())
+
+
 def test_a_retired_peer_is_removed_on_the_poster_thread_once_its_pulls_let_go():
     """A reload re-admits a prefill while a pull still reads through its old admission: the old peer goes once
     that pull lets go, on the poster thread (NIXL's removal waits for a post, unmapping for conversions)."""
