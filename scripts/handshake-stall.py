@@ -3,10 +3,11 @@
 
 CPU only, real processes: ``kv-sidecar serve`` (direct reads), a prefill emulator A holding scattered
 requests (one descriptor per half page, many thousands a request: a post of tens of milliseconds on NIXL's
-agent) and, each round, a fresh emulator B the daemon has never seen. A round pulls a request of A, waits
-``--lead-ms`` so its post has begun, then pulls one block of B (a first handshake: NIXL loads B's agent) and
+agent) and, each round, a fresh emulator B the daemon has never seen. A round pulls ``--a-pulls`` requests of
+A back to back (their posts queue on the daemon's poster thread), waits ``--lead-ms`` so the first post has
+begun, then pulls one block of B (a first handshake: NIXL loads B's agent) and
 pings the daemon every ``--ping-ms`` until B's Done. Each Ping is answered on the loop, so the longest Pong
-round trip of the round is how long the loop was held. Reported per round: that, A's post and B's handshake
+round trip of the round is how long the loop was held. Reported per round: that, A's posts and B's handshake
 stage (from the Dones' timings).
 
 Run it from two trees to compare them (the daemon is the one of the tree the script runs from):
@@ -78,13 +79,15 @@ class Shim:
         self.ctx.term()
 
 
-def _round(shim: Shim, emu_a, blocks: int, lead_ms: float, ping_ms: float, n: int) -> dict:
-    a = emu_a.client.new_request(num_tokens=blocks * BS, order="random").kv_transfer_params
+def _round(shim: Shim, emu_a, blocks: int, a_pulls: int, lead_ms: float, ping_ms: float, n: int) -> dict:
+    a = [emu_a.client.new_request(num_tokens=blocks * BS, order="random").kv_transfer_params
+         for _ in range(a_pulls)]
     with _emulator(64) as emu_b:
         b = emu_b.client.new_request(num_tokens=BS).kv_transfer_params
-        shim.send(_pull(a, f"a{n}", list(range(blocks))))
+        for i, kv in enumerate(a):
+            shim.send(_pull(kv, f"a{n}.{i}", list(range(i * blocks, (i + 1) * blocks))))
         time.sleep(lead_ms / 1e3)
-        shim.send(_pull(b, f"b{n}", [blocks]))
+        shim.send(_pull(b, f"b{n}", [a_pulls * blocks]))
         sent: dict[int, float] = {}
         rtts: list[float] = []
         dones: dict[str, p.Done] = {}
@@ -97,7 +100,7 @@ def _round(shim: Shim, emu_a, blocks: int, lead_ms: float, ping_ms: float, n: in
 
         nonce = 0
         deadline = time.monotonic() + 30
-        while len(dones) < 2 and time.monotonic() < deadline:
+        while len(dones) < a_pulls + 1 and time.monotonic() < deadline:
             nonce += 1
             sent[nonce] = time.perf_counter()
             shim.send(p.Ping(nonce=nonce))
@@ -106,31 +109,33 @@ def _round(shim: Shim, emu_a, blocks: int, lead_ms: float, ping_ms: float, n: in
                 take(shim.recv(1))
         while sent:  # the Pongs still out
             take(shim.recv(10))
-    done_a, done_b = dones.get(f"a{n}"), dones.get(f"b{n}")
-    if done_a is None or done_b is None or not (done_a.ok and done_b.ok):
-        raise SystemExit(f"round {n}: {done_a!r} {done_b!r}")
+    failed = [d for d in dones.values() if not d.ok]
+    if len(dones) < a_pulls + 1 or failed:
+        raise SystemExit(f"round {n}: {len(dones)} of {a_pulls + 1} answered, failed: {failed!r}")
+    posts = [dones[f"a{n}.{i}"].timings["post"] for i in range(a_pulls)]
     return {
         "loop_held_ms_max": round(max(rtts) * 1e3, 3),
         "pong_ms_p50": round(statistics.median(rtts) * 1e3, 3),
         "pings": len(rtts),
-        "a_post_ms": round(done_a.timings["post"] * 1e3, 3),
-        "b_handshake_ms": round(done_b.timings.get("handshake", 0.0) * 1e3, 3),
+        "a_post_ms": round(posts[0] * 1e3, 3) if a_pulls == 1 else [round(t * 1e3, 3) for t in posts],
+        "b_handshake_ms": round(dones[f"b{n}"].timings.get("handshake", 0.0) * 1e3, 3),
     }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--blocks", type=int, default=2048, help="blocks of A's request (scattered)")
+    ap.add_argument("--blocks", type=int, default=2048, help="blocks of each of A's requests (scattered)")
+    ap.add_argument("--a-pulls", type=int, default=1, help="A's requests pulled back to back")
     ap.add_argument("--lead-ms", type=float, default=5.0, help="from A's Pull to B's")
     ap.add_argument("--ping-ms", type=float, default=1.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    local_blocks = args.blocks + 1
+    local_blocks = args.a_pulls * args.blocks + 1
     layer_bytes = local_blocks * SHUF.page_bytes
     shm = ipc.create_shm_buffer(LAYERS * layer_bytes)
     remotes = json.dumps([{"match": "127.0.0.1:*", "page_format": msgspec.to_builtins(STD)}])
-    with tempfile.TemporaryDirectory() as work, _emulator(args.blocks * 2) as emu_a:
+    with tempfile.TemporaryDirectory() as work, _emulator((args.a_pulls + 1) * args.blocks) as emu_a:
         endpoint = f"ipc://{work}/d.sock"
         serve = spawn_serve(["--socket", endpoint, "--metrics-port", "0", "--remotes", remotes,
                              "--pull-mode", "direct", "--handshake-timeout-s", "30"])
@@ -148,7 +153,7 @@ def main() -> int:
             warm = emu_a.client.new_request(num_tokens=BS).kv_transfer_params  # A's handshake, cached
             shim.send(_pull(warm, "warm", [0]))
             assert shim.recv(30).ok
-            rounds = [_round(shim, emu_a, args.blocks, args.lead_ms, args.ping_ms, n)
+            rounds = [_round(shim, emu_a, args.blocks, args.a_pulls, args.lead_ms, args.ping_ms, n)
                       for n in range(args.rounds)]
         finally:
             shim.close()
@@ -157,7 +162,8 @@ def main() -> int:
     result = {
         "command": " ".join(["python3", *sys.argv]),
         "host_cpus": os.cpu_count(),
-        "a_descriptors": LAYERS * args.blocks * 2,
+        "a_pulls": args.a_pulls,
+        "a_descriptors": LAYERS * args.blocks * 2,  # each of A's requests
         "rounds": rounds,
     }
     text = json.dumps(result, indent=1)
