@@ -57,7 +57,7 @@ def _pull(kv: dict, req_id: str, local: list[int]) -> p.Pull:
                   remote_num_tokens=kv.get("remote_num_tokens"))
 
 
-class Shim:
+class DaemonSocket:
     """A DEALER speaking the daemon's protocol."""
 
     def __init__(self, endpoint: str) -> None:
@@ -79,7 +79,9 @@ class Shim:
         self.ctx.term()
 
 
-def _round(shim: Shim, emu_a, blocks: int, a_pulls: int, lead_ms: float, ping_ms: float, n: int) -> dict:
+def _round(
+    shim: DaemonSocket, emu_a, blocks: int, a_pulls: int, lead_ms: float, ping_ms: float, n: int
+) -> dict:
     a = [emu_a.client.new_request(num_tokens=blocks * BS, order="random").kv_transfer_params
          for _ in range(a_pulls)]
     with _emulator(64) as emu_b:
@@ -139,7 +141,7 @@ def main() -> int:
         endpoint = f"ipc://{work}/d.sock"
         serve = spawn_serve(["--socket", endpoint, "--metrics-port", "0", "--remotes", remotes,
                              "--pull-mode", "direct", "--handshake-timeout-s", "30"])
-        shim = Shim(endpoint)
+        shim = DaemonSocket(endpoint)
         try:
             shim.send(p.Hello(protocol_version=p.PROTOCOL_VERSION, package_version="bench"))
             assert isinstance(shim.recv(30), p.Welcome)
