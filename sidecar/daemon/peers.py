@@ -195,8 +195,23 @@ class Peers:
             target.address,
             "convert" if peer.plan.convert else "plain read",
         )
+        self._forget_unloaded()
         self._on_admitted((target.engine_id, target.tp_rank), peer)
         return peer
+
+    def _forget_unloaded(self) -> None:
+        """Entries whose peer the transport let go when this admission replaced it (``unloaded``: a restarted
+        prefill at the same address): forgotten, their peer removed once no pull holds it, so its mapping
+        closes now rather than after ``mapping_idle_s``."""
+        for key, entry in list(self._entries.items()):
+            peer = entry.peer
+            if peer is None or not getattr(peer, "unloaded", False):
+                continue
+            del self._entries[key]
+            if entry.users == 0:
+                self._remove(peer)
+            else:
+                self._retiring.add(entry)
 
     # -- notifications
 

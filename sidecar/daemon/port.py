@@ -13,7 +13,8 @@ What the daemon reads off the objects the port returns:
 
 - a peer (``connect``, one prefill rank; ``blocks``/``read``/``notify`` take a ``PeerSet`` of them): ``plan``
   (``sidecar.wire.formats.Plan``: ``.convert``, ``.remote``), ``generation``
-  (settable: a handshake started by a heartbeat learns it from the first Pull), ``address``;
+  (settable: a handshake started by a heartbeat learns it from the first Pull), ``address``, and ``unloaded``
+  when it has one (True once a later ``connect`` replaced it: a restarted prefill at the same address);
 - a read (``read``): ``finished``, ``done_at``, ``nbytes``, ``handles`` (truthy while some are held),
   ``layer_ranges``, the ``(first, last)`` layer ranges it posted, and ``landed``, a list of those seen DONE
   that the daemon pops to convert them.

@@ -42,6 +42,7 @@ class FakePeer:
     plan: Plan
     removed: bool = False
     notif_count: int = 1  # the n of "id:n" this prefill rank expects
+    unloaded: bool = False  # as NIXL's: replaced by another admission (a test sets it)
 
 
 @dataclass(eq=False)

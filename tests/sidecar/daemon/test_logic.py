@@ -477,6 +477,31 @@ def test_a_new_prefills_load_goes_ahead_of_the_posts_still_queued():
     run(main())
 
 
+def test_a_peer_the_transport_let_go_is_forgotten_and_removed_at_the_next_admission():
+    """A prefill restarted at the same address: the transport lets the old engine's peer go when it loads the
+    new one (``unloaded``). The daemon then forgets the old engine and removes its peer at once (closing its
+    mapping), not after ``mapping_idle_s``."""
+
+    async def main():
+        async with started() as h:
+            h.pull("a")
+            assert (await h.reply(p.Done, "a")).ok
+            old = h.port.peers[0]
+            old.unloaded = True  # as NIXL's add_peer does for a new engine at the same address
+            h.send(p.Pull(req_id="b", remote_engine_id="prefill-1", remote_host="127.0.0.1", remote_port=5600,
+                          remote_request_id="r-b", remote_block_ids=p.pack_block_ids([4]),
+                          local_block_ids=p.pack_block_ids([4])))
+            assert (await h.reply(p.Done, "b")).ok
+            deadline = time.monotonic() + 2
+            while not old.removed:
+                assert time.monotonic() < deadline, "the let-go peer was never removed"
+                await asyncio.sleep(0.002)
+            assert not h.daemon.peers.known(("prefill-0", 0)) and h.daemon.peers.known(("prefill-1", 0))
+            assert h.port.removal_threads == ["kv-sidecar-post_0"] and not h.port.peers[1].removed
+
+    run(main())
+
+
 def test_a_retired_peer_is_removed_on_the_poster_thread_once_its_pulls_let_go():
     """A reload re-admits a prefill while a pull still reads through its old admission: the old peer goes once
     that pull lets go, on the poster thread (NIXL's removal waits for a post, unmapping for conversions)."""
