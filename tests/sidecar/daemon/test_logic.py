@@ -465,7 +465,11 @@ def test_a_new_prefills_load_goes_ahead_of_the_posts_still_queued():
             h.send(p.Pull(req_id="d", remote_engine_id="prefill-1", remote_host="127.0.0.1", remote_port=5601,
                           remote_request_id="r-d", remote_block_ids=p.pack_block_ids([6]),
                           local_block_ids=p.pack_block_ids([6])))
-            await h.until_stage("d", "handshake")
+            calls = h.daemon.reads._calls  # noqa: SLF001 - the other calls handed over and not yet begun
+            deadline = time.monotonic() + 2
+            while not calls:  # "d"'s load, behind "a"'s post and beside "b"'s and "c"'s
+                assert time.monotonic() < deadline, "the load was never handed over"
+                await asyncio.sleep(0.002)
             h.port.post_gate.set()
             for req in ("a", "b", "c", "d"):
                 done = await h.reply(p.Done, req)
