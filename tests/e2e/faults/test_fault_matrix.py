@@ -108,6 +108,28 @@ def test_sighup_under_load_loses_nothing(rig: Rig) -> None:
     assert rig.daemon.proc.poll() is None
 
 
+def test_sighup_changing_the_remotes_under_load_loses_nothing(rig: Rig) -> None:
+    """Reloads that change ``remotes`` while waves are in flight: each re-admits the prefill while earlier
+    pulls still read through the old admission (retired, removed once they let go). Every pull bit-exact,
+    nothing written outside its blocks (the canary check)."""
+    path = os.path.join(rig.work, "d.toml")
+    with open(path) as f:
+        text = f.read()
+    rules = ('match = "127.0.0.1:*"', 'match = "127.0.0.*:*"')  # the same prefill, another rule's text
+
+    def reload(wave: int) -> None:
+        with open(path + ".new", "w") as f:  # replaced whole: a reload never reads it half written
+            f.write(text.replace(rules[0], rules[(wave + 1) % 2]))
+        os.replace(path + ".new", path)
+        rig.daemon.signal(signal.SIGHUP)
+        time.sleep(0.05)  # one reload per wave (signals of one kind merge while pending)
+
+    res = rig.batch(64, wave=8, between_waves=reload)
+    assert_all_ok(res, rig, 64)
+    log = rig.daemon_log()
+    assert log.count("SIGHUP: applied remotes") >= 4 and log.count(" admitted: ") >= 3, log
+
+
 def test_garbage_and_bursts_on_both_sockets(rig: Rig) -> None:
     ctx = zmq.Context()
     path = rig.socket.removeprefix("ipc://")
