@@ -498,7 +498,6 @@ class NixlTransfer:
     def _post(self, pull: ReadOp, make, what: str, count: int, nbytes: int) -> None:
         if pull.sealed or pull.finished:
             raise TransferFailed("the pull is sealed; no more transfers", "pull")
-        self._refuse_unloaded(pull)
         try:
             handle = _nixl_call(what, make)
         except TransferError as exc:
@@ -534,7 +533,6 @@ class NixlTransfer:
         """Post one READ of prepared-table rows (a layer group of ``DescIndices``)."""
         if local_idx.size == 0:
             return
-        self._refuse_unloaded(pull)  # before its lists are prepared
         local_h, remote_h = self.prepare(pull.peer, dest, mode)
         li, ri = np.ascontiguousarray(local_idx, np.int32), np.ascontiguousarray(remote_idx, np.int32)
         self._post(
@@ -618,6 +616,7 @@ class NixlTransfer:
         Staged mode reads into ``pool`` (see ``staging``) at ``slots[layer, i]``. With no block to read (a
         full local prefix hit) nothing is posted and the pull completes with just the notification."""
         pull = self.start(peer, remote_request_id, readers=readers, timeout_s=timeout_s)
+        self._refuse_unloaded(pull)  # once, under the lock no unload can take meanwhile
         try:
             geo = self.geometry(peer, dest, mode, pool)
         except RemoteRefused as exc:  # this pairing cannot be read: the prefill frees the blocks now
