@@ -54,6 +54,7 @@ from sidecar.nixl.geometry import (
     RemoteRegions,
     StagingPool,
 )
+from sidecar.nixl.peer_book import PeerBook
 from sidecar.nixl.runs import Descs, layer_group_bounds
 from sidecar.wire import prefill as vllm_wire
 from sidecar.wire.formats import Plan
@@ -242,10 +243,7 @@ class NixlTransfer:
         )
         self.lock = threading.RLock()
         self.agent = _Serialized(_nixl_call("create agent", nixl_agent, self.name, conf), self.lock)
-        self._peers: dict[tuple[str, int], Peer] = {}  # the current peer of each (engine id, rank)
-        # every peer added and not yet removed: one replaced by a re-admission stays readable until the
-        # daemon removes it, once no pull reads through it
-        self._loaded: dict[int, Peer] = {}
+        self._book = PeerBook()  # the loaded peers, and the current one of each (engine id, rank)
         self._registrations: list[Registration] = []
         self._dests: dict[int, Destination] = {}
 
@@ -334,18 +332,18 @@ class NixlTransfer:
         dest = self._dests.pop(key)
         if dest.local_handle is not None:
             self.agent.release_dlist_handle(dest.local_handle)
-        for peer in self._loaded.values():
+        for peer in self._book.loaded():
             for gk in [gk for gk in peer.geometries if gk[0] == key]:
                 del peer.geometries[gk]
 
     # -- remotes --
 
     def peer(self, engine_id: str, tp_rank: int) -> Peer | None:
-        return self._peers.get((engine_id, tp_rank))
+        return self._book.current((engine_id, tp_rank))
 
     @property
     def peers(self) -> list[Peer]:
-        return list(self._peers.values())
+        return self._book.all_current()
 
     @_locked
     def add_peer(
@@ -361,34 +359,21 @@ class NixlTransfer:
         source: Any = None,
         notif_count: int = 1,
     ) -> Peer:
-        """Load a checked remote (see ``admit_remote``) as the current peer of (engine id, rank). A higher
-        registration generation or other agent metadata replaces the loaded one, and so does a new engine at
-        the same address and rank (a restarted prefill gets a fresh engine id): NIXL lets the old one go at
-        once (``_unload``), its mapping stays until ``remove_peer``. The same engine, generation and metadata
-        admitted again (a reload's new rules) is a new peer on the remote agent already loaded; the one it
-        replaces reads on until ``remove_peer``."""
+        """Load a checked remote (see ``admit_remote``) as the current peer of (engine id, rank); what it
+        replaces, and which remote agent it shares, by ``PeerBook``'s rules: a replaced peer is let go by NIXL
+        at once (``_unload``) or, re-admitted alike, reads on; either way its mapping stays until
+        ``remove_peer``."""
         key = (engine_id, tp_rank)
-        old = self._peers.get(key)
-        if old is not None:
-            if generation < old.generation:
-                raise RemoteRefused(
-                    f"generation {generation} is older than the loaded {old.generation}",
-                    "remote_registration_generation",
-                )
-            if generation > old.generation or agent_metadata != old.agent_metadata:
-                self._unload(old)
-        for stale in [p for p in self._peers.values() if p.address == address and p.tp_rank == tp_rank]:
-            if stale.key != key:
+        for old in self._book.replaced_by(key, generation, agent_metadata, address, tp_rank):
+            if old.key != key:
                 log.info("prefill at %s rank %d restarted: dropping engine %s", address, tp_rank,
-                         stale.engine_id)
-                self._unload(stale)
-        shared = next((p for p in self._current() if p.agent_metadata == agent_metadata), None)
-        if shared is not None:
-            name = shared.agent_name
-        else:
+                         old.engine_id)
+            self._unload(old)
+        name = self._book.agent_for(agent_metadata)
+        if name is None:
             name = _nixl_call("add_remote_agent", self.agent.add_remote_agent, agent_metadata)
             name = name.decode() if isinstance(name, bytes) else str(name)
-            if any(p.agent_name == name for p in self._current()):
+            if self._book.agent_in_use(name):
                 raise RemoteRefused(
                     f"agent name {name!r} is already loaded for another engine", "agent_metadata"
                 )
@@ -405,15 +390,14 @@ class NixlTransfer:
             notif_count=notif_count,
             agent_metadata=agent_metadata,
         )
-        self._peers[key] = peer
-        self._loaded[id(peer)] = peer
+        self._book.add(peer)
         return peer
 
     @_locked
     def remove_peer(self, peer: Peer) -> None:
         """Let ``peer`` go (the daemon calls it once no pull reads through it): NIXL's side (``_unload``),
         then its mapping. A second call is a no-op; neither touches a peer that replaced it."""
-        if self._loaded.pop(id(peer), None) is None:
+        if not self._book.forget(peer):
             return
         self._unload(peer)
         mapping, peer.mapping = peer.mapping, None
@@ -423,18 +407,11 @@ class NixlTransfer:
             except Exception as exc:  # noqa: BLE001 - best effort on teardown
                 log.warning("unmapping %s: %s", peer.agent_name, exc)
 
-    def _current(self) -> list[Peer]:
-        """The loaded peers NIXL still reads through."""
-        return [p for p in self._loaded.values() if not p.unloaded]
-
     def _unload(self, peer: Peer) -> None:
         """NIXL's side of letting ``peer`` go: its prepared lists, and its remote agent unless a current peer
-        reads through the same one. Reads through it are refused from now on (``_post``)."""
-        if peer.unloaded:
+        reads through the same one. Reads through it are refused from now on (``pull``)."""
+        if not self._book.unload(peer):
             return
-        peer.unloaded = True
-        if self._peers.get(peer.key) is peer:
-            del self._peers[peer.key]
         for handle in peer.remote_handles.values():
             try:
                 self.agent.release_dlist_handle(handle)
@@ -442,7 +419,7 @@ class NixlTransfer:
                 log.warning("releasing a dlist of %s: %s", peer.agent_name, exc)
         peer.remote_handles.clear()
         peer.geometries.clear()
-        if any(p.agent_name == peer.agent_name for p in self._current()):
+        if self._book.agent_in_use(peer.agent_name):
             return  # a peer that replaced it reads through the same agent
         try:
             self.agent.remove_remote_agent(peer.agent_name)
@@ -813,7 +790,7 @@ class NixlTransfer:
 
     def close(self) -> None:
         """Release everything this agent holds (peers, lists, registrations)."""
-        for peer in list(self._loaded.values()):
+        for peer in self._book.loaded():
             self.remove_peer(peer)
         for key in list(self._dests):
             self._drop_destination(key)

@@ -1,0 +1,88 @@
+"""``PeerBook``: which prefill peers the agent has loaded, and which is current for each (engine id, rank).
+
+Pure bookkeeping, no NIXL: ``NixlTransfer`` makes the NIXL calls around it. The rules:
+
+- A peer admitted again with the same generation and agent metadata (a reload's new rules) becomes current,
+  and the one it replaces stays loaded and readable until the daemon removes it (once no pull reads through
+  it).
+- A higher generation, other metadata, or another engine at the same address and rank (a restarted prefill)
+  replaces the current one at once: it is *unloaded* (no read goes through it) but stays loaded, its mapping
+  open, until removed. A lower generation is refused.
+- Loaded peers may share one NIXL remote agent (the same metadata bytes); the agent is let go once no current
+  peer uses it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sidecar.nixl.errors import RemoteRefused
+
+Key = tuple[str, int]  # (engine id, prefill rank)
+
+
+class PeerBook:
+    """The loaded peers (anything with ``key``, ``generation``, ``address``, ``tp_rank``, ``agent_name``,
+    ``agent_metadata`` and a settable ``unloaded``)."""
+
+    def __init__(self) -> None:
+        self._current: dict[Key, Any] = {}
+        self._loaded: dict[int, Any] = {}  # every peer added and not yet forgotten
+
+    def current(self, key: Key) -> Any | None:
+        return self._current.get(key)
+
+    def all_current(self) -> list[Any]:
+        return list(self._current.values())
+
+    def loaded(self) -> list[Any]:
+        return list(self._loaded.values())
+
+    def replaced_by(
+        self, key: Key, generation: int, metadata: bytes, address: str, tp_rank: int
+    ) -> list[Any]:
+        """The current peers a new admission of ``key`` replaces at once (to unload), by the rules above;
+        RemoteRefused for a generation older than the current one's."""
+        out = []
+        old = self._current.get(key)
+        if old is not None:
+            if generation < old.generation:
+                raise RemoteRefused(
+                    f"generation {generation} is older than the loaded {old.generation}",
+                    "remote_registration_generation",
+                )
+            if generation > old.generation or metadata != old.agent_metadata:
+                out.append(old)
+        out += [p for p in self._current.values() if p.address == address and p.tp_rank == tp_rank
+                and p.key != key]
+        return out
+
+    def agent_for(self, metadata: bytes) -> str | None:
+        """The remote agent a current peer loaded from these metadata bytes, if any (shared, not reloaded)."""
+        return next((p.agent_name for p in self._readable() if p.agent_metadata == metadata), None)
+
+    def agent_in_use(self, name: str) -> bool:
+        """Whether a current peer reads through the remote agent ``name``."""
+        return any(p.agent_name == name for p in self._readable())
+
+    def add(self, peer: Any) -> None:
+        """``peer`` loaded and current for its key."""
+        self._current[peer.key] = peer
+        self._loaded[id(peer)] = peer
+
+    def unload(self, peer: Any) -> bool:
+        """Mark ``peer`` unloaded (no longer current); False if it was already."""
+        if peer.unloaded:
+            return False
+        peer.unloaded = True
+        if self._current.get(peer.key) is peer:
+            del self._current[peer.key]
+        return True
+
+    def forget(self, peer: Any) -> bool:
+        """Drop ``peer`` from the loaded ones; False if it was not loaded (removed already)."""
+        return self._loaded.pop(id(peer), None) is not None
+
+    def _readable(self) -> list[Any]:
+        """The loaded peers NIXL still reads through (a replaced one, not yet removed, may still be read)."""
+        return [p for p in self._loaded.values() if not p.unloaded]
