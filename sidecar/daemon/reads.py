@@ -152,8 +152,9 @@ class Reads:
                 cancelled = True
                 if fut.cancelled():
                     raise
-                if fut.exception() is None:
-                    job.read = fut.result()
+                error = fut.exception()
+                # a post that failed in this pass still hands back what it had posted: its stop sees to it
+                job.read = fut.result() if error is None else getattr(error, "read", None)
                 break
             except Exception as exc:
                 # What a failed post had posted is the job's read: its stop makes sure nothing still writes.

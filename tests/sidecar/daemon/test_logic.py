@@ -396,6 +396,33 @@ def test_a_post_failing_midway_is_stopped_before_its_answer(monkeypatch, stuck):
     run(main())
 
 
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_an_abort_in_the_pass_its_post_fails_keeps_the_read_to_stop(monkeypatch, mode):
+    """The shim's Abort and a failing post's return reach the loop in one pass: what the post had posted is
+    still the job's read, stopped before the answer (unsafe here: its handles never stop). Before, the read
+    was dropped and the answer said safe while the transfers still wrote."""
+    monkeypatch.setattr(reads_module, "RELEASE_GIVE_UP_S", 0.2)
+    staged = {"pull_mode": "staged", "staging_bytes": LAYERS * 3 * PAGE_BYTES} if mode == "staged" else {}
+
+    async def main():
+        async with started(**staged) as h:
+            loop = asyncio.get_running_loop()
+            h.port.fail_post = h.port.fail_post_keeps_handles = True
+            h.port.stuck_abort = 10**9  # what it posted is still in flight and never stops
+            real_read = h.port.read
+
+            def read(*args: Any, **kwargs: Any) -> Any:
+                loop.call_soon_threadsafe(h.send, p.Abort(req_id="x"))  # queued before the post returns
+                return real_read(*args, **kwargs)
+
+            h.port.read = read
+            h.pull("x")
+            aborted = await h.reply(p.Aborted, "x")
+            assert not aborted.safe and "not released" in aborted.reason, aborted
+
+    run(main())
+
+
 async def _posting(h: Harness, req_id: str, **pull: Any) -> None:
     """Start ``req_id`` with the fake's post held open (as a long NIXL post holds the agent)."""
     h.port.post_gate = threading.Event()
