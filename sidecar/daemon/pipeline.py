@@ -39,6 +39,7 @@ from sidecar.wire.formats import PageFormat
 
 log = logging.getLogger("kv_sidecar.pipeline")
 UNSAFE_REMEMBERED = 4096  # unsafe answers kept for later Aborts (each one is a stuck transfer: rare)
+ABORTED_UNSEEN_REMEMBERED = 4096  # Aborts of req_ids not (yet) pulled, kept to refuse a Pull arriving late
 
 
 class Pipeline:
@@ -78,6 +79,10 @@ class Pipeline:
         # req_ids answered with blocks unsafe (a transfer NIXL would not stop), newest last: a later Abort
         # for one (the shim's, after a reconnect) must not be told "not in flight" as if nothing could write
         self._unsafe: OrderedDict[str, None] = OrderedDict()
+        # req_ids the registering shim aborted before their Pull was seen, newest last: the shim reads an
+        # Abort's answer as "its blocks are free", so a Pull overtaken by its own Abort (the two sockets are
+        # read independently) must never be read into them
+        self._aborted_unseen: OrderedDict[str, None] = OrderedDict()
 
     # -- the way in
 
@@ -87,6 +92,11 @@ class Pipeline:
             self._metrics.foreign_messages.inc()
             self._metrics.refused("session")
             self._answer_now(envelope, msg, Outcome.REFUSED, f"session: {foreign}")
+            return
+        if msg.req_id in self._aborted_unseen:
+            del self._aborted_unseen[msg.req_id]
+            reason = "aborted: the shim's Abort of this request arrived before its Pull; nothing read"
+            self._answer_now(envelope, msg, Outcome.ABORTED, reason)
             return
         if msg.req_id in self._jobs:
             self._metrics.invalid_messages.inc()
@@ -143,6 +153,10 @@ class Pipeline:
                 reason = "answered with its blocks unsafe: a transfer could not be stopped"
                 self._send(envelope, p.Aborted(req_id=msg.req_id, safe=False, reason=reason))
                 return
+            if self._caches.current is not None and self._caches.current.owned_by(session):
+                self._aborted_unseen[msg.req_id] = None
+                while len(self._aborted_unseen) > ABORTED_UNSEEN_REMEMBERED:
+                    self._aborted_unseen.popitem(last=False)
             reason = "not in flight (already answered or never seen)"
             self._send(envelope, p.Aborted(req_id=msg.req_id, safe=True, reason=reason))
             return

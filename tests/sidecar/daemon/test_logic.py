@@ -1041,6 +1041,27 @@ def test_staging_slots_a_read_could_not_be_stopped_in_are_never_lent_again(monke
     run(main())
 
 
+def test_a_pull_overtaken_by_its_own_abort_reads_nothing():
+    """The shim sends Pull and Abort on two sockets the daemon reads independently, so the Abort can come
+    first: it is answered "not in flight" (the shim frees the blocks), and the Pull arriving after it is
+    answered aborted without a read. Another connection's Abort of an unseen req_id blocks nothing."""
+
+    async def main():
+        async with started() as h:
+            h.send(p.Abort(req_id="x"))
+            assert (await h.reply(p.Aborted, "x")).safe
+            h.pull("x")
+            done = await h.reply(p.Done, "x")
+            assert not done.ok and done.reason.startswith("aborted:"), done
+            h.send(p.Abort(req_id="y"), who=b"stranger")
+            await h.reply(p.Aborted, "y")
+            h.pull("y")
+            assert (await h.reply(p.Done, "y")).ok
+            assert len(h.port.reads) == 1 and h.answers("x")[-1] == done  # "x" was never read
+
+    run(main())
+
+
 def test_a_pull_larger_than_the_whole_pool_is_refused_naming_staging_bytes():
     async def main():
         async with started(pull_mode="staged", staging_bytes=LAYERS * 2 * PAGE_BYTES) as h:
