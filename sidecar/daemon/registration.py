@@ -52,8 +52,15 @@ class Registrations:
         self._stopping = stopping
         self._bound = bound  # whether a shim has a completion connection now
         self._owner_timer: asyncio.TimerHandle | None = None
+        # one registration change at a time, in arrival order: two that both waited for the old caches'
+        # release would install in either order, the loser never released
+        self._turn = asyncio.Lock()
 
     async def on_register(self, envelope: list[bytes], session: Session, msg: p.RegisterCaches) -> None:
+        async with self._turn:
+            await self._register(envelope, session, msg)
+
+    async def _register(self, envelope: list[bytes], session: Session, msg: p.RegisterCaches) -> None:
         if session.hello is None:
             self._send(
                 envelope, p.Error(reason="say Hello before RegisterCaches", in_reply_to="RegisterCaches")
@@ -106,6 +113,10 @@ class Registrations:
         self._send(envelope, p.Error(reason=str(exc), in_reply_to="RegisterCaches"))
 
     async def on_unregister(self, envelope: list[bytes], session: Session) -> None:
+        async with self._turn:
+            await self._unregister(envelope, session)
+
+    async def _unregister(self, envelope: list[bytes], session: Session) -> None:
         current = self._caches.current
         if current is not None and not current.owned_by(session):
             self._metrics.foreign_messages.inc()
@@ -148,6 +159,10 @@ class Registrations:
 
     async def _release_if_still_gone(self, identity: bytes) -> None:
         self._owner_timer = None
+        async with self._turn:
+            await self._release_gone(identity)
+
+    async def _release_gone(self, identity: bytes) -> None:
         current = self._caches.current
         if current is None or current.owner != identity or self._stopping() or self._bound(identity):
             return  # replaced, stopping, or it came back

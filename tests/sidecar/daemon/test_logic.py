@@ -53,6 +53,11 @@ class Harness:
     async def start(self) -> None:
         await self.daemon.start()
         self.send(p.Hello(protocol_version=p.PROTOCOL_VERSION, package_version="test"))
+        self.send(self.register_message())
+        assert isinstance(await self.reply(p.Registered), p.Registered)
+
+    def register_message(self) -> p.RegisterCaches:
+        """The RegisterCaches of the harness's caches (every layer in the one shared-memory buffer)."""
         layers = [
             ipc.LayerView(
                 name=f"model.layers.{i}.self_attn.attn",
@@ -64,8 +69,7 @@ class Harness:
             )
             for i in range(LAYERS)
         ]
-        self.send(p.RegisterCaches(buffers=[self.shm.description], layers=layers, page_format=FMT))
-        assert isinstance(await self.reply(p.Registered), p.Registered)
+        return p.RegisterCaches(buffers=[self.shm.description], layers=layers, page_format=FMT)
 
     async def stop(self) -> None:
         await self.daemon.shutdown(0)
@@ -1058,6 +1062,33 @@ def test_a_pull_overtaken_by_its_own_abort_reads_nothing():
             h.pull("y")
             assert (await h.reply(p.Done, "y")).ok
             assert len(h.port.reads) == 1 and h.answers("x")[-1] == done  # "x" was never read
+
+    run(main())
+
+
+def test_two_registrations_in_flight_leave_the_newest_and_release_the_rest(monkeypatch):
+    """Two RegisterCaches while a pull holds the current caches: handled one after the other, so the second
+    replaces the first (released, deregistered) and only the newest stays registered. Before, both waited
+    on the old caches' release, the older install came last and the newer one was never released."""
+    monkeypatch.setattr(reads_module, "RELEASE_GIVE_UP_S", 0.2)
+
+    async def main():
+        async with started() as h:
+            h.port.auto_land = False
+            h.port.stuck_abort = 10**9  # the pull is answered unsafe; its handles keep the caches a while
+            h.pull("a")
+            await h.until_stage("a", "transfer")
+            h.sent.clear()
+            h.send(h.register_message())
+            h.send(h.register_message())
+            deadline = time.monotonic() + 5
+            while len(registered := [m for _, m in h.sent if isinstance(m, p.Registered)]) < 2:
+                assert time.monotonic() < deadline, h.sent
+                await asyncio.sleep(0.01)
+            assert registered[0].generation < registered[1].generation, registered
+            assert h.daemon.caches.current.generation == registered[1].generation
+            h.port.stuck_abort = 0
+            assert h.port.registrations == 1
 
     run(main())
 
