@@ -8,8 +8,10 @@ daemon's Welcome offers a completion socket, the thread binds it before register
 from there (one unix packet instead of ZMQ's four thread hops; see ``sidecar/daemon/completions.py``); once
 registered, it sends Pulls, Heartbeats and Aborts there too, straight from the caller's thread when no
 earlier one waits in the inbox (one syscall, no hop to the I/O thread; ZMQ carries the rest, and everything
-when the socket is not bound). A Pull's ``sent_at_ns`` is stamped in ``send``, so its Done says how long it
-took to reach the daemon (``timings["delivery"]``); the worker adds the Done's own trip back (``"return"``).
+when the socket could not be bound). The daemon takes that socket's end for the shim's, so once bound, its
+breaking ends the connection as a ZMQ disconnect does, and the thread says Hello and registers again. A
+Pull's ``sent_at_ns`` is stamped in ``send``, so its Done says how long it took to reach the daemon
+(``timings["delivery"]``); the worker adds the Done's own trip back (``"return"``).
 Importable without vLLM and without torch.
 
 Epochs: each connection to a daemon gets a number. ``send`` returns the epoch a message goes out on, every
@@ -96,9 +98,10 @@ class SidecarClient:
     messages.
 
     States: ``connecting`` → ``ready`` (Welcome and Registered received) → ``lost`` on disconnect → back to
-    ``ready`` when the daemon returns (Hello and RegisterCaches are sent again). ``failed`` when the daemon
-    refused Hello or RegisterCaches, or did not answer in time (a late answer still completes the step):
-    the reason stays in ``status_reason``.
+    ``ready`` when the daemon returns (Hello and RegisterCaches are sent again); a bound completion socket
+    that breaks while ZMQ stays up is such a disconnect too, and Hello follows at once. ``failed`` when the
+    daemon refused Hello or RegisterCaches, or did not answer in time (a late answer still completes the
+    step): the reason stays in ``status_reason``.
     """
 
     def __init__(
@@ -305,11 +308,7 @@ class SidecarClient:
                 if monitor in ready:
                     ev = recv_monitor_message(monitor)
                     if ev["event"] == _UP:
-                        with self._fast_lock:
-                            self._epoch += 1
-                            self._zmq_pulls.clear()
-                        self._connected = True
-                        self._say_hello(dealer)
+                        self._new_connection(dealer)
                     elif ev["event"] == zmq.EVENT_DISCONNECTED and self._connected:
                         self._connected = False
                         self._close_fast()
@@ -367,31 +366,38 @@ class SidecarClient:
             # Its connection ended while it waited here: never hand it to another one (or another daemon).
             self._reply_failure(payload, epoch, "kv-sidecar connection was lost before the message went out")
             return
-        if data[:1] == _FAST_DATA and self._route_fast(payload):
+        if data[:1] == _FAST_DATA and self._route_fast(dealer, payload):
+            return
+        if epoch != self._epoch:  # the completion socket broke under that send, ending the connection
+            reason = "kv-sidecar completion socket broke before the message went out"
+            self._reply_failure(payload, epoch, reason)
             return
         try:
             dealer.send(payload, zmq.NOBLOCK)
         except zmq.Again:
             self._reply_failure(payload, epoch, "kv-sidecar is not reachable (send would block)")
 
-    def _route_fast(self, payload: bytes) -> bool:
+    def _route_fast(self, dealer: zmq.Socket, payload: bytes) -> bool:
         """A Pull, Heartbeat or Abort: True if it went over the completion socket, False to send it over ZMQ.
 
         An Abort never overtakes its Pull: when the Pull went over ZMQ (too large, sent while
-        re-registering, or the socket was full), its Abort follows it there."""
+        re-registering, or the socket was full), its Abort follows it there. False also when the send found
+        the socket broken, which ended the connection: the caller checks the epoch."""
         if self._zmq_pulls:
             msg = _decoded(payload)
             if isinstance(msg, p.Abort) and msg.req_id in self._zmq_pulls:
                 return False
-        if self._send_fast(payload):
+        epoch = self._epoch
+        if self._send_fast(dealer, payload):
             return True
         msg = _decoded(payload)
-        if isinstance(msg, p.Pull):
+        if isinstance(msg, p.Pull) and epoch == self._epoch:  # not one the next connection must wait for
             self._zmq_pulls.add(msg.req_id)
         return False
 
-    def _send_fast(self, payload: bytes) -> bool:
-        """Send a Pull, Heartbeat or Abort over the completion socket; False: use ZMQ."""
+    def _send_fast(self, dealer: zmq.Socket, payload: bytes) -> bool:
+        """Send a Pull, Heartbeat or Abort over the completion socket; False: use ZMQ, unless the send found
+        the socket broken (that ends the connection: see ``_fast_lost``)."""
         fast = self._fast
         if fast is None or self._phase != "ready" or len(payload) > _FAST_MAX:
             return False
@@ -403,11 +409,18 @@ class SidecarClient:
                 # the daemon's receive buffer is full: wait a little for room, keeping the order
                 select.select([], [fast], [], 1.0)
             except OSError as e:
-                log.info("kv-sidecar completion socket send failed (%s); using ZMQ", e)
-                self._close_fast()
+                self._fast_lost(dealer, f"send failed: {e}")
                 return False
         log.warning("kv-sidecar completion socket stayed full for 1 s; this message goes over ZMQ")
         return False
+
+    def _new_connection(self, dealer: zmq.Socket) -> None:
+        """Start the next epoch on the ZMQ connection: Hello, then bind and register again."""
+        with self._fast_lock:
+            self._epoch += 1
+            self._zmq_pulls.clear()
+        self._connected = True
+        self._say_hello(dealer)
 
     def _say_hello(self, dealer: zmq.Socket) -> None:
         self._set_state("connecting", "waiting for Welcome")
@@ -514,11 +527,23 @@ class SidecarClient:
             if not data:
                 if self._phase == "bind":
                     self._fast_failed(dealer, why)
+                elif self._phase in ("register", "ready"):
+                    self._fast_lost(dealer, why)
                 else:
-                    log.info("kv-sidecar completion socket %s; replies come over ZMQ", why)
                     self._close_fast()
                 return
             self._on_payload(dealer, data, time.monotonic_ns())
+
+    def _fast_lost(self, dealer: zmq.Socket, why: str) -> None:
+        """The bound completion socket broke. To the daemon that is this shim gone: it fails the pulls and
+        releases the caches after ``owner_grace_s``, and what it had not read from the socket is lost. So end
+        this connection as a ZMQ disconnect does (its loads become orphans) and start the next on the same
+        ZMQ connection: Hello, bind and register again."""
+        reason = f"kv-sidecar at {self.address}: completion socket {why}"
+        log.warning("%s; saying Hello and registering again", reason)
+        self._close_fast()
+        self._lose(reason)
+        self._new_connection(dealer)
 
     def _watch_daemon(self, fast: socket.socket) -> None:
         """Watch the process behind the completion socket (the daemon) with a pidfd, for ``Gone``."""

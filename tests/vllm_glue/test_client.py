@@ -277,6 +277,18 @@ class FastPeer(DaemonEnd):
         super().close()
 
 
+def bind_and_register(peer: FastPeer, client: SidecarClient) -> p.BindCompletions:
+    """Answer Hello, the binding and RegisterCaches as the daemon does (the completion socket carrying the
+    answers) and return the binding; the client ends ready."""
+    peer.welcome()
+    bind = peer.accept_bind()
+    peer.send_fast(p.CompletionsBound(ok=True))
+    assert isinstance(peer.recv(), p.RegisterCaches)
+    peer.send_fast(p.Registered(generation=1, registered_bytes=4096, num_layers=1))
+    assert client.wait_ready(5)
+    return bind
+
+
 def test_completion_socket_is_bound_before_registering_and_carries_replies(address: str, tmp_path) -> None:
     peer = FastPeer(address, f"{tmp_path}/d.sock.done")
     client = SidecarClient(address, hello(), register_msg())
@@ -308,16 +320,55 @@ def test_completion_socket_is_bound_before_registering_and_carries_replies(addre
         peer.send(p.Done(req_id="r0", ok=False, reason="over zmq"))  # ZMQ still delivers (daemon's fallback)
         got = {ev.message.req_id: ev.message.ok for ev in wait_events(client, 2)}
         assert got == {"r1": True, "r0": False}
-        # The daemon drops the fast connection: replies keep coming over ZMQ, the client stays ready.
+    finally:
+        client.close()
+        peer.close()
+
+
+def test_a_completion_socket_the_daemon_closes_ends_the_connection_and_the_shim_registers_again(
+    address: str, tmp_path
+) -> None:
+    """The daemon takes the completion socket's end for the shim's: it releases the caches after
+    ``owner_grace_s``. The client used to stay ready on ZMQ alone, and every later Pull was refused."""
+    peer = FastPeer(address, f"{tmp_path}/d.sock.done")
+    client = SidecarClient(address, hello(), register_msg())
+    try:
+        first = bind_and_register(peer, client)
+        old = client.epoch
         peer.fast.close()
         peer.fast = None
-        time.sleep(0.1)
-        assert client.is_ready()
-        peer.send(p.Done(req_id="r2", ok=True))
+        again = bind_and_register(peer, client)  # Hello on the same ZMQ connection, bind, RegisterCaches
+        assert again.routing_id == first.routing_id  # the same shim: the daemon keeps it the owner
+        assert client.epoch == old + 1 and client.uses_completion_socket
         (ev,) = wait_events(client, 1)
-        assert ev.message.req_id == "r2" and client.is_ready()
-        client.send(pull("r3"))  # and so do the requests
-        assert peer.recv().req_id == "r3"
+        assert isinstance(ev, Lost) and ev.epoch == old and "completion socket closed" in ev.reason
+        client.send(pull("r1"))
+        assert peer.recv_fast().req_id == "r1"
+    finally:
+        client.close()
+        peer.close()
+
+
+def test_a_send_that_finds_the_completion_socket_broken_ends_the_connection(address: str, tmp_path) -> None:
+    """A send can meet the broken socket before its end of file is read. The Pull was sent over ZMQ instead,
+    and the client stayed ready without its completion socket."""
+    peer = FastPeer(address, f"{tmp_path}/d.sock.done")
+    client = SidecarClient(address, hello(), register_msg())
+    try:
+        bind_and_register(peer, client)
+        broken = peer.fast
+        broken.shutdown(socket.SHUT_RD)  # the daemon reads no more: the shim's sends fail, no end of file
+        old, epoch = client.sent_direct, client.epoch
+        assert client.send(pull("r1")) == epoch
+        bind_and_register(peer, client)  # asserts that Hello, not the Pull, came over ZMQ first
+        broken.close()
+        assert client.sent_direct == old and client.epoch == epoch + 1
+        lost, failed = wait_events(client, 2)
+        assert isinstance(lost, Lost) and lost.epoch == epoch and "send failed" in lost.reason
+        assert isinstance(failed, Reply) and failed.epoch == epoch and failed.message.req_id == "r1"
+        assert not failed.message.ok and "completion socket broke" in failed.message.reason
+        client.send(pull("r2"))
+        assert peer.recv_fast().req_id == "r2" and client.sent_direct == old + 1
     finally:
         client.close()
         peer.close()

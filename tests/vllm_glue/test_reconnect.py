@@ -17,7 +17,7 @@ from typing import Any
 import zmq
 
 from sidecar.wire import protocol as p
-from tests.vllm_glue.test_client import DaemonEnd, register_msg
+from tests.vllm_glue.test_client import DaemonEnd, FastPeer, bind_and_register, register_msg
 from vllm_glue.client import Reply, SidecarClient
 from vllm_glue.orders import PullOrder, RemoteRef, StepOrders
 from vllm_glue.worker import WorkerHalf
@@ -161,6 +161,56 @@ def test_message_queued_for_an_ended_connection_is_never_sent_on_the_next(addres
         (ev,) = evs
         assert isinstance(ev, Reply) and ev.epoch == old and ev.message.req_id == "r9" and not ev.message.ok
         assert not peer.sock.poll(200), "a message for the old connection reached the new daemon"
+    finally:
+        w.shutdown()
+        peer.close()
+
+
+def test_loads_of_a_dropped_completion_socket_end_at_once_and_later_loads_succeed(
+    address: str, tmp_path
+) -> None:
+    """The daemon drops the completion socket with r2 unread in it: the shim registers again, and the loads
+    of the dropped connection end as the re-registration and the orphans' Aborts answer them. They used to
+    wait for their deadline plus the grace (r2's Pull was lost), and later loads were refused (the daemon
+    releases the caches of a shim whose completion socket is gone)."""
+    peer = FastPeer(address, f"{tmp_path}/d.sock.done")
+    w = WorkerHalf(address, pull_timeout_s=30.0, grace_s=1.0, register_timeout_s=5.0)
+    w.client = SidecarClient(address, w._hello, register_msg())
+    try:
+        bind_and_register(peer, w.client)
+        w.start_step(StepOrders(pulls=[order("r1", [3]), order("r2", [4])]))
+        assert peer.recv_fast().req_id == "r1"  # r2 stays unread in the socket
+        t0 = time.monotonic()
+        peer.fast.close()
+        peer.welcome()
+        peer.accept_bind()
+        peer.send_fast(p.CompletionsBound(ok=True))
+        assert isinstance(peer.recv(), p.RegisterCaches)
+        # as the daemon does: the re-registration fails the jobs of the old caches, then answers
+        peer.send_fast(p.Done(req_id="r1", ok=False, reason="caches re-registered by the shim"))
+        peer.send_fast(p.Registered(generation=2, registered_bytes=4096, num_layers=1))
+        assert w.client.wait_ready(5)
+        finished: set[str] = set()
+        failed: set[str] = set()
+
+        def step() -> set[str]:
+            res = w.transfer_results()
+            finished.update(res.finished)
+            failed.update(res.failed)
+            return finished
+
+        step()  # sends the orphan's Abort on the new connection
+        ab = peer.recv_fast()
+        assert ab == p.Abort(req_id="r2")
+        peer.send_fast(p.Aborted(req_id="r2", safe=True, reason="not in flight (never seen)"))
+        wait_until(lambda: {"r1", "r2"} <= step())
+        assert time.monotonic() - t0 < 10.0  # not the 30 s deadline
+        assert failed == {"r1", "r2"} and w.load_errors() == {3, 4}
+        w.start_step(StepOrders(pulls=[order("r3", [5])]))
+        assert peer.recv_fast().req_id == "r3"
+        peer.send_fast(p.Done(req_id="r3", ok=True))
+        wait_until(lambda: "r3" in step())
+        assert "r3" not in failed
     finally:
         w.shutdown()
         peer.close()
