@@ -475,7 +475,7 @@ class SidecarClient:
         if refusal and msg.req_id is None and self._phase in ("hello", "register"):
             self._refused(f"kv-sidecar refused {msg.in_reply_to or 'a message'}: {msg.reason}", at)
             return
-        if isinstance(msg, (p.Done, p.Aborted)) and self._zmq_pulls:
+        if self._zmq_pulls and _ends_pull(msg):
             self._zmq_pulls.discard(msg.req_id)
         self._events.append(Reply(msg, at, self._epoch))
 
@@ -605,6 +605,14 @@ class SidecarClient:
             self._events.append(
                 Reply(p.Done(req_id=msg.req_id, ok=False, reason=reason), time.monotonic_ns(), epoch)
             )
+
+
+def _ends_pull(msg: p.ToShim) -> bool:
+    """Whether ``msg`` answers a Pull for good: its Done or Aborted, or an Error refusing it (the worker
+    fails the load on the same Error)."""
+    if isinstance(msg, (p.Done, p.Aborted)):
+        return True
+    return isinstance(msg, p.Error) and msg.req_id is not None and msg.in_reply_to in ("Pull", None)
 
 
 def _decoded(payload: bytes) -> p.ToDaemon | None:

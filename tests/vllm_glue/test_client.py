@@ -410,6 +410,32 @@ def test_an_abort_never_overtakes_its_pull(address: str, tmp_path) -> None:
         peer.close()
 
 
+def test_a_refused_zmq_pull_no_longer_holds_back_direct_sends(address: str, tmp_path) -> None:
+    """A Pull that went over ZMQ holds every later Pull, Heartbeat and Abort to the I/O thread's way until it
+    is answered. An Error refusing it is its answer too; it used to hold them back for good."""
+    peer = FastPeer(address, f"{tmp_path}/d.sock.done")
+    client = SidecarClient(address, hello(), register_msg())
+    try:
+        bind_and_register(peer, client)
+        big = p.pack_block_ids(range(20_000))  # 80 KB: over ZMQ
+        client.send(p.Pull(**{**msgspec.structs.asdict(pull("big")), "remote_block_ids": big,
+                              "local_block_ids": big}))
+        assert peer.recv().req_id == "big"
+        peer.send(p.Error(reason="session: not yours", in_reply_to="Abort", req_id="big"))  # not the Pull's
+        wait_events(client, 1)
+        direct = client.sent_direct
+        client.send(pull("a"))
+        assert peer.recv_fast().req_id == "a" and client.sent_direct == direct
+        peer.send(p.Error(reason="invalid Pull: timeout_s", in_reply_to="Pull", req_id="big"))
+        (ev,) = wait_events(client, 1)
+        assert isinstance(ev.message, p.Error) and ev.message.req_id == "big"
+        client.send(pull("b"))
+        assert peer.recv_fast().req_id == "b" and client.sent_direct == direct + 1
+    finally:
+        client.close()
+        peer.close()
+
+
 @pytest.mark.parametrize("how", ["refused", "no such socket", "silent"])
 def test_unusable_completion_socket_falls_back_to_zmq(address: str, tmp_path, how: str) -> None:
     peer = FastPeer(address, f"{tmp_path}/d.sock.done")
