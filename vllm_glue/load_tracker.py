@@ -30,7 +30,7 @@ class _Load:
     abort_requested: bool = False
     epoch: int | None = None  # the client connection it was sent on; None: not sent (yet)
     orphaned: str | None = None  # why its connection dropped; the blocks stay held until it is safe
-    abort_sent_on: int | None = None  # the epoch an orphan's Abort went out on
+    abort_sent_on: int | None = None  # the epoch its last Abort went out on
 
 
 @dataclass
@@ -88,7 +88,8 @@ class LoadTracker:
     def abort_requested(self, req_id: str) -> bool:
         """Mark an abort; True if the daemon must be told (a load is still outstanding on a live connection).
 
-        An orphan is not told here: its abort goes out once a connection is back (:meth:`orphans_to_abort`).
+        An orphan is not told here: its abort goes out once a connection is back (:meth:`aborts_owed`), as
+        does one whose Abort could not be sent now.
         """
         load = self._loads.get(req_id)
         if load is None or load.abort_requested:
@@ -189,15 +190,16 @@ class LoadTracker:
             self.fail(req_id, f"{load.orphaned}; {reason}" if load.orphaned else reason, received_at)
         return ids
 
-    def orphans_to_abort(self, epoch: int) -> list[str]:
-        """Orphans whose Abort has not gone out on connection ``epoch`` yet (marked as sent now)."""
-        ids = []
-        for req_id, load in self._loads.items():
-            if load.orphaned is not None and load.epoch is not None and load.epoch < epoch \
-                    and load.abort_sent_on != epoch:
-                load.abort_sent_on = epoch
-                ids.append(req_id)
-        return ids
+    def aborts_owed(self, epoch: int) -> list[str]:
+        """Loads whose Abort must go out on connection ``epoch`` and has not yet (:meth:`abort_sent`): every
+        orphan of an earlier connection, and an aborted load of this one whose Abort could not be sent."""
+        return [r for r, load in self._loads.items() if _owes_abort(load, epoch)]
+
+    def abort_sent(self, req_id: str, epoch: int) -> None:
+        """The load's Abort went out on connection ``epoch``."""
+        load = self._loads.get(req_id)
+        if load is not None:
+            load.abort_sent_on = epoch
 
     def orphans(self) -> frozenset[str]:
         return frozenset(r for r, load in self._loads.items() if load.orphaned is not None)
@@ -236,3 +238,13 @@ class LoadTracker:
         if failed:
             self._failed.add(req_id)
             self._bad_blocks.update(load.local_block_ids)
+
+
+def _owes_abort(load: _Load, epoch: int) -> bool:
+    """Whether ``load`` needs an Abort on connection ``epoch`` that has not gone out there yet."""
+    if load.abort_sent_on == epoch or load.epoch is None:
+        return False
+    if load.orphaned is not None:
+        return load.epoch < epoch  # an unsafe Done's orphan was answered on its own connection already
+    # one of an earlier connection waits for that connection's Lost: then it is an orphan
+    return load.abort_requested and load.epoch == epoch

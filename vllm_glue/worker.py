@@ -165,10 +165,10 @@ class WorkerHalf:
         for req_id in orders.aborts:
             if self.tracker.abort_requested(req_id):
                 try:
-                    self._send(p.Abort(req_id=req_id))
+                    self.tracker.abort_sent(req_id, self._send(p.Abort(req_id=req_id)))
                 except NotReady as e:
-                    # A Pull that never went out can be released now; one that did waits for its connection's
-                    # Lost and then for the daemon to be gone, to confirm an abort, or for the deadline.
+                    # A Pull that never went out can be released now; for one that did the Abort is owed: it
+                    # goes out at a later step, on this connection or, once that drops, on the next.
                     self.tracker.release_unsent(req_id, str(e), now)
         targets = []
         for h in orders.heartbeats:
@@ -211,23 +211,23 @@ class WorkerHalf:
                         log.warning("%s: failing %d load(s)", ev.reason, len(failed))
                 else:
                     self._apply(ev)
-            self._abort_orphans()
+            self._send_owed_aborts()
         late = self.tracker.expire(time.monotonic())
         if late:
             log.warning("%d load(s) failed: no answer from kv-sidecar by the deadline", len(late))
 
-    def _abort_orphans(self) -> None:
+    def _send_owed_aborts(self) -> None:
         """Ask the daemon on the current connection to stop the loads of a dropped one: Aborted(safe) (or a
-        Done) releases them. A new daemon never saw them and answers at once."""
+        Done) releases them; a new daemon never saw them and answers at once. Also sends the Aborts that
+        could not go out when vLLM asked."""
         client = self.client
         if client is None or not client.is_ready():
             return
-        epoch = client.epoch
-        for req_id in self.tracker.orphans_to_abort(epoch):
+        for req_id in self.tracker.aborts_owed(client.epoch):
             try:
-                client.send(p.Abort(req_id=req_id))
+                self.tracker.abort_sent(req_id, client.send(p.Abort(req_id=req_id)))
             except NotReady:
-                return  # the connection went again: the next one retries
+                return  # this one and the rest stay owed: the next step tries again
 
     def transfer_results(self) -> TransferResults:
         self.collect()

@@ -122,8 +122,10 @@ def test_orphan_released_by_safe_abort_on_a_later_connection_as_failed() -> None
     t = LoadTracker()
     t.started("r", [5, 6], True, deadline=100.0, epoch=1)
     t.lost(1, "lost")
-    assert t.orphans_to_abort(2) == ["r"] and t.orphans_to_abort(2) == []  # once per connection
-    assert t.orphans_to_abort(3) == ["r"]
+    assert t.aborts_owed(2) == ["r"] and t.aborts_owed(2) == ["r"]  # owed until sent
+    t.abort_sent("r", 2)
+    assert t.aborts_owed(2) == []  # once per connection
+    assert t.aborts_owed(3) == ["r"]
     assert not t.aborted("r", safe=False, epoch=3)
     assert t.aborted("r", safe=True, reason="not in flight", epoch=3)
     res = t.take_results()
@@ -142,6 +144,18 @@ def test_orphan_done_ok_still_fails_and_gone_releases_at_once() -> None:
     res = t.take_results()
     assert res.failed == {"a", "b"} and t.take_bad_blocks() == {1, 2}
     assert t.outstanding() == {"c"}
+
+
+def test_an_abort_that_could_not_be_sent_stays_owed_on_its_connection() -> None:
+    t = LoadTracker()
+    t.started("r", [1], True, deadline=100.0, epoch=2)
+    t.started("s", [2], True, deadline=100.0, epoch=2)
+    assert t.abort_requested("r") and t.aborts_owed(2) == ["r"]  # until abort_sent: the send failed
+    assert t.aborts_owed(3) == []  # a later connection: only once 2's Lost has made it an orphan
+    t.abort_sent("r", 2)
+    assert t.aborts_owed(2) == []
+    t.lost(2, "lost")
+    assert t.aborts_owed(3) == ["r", "s"]
 
 
 def test_orphan_expires_at_deadline_plus_grace() -> None:
@@ -172,7 +186,7 @@ def test_an_unsafe_done_holds_the_blocks_until_the_daemon_is_gone() -> None:
     assert t.done("r", False, reason="transfer: x; blocks unsafe", epoch=1, safe=False)
     assert t.take_results().finished == set() and t.take_bad_blocks() == set()
     assert t.outstanding() == {"r"} and t.orphans() == {"r"}
-    assert t.orphans_to_abort(1) == []  # its own connection already answered
+    assert t.aborts_owed(1) == []  # its own connection already answered
     assert not t.aborted("r", safe=False, epoch=2)  # the same daemon, after a reconnect
     assert t.gone(frozenset({1}), "daemon exited") == ["r"]
     res = t.take_results()

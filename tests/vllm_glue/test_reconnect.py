@@ -18,7 +18,7 @@ import zmq
 
 from sidecar.wire import protocol as p
 from tests.vllm_glue.test_client import DaemonEnd, FastPeer, bind_and_register, register_msg
-from vllm_glue.client import Reply, SidecarClient
+from vllm_glue.client import NotReady, Reply, SidecarClient
 from vllm_glue.orders import PullOrder, RemoteRef, StepOrders
 from vllm_glue.worker import WorkerHalf
 
@@ -134,6 +134,40 @@ def test_blocks_of_a_dropped_load_are_held_while_the_same_daemon_could_write(add
         peer.send(p.Done(req_id="r1", ok=True))  # the job ended: it can no longer write
         wait_until(lambda: "r1" in (res := w.transfer_results()).finished and "r1" in res.failed)
         assert w.load_errors() == {7}
+    finally:
+        w.shutdown()
+        peer.close()
+
+
+def test_a_not_ready_among_the_orphans_aborts_costs_none_of_them_their_abort(address: str) -> None:
+    """The first orphan's Abort meets NotReady (a full client queue, or the connection going again): every
+    orphan was marked as aborted on the new connection before any was sent, so none was, and each waited for
+    its deadline."""
+    peer = DaemonEnd(address)
+    w = connected(address, peer)
+    try:
+        w.start_step(StepOrders(pulls=[order("r1", [3]), order("r2", [4])]))
+        recv_all(peer, 2)
+        peer.sock.close(linger=0)  # a transient drop: the same daemon keeps running
+        wait_until(lambda: not w.client.is_ready())
+        peer.sock = peer.ctx.socket(zmq.ROUTER)
+        peer.sock.setsockopt(zmq.LINGER, 0)
+        peer.sock.bind(address)
+        peer.welcome_and_register()
+        assert w.client.wait_ready(5)
+        send, refused = w.client.send, []
+
+        def refuse_the_first(msg: p.ToDaemon) -> int:
+            if not refused:
+                refused.append(msg)
+                raise NotReady("client queue is full: the I/O thread is not keeping up")
+            return send(msg)
+
+        w.client.send = refuse_the_first
+        w.transfer_results()  # the Lost makes both orphans; the first Abort is refused
+        assert refused == [p.Abort(req_id="r1")]
+        w.transfer_results()  # the next step sends both
+        assert {peer.recv().req_id, peer.recv().req_id} == {"r1", "r2"}
     finally:
         w.shutdown()
         peer.close()

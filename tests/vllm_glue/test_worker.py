@@ -1,11 +1,13 @@
 """The worker half's step: one request's bad values fail that request's load, never vLLM's step or another
-request's heartbeat. Real ZMQ ipc against the scripted ROUTER peer of test_client.py."""
+request's heartbeat, and an Abort that could not be sent goes out at a later step. Real ZMQ ipc against the
+scripted ROUTER peer of test_client.py."""
 
 from __future__ import annotations
 
 import time
 
 from sidecar.wire import protocol as p
+from tests.vllm_glue.test_client import register_msg
 from tests.vllm_glue.test_reconnect import order, session, wait_until
 from vllm_glue.orders import HeartbeatOrder, StepOrders
 
@@ -63,3 +65,35 @@ def test_a_done_with_its_send_time_says_how_long_its_way_back_took(address: str)
         assert 0 < got["r"].timings["return"] <= (time.monotonic_ns() - sent) / 1e9
         assert got["r"].timings["end_to_end"] == 0.001
         assert "return" not in got["s"].timings
+
+
+def test_an_abort_the_client_was_not_ready_for_goes_out_at_a_later_step(address: str) -> None:
+    """vLLM aborted r while the client registered the caches again on the connection r's Pull went out on (no
+    Lost follows): the Abort was dropped for good, and the daemon read on for a request vLLM had finished."""
+    with session(address) as (peer, w):
+        w.start_step(StepOrders(pulls=[order("r", [3])]))
+        assert isinstance(peer.recv(), p.Pull)
+        w.client.set_registration(register_msg())
+        assert isinstance(peer.recv(), p.RegisterCaches) and not w.client.is_ready()
+        w.start_step(StepOrders(aborts=["r"]))  # NotReady
+        assert w.transfer_results().finished == set()
+        peer.send(p.Registered(generation=2, registered_bytes=4096, num_layers=1))
+        assert w.client.wait_ready(5)
+        w.transfer_results()
+        assert peer.recv() == p.Abort(req_id="r")
+        w.transfer_results()  # once: the next message is this step's heartbeat, not the Abort again
+        hb = HeartbeatOrder(engine_id="e", host="127.0.0.1", port=5600, tp_size=1, remote_request_ids=["r-p"])
+        w.start_step(StepOrders(heartbeats=[hb]))
+        assert isinstance(peer.recv(), p.Heartbeat)
+        peer.send(p.Aborted(req_id="r", safe=True))
+        finished: set[str] = set()
+        failed: set[str] = set()
+
+        def released() -> bool:
+            res = w.transfer_results()
+            finished.update(res.finished)
+            failed.update(res.failed)
+            return "r" in finished
+
+        wait_until(released)
+        assert failed == set() and w.load_errors() == set()  # vLLM's own abort: released, not failed
