@@ -3,7 +3,8 @@ case ending with the canary check of the whole decoder buffer (see sidecar.stand
 
 Held on main already: daemon kill -9 mid-batch, prefill kill -9 (same port and engine id, or new), decoder
 kill -9, SIGHUP under load, garbage and bursts. Fails on main: the daemon restart while the decoder idles
-(issue item 8: the first request after it failed).
+(issue item 8: the first request after it failed). Failed before the shim registered again on a broken
+completion socket: every request after that socket dropped with ZMQ up.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import zmq
 
 from sidecar.standins.faults import Rig
 from sidecar.wire import protocol as p
+from tests.e2e.faults.conftest import open_rig
 
 pytestmark = pytest.mark.e2e
 
@@ -100,6 +102,25 @@ def test_daemon_restart_while_decoder_idles_then_a_request(rig: Rig) -> None:
     time.sleep(0.2)  # the engine idles: no step between the restart and the next request
     assert_all_ok(rig.batch(1, wave=1), rig, 1)
     assert_all_ok(rig.batch(16), rig, 16)
+
+
+def test_completion_socket_dropped_under_load_with_zmq_up_then_requests_succeed(tmp_path) -> None:
+    """The daemon takes the end of a shim's completion socket for the shim's, and after ``owner_grace_s``
+    fails its pulls and releases its caches. The shim stayed ready on ZMQ alone, so every later request
+    failed (``no caches registered``); now it says Hello and registers again at once. Every pull of the
+    batch in flight is answered and nothing is written outside its blocks (the canary check)."""
+    with open_rig(str(tmp_path), daemon_extra="owner_grace_s = 0.5") as rig:
+        client = rig.decoder.worker.client
+        assert client.uses_completion_socket
+
+        def drop() -> None:  # the socket's end, as the daemon sees it when the shim's side goes
+            client._fast.shutdown(socket.SHUT_RDWR)
+
+        assert_answered(rig.batch(32, wave=8, fault=drop), rig)
+        assert rig.wait_ready(20)
+        time.sleep(1.0)  # past owner_grace_s: the caches of a shim that did not come back are gone by now
+        assert_all_ok(rig.batch(16), rig, 16)
+        assert client.uses_completion_socket
 
 
 def test_sighup_under_load_loses_nothing(rig: Rig) -> None:
