@@ -14,13 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import time
 from collections import deque
 from collections.abc import Callable
 
-from sidecar.ops.socket_files import bind_socket_file, unlink_own
+from sidecar.ops.socket_files import bind_socket_file, remove_stale_socket, unlink_own
 from sidecar.wire import protocol as p
 
 log = logging.getLogger("kv_sidecar.completions")
@@ -75,8 +74,7 @@ class CompletionSocket:
         self._on_request = on_request
         self._by_id: dict[bytes, _Conn] = {}
         self._conns: set[_Conn] = set()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # the caller has checked that no live daemon serves this socket
+        remove_stale_socket(path)  # the caller has checked that no live daemon serves this socket
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._path_id = bind_socket_file(lambda: self._listener.bind(path), path, group_gid)
         self._listener.listen(64)

@@ -21,8 +21,8 @@ from sidecar.ops.errors import StartupError
 
 log = logging.getLogger("kv_sidecar.socket_files")
 
-__all__ = ["MAX_UNIX_PATH", "bind_socket_file", "refuse_if_served", "resolve_group", "secure_socket_dir",
-           "unlink_own"]
+__all__ = ["MAX_UNIX_PATH", "bind_socket_file", "refuse_if_served", "remove_stale_socket", "resolve_group",
+           "secure_socket_dir", "unlink_own"]
 
 
 def secure_socket_dir(path: str, group_gid: int | None) -> bool:
@@ -72,15 +72,45 @@ def resolve_group(name: str) -> int:
 
 
 def refuse_if_served(endpoint: str, path: str) -> None:
-    """Binding an ipc path steals it from a live daemon: refuse while anything listens on it (a stale file
+    """Binding an ipc path steals it from a live daemon: refuse while anything listens on it (a stale socket
     is simply replaced). A listening unix socket takes a connection into its backlog even while its daemon's
     loop is busy (starting, registering caches, shutting down), so this asks the kernel, not the daemon."""
-    if not os.path.exists(path):
+    if not _socket_at(path):
         return
     if _listening(path):
         raise RuntimeError(f"another kv-sidecar already serves {endpoint}")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def remove_stale_socket(path: str) -> None:
+    """Remove the socket a dead daemon left at ``path`` (the caller knows nobody serves it)."""
+    if _socket_at(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _socket_at(path: str) -> bool:
+    """Whether a socket is at ``path`` (False: nothing is). Anything else there is a StartupError naming
+    ``socket``: a typo in the path must not cost someone's file, and a symbolic link is never followed."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise StartupError("socket", f"cannot look at {path}: {e.strerror}") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise StartupError("socket", f"{path} exists and is {_kind(st.st_mode)}, not a socket: remove it "
+                                     "or pick another socket path")
+    return True
+
+
+def _kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return kind
+    return "a special file"
 
 
 def _listening(path: str) -> bool:
@@ -89,10 +119,10 @@ def _listening(path: str) -> bool:
     try:
         s.connect(path)
     except (ConnectionRefusedError, FileNotFoundError):
-        return False  # a file nobody listens on
+        return False  # a socket nobody listens on
     except OSError as exc:
-        # a full backlog (EAGAIN, or the timeout) still means someone listens; anything else (not a
-        # socket, no permission) is no daemon of ours
+        # a full backlog (EAGAIN, or the timeout) still means someone listens; anything else (another
+        # socket type, no permission) is no daemon of ours
         return exc.errno == errno.EAGAIN or isinstance(exc, TimeoutError)
     finally:
         s.close()

@@ -150,6 +150,23 @@ def test_serve_start_failures_are_one_line(tmp_path, case) -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("name", ["cpu.sock", "cpu.sock.done"])
+def test_serve_never_deletes_a_file_at_its_socket_paths(tmp_path, name) -> None:
+    """Main: a regular file at the socket path (a typo in ``socket``) answers connect() with ECONNREFUSED,
+    so the daemon took it for a stale socket and deleted it; the completion socket's path was unlinked
+    blindly."""
+    victim = tmp_path / name
+    victim.write_text("someone's notes")
+    r = serve("--socket", f"ipc://{tmp_path}/cpu.sock", "--metrics-port", "-1")
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("kv-sidecar: ")]
+    assert errors == [f"kv-sidecar: socket: {victim} exists and is a regular file, not a socket: remove it "
+                      "or pick another socket path"], r.stderr
+    assert victim.read_text() == "someone's notes"
+    assert sorted(os.listdir(tmp_path)) == [name], "the daemon left a socket file behind"
+
+
+@pytest.mark.e2e
 def test_serve_in_a_shared_directory_leaves_it_alone(tmp_path) -> None:
     """Main: the shared 1777 directory is 0700 after the daemon ran."""
     from sidecar import cli
