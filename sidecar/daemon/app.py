@@ -179,6 +179,7 @@ class Daemon:
         sys.setswitchinterval(cfg.gil_switch_interval_us / 1e6)
         gc.collect()
         gc.freeze()  # startup objects (torch, NIXL) never need scanning again: shorter GC pauses per Done
+        self.health.mark_started()
         sdnotify.ready(f"serving {cfg.socket_endpoint} ({cfg.device})")
         log.info(
             "kv-sidecar %s serving %s on %s (pid %d)",

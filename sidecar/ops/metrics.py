@@ -246,11 +246,17 @@ class Health:
         self.agent_up = False
         self.caches_registered = False
         self.stopping = False
+        self.started = False  # the daemon's start has completed: socket bound, its loops running
         self.broken: str | None = None  # a loop the daemon cannot serve without has ended (why)
         self._checks: list[Callable[[], str | None]] = []
 
     def tick(self) -> None:
         self.last_tick = time.monotonic()
+
+    def mark_started(self) -> None:
+        """The daemon is up: /healthz stops saying "starting" and reads the tick loop from now on."""
+        self.tick()  # the tick loop spawned at the end of start has not run yet
+        self.started = True
 
     async def beat(self, period_s: float = 0.5) -> None:
         """``tick`` every ``period_s`` for as long as the event loop runs it: a loop stuck in a call stops
@@ -265,8 +271,12 @@ class Health:
         self._checks.append(check)
 
     def healthy(self) -> tuple[bool, str]:
+        """Not until ``mark_started``: a startup probe on /healthz must not pass before the socket is bound,
+        and no tick comes before the tick loop runs."""
         if self.broken is not None:
             return False, self.broken
+        if not self.started:
+            return False, "starting"
         age = time.monotonic() - self.last_tick
         if age > self.stall_s:
             return False, f"event loop stalled: no tick for {age:.1f} s"

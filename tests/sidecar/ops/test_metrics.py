@@ -71,6 +71,10 @@ def test_http_endpoint_health_and_readiness():
         assert server.host == "127.0.0.1" and server.port > 0
         status, ctype, body = get(server.url + "/metrics")
         assert status == 200 and ctype.startswith("text/plain") and "kv_sidecar_ready" in body
+        assert get(server.url + "/healthz")[::2] == (503, "starting\n")
+        health.last_tick -= 10  # a start that takes long is starting, not stalled
+        assert get(server.url + "/healthz")[::2] == (503, "starting\n")
+        health.mark_started()
         assert get(server.url + "/healthz")[::2] == (200, "ok\n")
         status, _, body = get(server.url + "/readyz")
         assert status == 503 and body == "not ready: socket bound, NIXL agent up, caches registered\n"
