@@ -75,11 +75,13 @@ class Router:
         sock.setsockopt(zmq.RCVHWM, 0)
         try:
             self._path_id = bind_socket_file(lambda: sock.bind(endpoint), path, gid)
-        except (zmq.ZMQError, OSError) as exc:
+        except (zmq.ZMQError, OSError, StartupError) as exc:
             # a bound-but-unclosed ROUTER would hang shutdown in ctx.term()
             sock.close(0)
             self._ctx.term()
             self._ctx = None
+            if isinstance(exc, StartupError):
+                raise
             raise StartupError("socket", f"cannot bind {endpoint}: {exc}") from None
         self._sock, self._path = sock, path
         if fast_completions:

@@ -30,27 +30,23 @@ def secure_socket_dir(path: str, group_gid: int | None) -> bool:
     group. An existing directory is left exactly as it is. True if it was created here.
 
     StartupError (one line, naming ``socket``) for a path too long for a unix socket or a directory that
-    cannot be made (a file in the way, no permission).
+    cannot be made (a file in the way, no permission); naming ``socket_group`` for a directory that cannot
+    be given to the group, after removing what was created here.
     """
     n = len(path.encode())
     if n > MAX_UNIX_PATH:
         raise StartupError("socket", f"the path is {n} bytes, a unix socket path may have at most "
                                      f"{MAX_UNIX_PATH}: {path}")
     directory = os.path.dirname(path) or "."
-    created = False
-    if not os.path.isdir(directory):
+    top = _make_directory(directory)
+    if top is not None:
         try:
-            os.makedirs(directory, mode=0o700)
-            created = True
-        except FileExistsError:
-            if not os.path.isdir(directory):
-                raise StartupError("socket", f"{directory} exists and is not a directory") from None
-        except OSError as e:
-            raise StartupError("socket", f"cannot create the directory {directory}: {e.strerror}") from None
-    if created:
-        os.chmod(directory, 0o750 if group_gid is not None else 0o700)  # makedirs' mode obeys the umask
-        if group_gid is not None:
-            os.chown(directory, -1, group_gid)
+            os.chmod(directory, 0o750 if group_gid is not None else 0o700)  # makedirs' mode obeys the umask
+            if group_gid is not None:
+                _give_group(directory, group_gid)
+        except BaseException:
+            _remove_made(os.path.abspath(directory), top)
+            raise
         return True
     mode = stat.S_IMODE(os.stat(directory).st_mode)
     if mode & 0o002 and not mode & stat.S_ISVTX:
@@ -60,6 +56,50 @@ def secure_socket_dir(path: str, group_gid: int | None) -> bool:
         log.warning("socket directory %s (mode %o) may not be reachable by socket_group %d", directory,
                     mode, group_gid)
     return False
+
+
+def _make_directory(directory: str) -> str | None:
+    """Create ``directory`` (and its missing parents) if it is missing: the highest one created (absolute),
+    or None when none was."""
+    if os.path.isdir(directory):
+        return None
+    top = _first_missing(os.path.abspath(directory))
+    try:
+        os.makedirs(directory, mode=0o700)
+    except FileExistsError:
+        if not os.path.isdir(directory):
+            raise StartupError("socket", f"{directory} exists and is not a directory") from None
+        return None  # another process made it meanwhile
+    except OSError as e:
+        raise StartupError("socket", f"cannot create the directory {directory}: {e.strerror}") from None
+    return top
+
+
+def _first_missing(directory: str) -> str:
+    """The highest directory on the way to the absolute ``directory`` that does not exist."""
+    top, parent = directory, os.path.dirname(directory)
+    while parent != top and not os.path.exists(parent):
+        top, parent = parent, os.path.dirname(parent)
+    return top
+
+
+def _remove_made(directory: str, top: str) -> None:
+    """Remove ``directory`` and its parents up to ``top``: what ``_make_directory`` created."""
+    while True:
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+        if directory == top or not directory.startswith(top):
+            return
+        directory = os.path.dirname(directory)
+
+
+def _give_group(path: str, gid: int) -> None:
+    """chown ``path`` to ``socket_group``: only root or a member of that group may."""
+    try:
+        os.chown(path, -1, gid)
+    except OSError as e:
+        raise StartupError("socket_group", f"cannot give {path} to group {gid}: {e.strerror} (the daemon's "
+                                           "user must be a member of that group)") from None
 
 
 def resolve_group(name: str) -> int:
@@ -134,17 +174,23 @@ FileId = tuple[int, int]  # (st_dev, st_ino): which file a path names now
 
 def bind_socket_file(bind: Callable[[], None], path: str, group_gid: int | None) -> FileId:
     """Run ``bind`` (which creates the socket file ``path``) so the file is 0600, or 0660 with the group;
-    returns the file's id, for ``unlink_own``."""
+    returns the file's id, for ``unlink_own``. StartupError naming ``socket_group`` when the file cannot be
+    given to the group (the file is removed)."""
     old = os.umask(0o117 if group_gid is not None else 0o177)  # the socket file is born with its final mode
     try:
         bind()
     finally:
         os.umask(old)
     os.chmod(path, 0o660 if group_gid is not None else 0o600)
-    if group_gid is not None:
-        os.chown(path, -1, group_gid)
     st = os.stat(path)
-    return st.st_dev, st.st_ino
+    own = st.st_dev, st.st_ino
+    if group_gid is not None:
+        try:
+            _give_group(path, group_gid)
+        except StartupError:
+            unlink_own(path, own)
+            raise
+    return own
 
 
 def unlink_own(path: str, own: FileId | None) -> None:

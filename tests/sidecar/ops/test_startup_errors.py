@@ -4,6 +4,8 @@ changed only when the daemon created it. Unit tests of sidecar.ops.socket_files 
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import os
 import socket
 import stat
@@ -12,6 +14,7 @@ import sys
 
 import pytest
 
+from sidecar.daemon.router import Router
 from sidecar.ops import config as config_mod
 from sidecar.ops.errors import StartupError
 from sidecar.ops.metrics import Health, Metrics, MetricsServer
@@ -39,6 +42,51 @@ def test_created_directory_is_private(tmp_path, gid, mode) -> None:
     d = tmp_path / "a" / "b"
     assert secure_socket_dir(str(d / "cpu.sock"), gid)
     assert stat.S_IMODE(os.stat(d).st_mode) == mode
+
+
+@pytest.fixture
+def foreign_gid(monkeypatch) -> int:
+    """A group the daemon's user is not in: the kernel refuses a chown to it (EPERM). Root may chown to any
+    group, so as root os.chown is made to refuse it as the kernel would for anyone else."""
+    if os.geteuid() != 0:
+        return max([os.getgid(), *os.getgroups()]) + 1
+    gid, chown = 54321, os.chown
+
+    def refusing(path, uid, group, *args, **kwargs):
+        if group == gid:
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), path)
+        return chown(path, uid, group, *args, **kwargs)
+
+    monkeypatch.setattr(os, "chown", refusing)
+    return gid
+
+
+def test_a_group_the_daemon_is_not_in_is_one_clear_error_and_leaves_no_directory(tmp_path, foreign_gid):
+    """Main: PermissionError out of start-up (a traceback), and the new directories stayed behind."""
+    with pytest.raises(StartupError, match=rf"^socket_group: cannot give {tmp_path}/a/b to group "
+                                           rf"{foreign_gid}: Operation not permitted") as e:
+        secure_socket_dir(str(tmp_path / "a" / "b" / "cpu.sock"), foreign_gid)
+    assert e.value.key == "socket_group"
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_group_the_daemon_is_not_in_fails_binding_in_an_existing_directory(tmp_path, foreign_gid):
+    """An existing directory is not chowned, so the socket file is the first: main blamed ``socket``
+    ("cannot bind ...: Operation not permitted")."""
+    path = str(tmp_path / "cpu.sock")
+    assert not secure_socket_dir(path, foreign_gid)
+
+    async def bind() -> None:
+        router = Router(Metrics())
+        try:
+            router.bind(f"ipc://{path}", path, foreign_gid, fast_completions=True, max_connections=4,
+                        on_closed=lambda _rid: None)
+        finally:
+            router.close()
+
+    with pytest.raises(StartupError, match=r"^socket_group: cannot give .*/cpu.sock to group "):
+        asyncio.run(bind())
+    assert os.listdir(tmp_path) == [], "the socket file stayed behind"
 
 
 def test_directory_under_a_file_is_one_clear_error(tmp_path) -> None:
