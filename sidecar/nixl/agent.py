@@ -59,7 +59,7 @@ from sidecar.nixl.runs import Descs, layer_group_bounds
 from sidecar.wire import prefill as vllm_wire
 from sidecar.wire.formats import Plan
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kv_sidecar.nixl")
 
 LOCAL_AGENT = "NIXL_INIT_AGENT"
 

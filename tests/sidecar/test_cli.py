@@ -104,3 +104,56 @@ def test_every_command_says_what_it_is_for(capsys):
     assert "run sidecar." not in out  # not the module name: what the command is for
     for name, (_module, what) in {**cli.DELEGATED, **cli.BENCHES}.items():
         assert what.split()[0] in out or name in cli.BENCHES, (name, what)
+
+
+@pytest.fixture
+def logging_as_it_was():
+    """setup_logging changes the process's root logger: give it back to pytest afterwards."""
+    import logging
+
+    root, ours = logging.getLogger(), logging.getLogger("kv_sidecar")
+    handlers, root_level, our_level = root.handlers[:], root.level, ours.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(root_level)
+    ours.setLevel(our_level)
+
+
+def test_log_level_reaches_the_nixl_agents_lines(capsys, logging_as_it_was):
+    """Main: the agent logged as ``sidecar.nixl.agent``, outside ``kv_sidecar`` whose level log_level (and
+    SIGHUP) sets: at DEBUG its INFO lines never showed, at ERROR its warnings still did."""
+    from sidecar.daemon.app import Daemon
+    from sidecar.nixl import agent
+
+    cli.setup_logging("DEBUG", False)
+    agent.log.info("agent info line")
+    assert "agent info line" in capsys.readouterr().err
+    cli.setup_logging("ERROR", False)
+    agent.log.warning("agent warning line")
+    assert "agent warning line" not in capsys.readouterr().err
+    cli.setup_logging("INFO", False)
+    daemon = Daemon(Config(), reload=lambda: Config(log_level="ERROR"), bind=False)
+    daemon.reload()  # SIGHUP
+    agent.log.warning("agent warning after reload")
+    assert "agent warning after reload" not in capsys.readouterr().err
+
+
+def test_every_module_logs_under_kv_sidecar():
+    """log_level sets the level of the ``kv_sidecar`` logger only: a module's logger named otherwise (such as
+    ``getLogger(__name__)``, ``sidecar.…``) would not follow it."""
+    import ast
+    from pathlib import Path
+
+    import sidecar
+
+    outside = []
+    for path in sorted(Path(sidecar.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "getLogger"):
+                continue
+            name = node.args[0] if node.args else None
+            if name is None:
+                continue  # the root logger (cli.setup_logging)
+            if not (isinstance(name, ast.Constant) and str(name.value).split(".")[0] == "kv_sidecar"):
+                outside.append(f"{path.name}:{node.lineno}: {ast.unparse(name)}")
+    assert outside == []
