@@ -92,7 +92,7 @@ class Daemon:
         self.health = Health()
         self.metrics_server: MetricsServer | None = None
         self.port: TransferPort | None = None
-        self.router = Router(self.metrics)
+        self.router = Router(self.metrics, keep=self._keeps_session)
         self.jobs = JobTable(config.max_inflight, config.max_queued)
         self.poller = Poller(
             Pacer(
@@ -267,6 +267,14 @@ class Daemon:
     def _admitted(self, key: tuple[str, int], peer: Any) -> None:
         if self.heartbeats is not None:
             self.heartbeats.admitted(key, peer)
+
+    def _keeps_session(self, session: Session) -> bool:
+        """The router must remember a session that owns the caches or has a pull in flight: forgotten, it
+        would have to say Hello again before its next Pull."""
+        caches = self.caches.current if self.caches is not None else None
+        if caches is not None and caches.owned_by(session):
+            return True
+        return any(job.session is session for job in self.jobs.jobs())
 
     def _shim_gone(self, identity: bytes) -> None:
         if self.registrations is not None:

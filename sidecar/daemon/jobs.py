@@ -60,6 +60,7 @@ class Session:
 
     identity: bytes
     hello: p.Hello | None = None
+    last_seen: float = 0.0  # when it last sent a message (monotonic): the router forgets the longest idle
 
     @property
     def rank(self) -> int:

@@ -34,16 +34,29 @@ Handler = Callable[[list[bytes], Session, Any, float], None]
 # the connection rather than hand us something that would block the loop while it is decoded.
 MAX_MESSAGE_BYTES = 64 << 20
 CLOSE_LINGER_MS = 500  # at close, how long answers still queued for a shim may take to go out
+# Sessions remembered: ZMQ does not tell a ROUTER that a peer left, and each shim (re)start and doctor run
+# comes with a new routing id. Past this many, the longest idle that hold nothing are forgotten.
+MAX_SESSIONS = 1024
 
 
 class Router:
-    """Sockets, sessions and dispatch. ``on(MessageType, handler)`` before ``bind``."""
+    """Sockets, sessions and dispatch. ``on(MessageType, handler)`` before ``bind``. ``keep(session)`` says
+    whether the daemon still needs a session (it owns the caches, a pull of it is in flight): such a one,
+    and one bound on the completion socket, is never forgotten."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        *,
+        keep: Callable[[Session], bool] = lambda _session: False,
+        max_sessions: int = MAX_SESSIONS,
+    ) -> None:
         self._metrics = metrics
         self._ratelog = RateLimitedLog(log, on_suppressed=metrics.logs_suppressed.inc)
         self._handlers: dict[type, Handler] = {}
         self._sessions: dict[bytes, Session] = {}
+        self._keep = keep
+        self._max_sessions = max_sessions
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._path = ""
@@ -163,7 +176,8 @@ class Router:
         """Hand one decoded message to its handler (the receive loop's second half; tests call it too)."""
         session = self._sessions.get(envelope[0])
         if session is None:
-            session = self._sessions[envelope[0]] = Session(envelope[0])
+            session = self._new_session(envelope[0])
+        session.last_seen = received
         try:
             self._handlers[type(msg)](envelope, session, msg, received)
         except Exception as exc:  # noqa: BLE001 - one bad message never stops the daemon
@@ -176,6 +190,28 @@ class Router:
                     req_id=getattr(msg, "req_id", None),
                 ),
             )
+
+    def _new_session(self, identity: bytes) -> Session:
+        """A routing id not seen, or forgotten: a new session, which must say Hello like any other."""
+        if len(self._sessions) >= self._max_sessions:
+            self._forget_idle()
+        session = self._sessions[identity] = Session(identity)
+        return session
+
+    def _forget_idle(self) -> None:
+        """Make room for one session by forgetting the longest idle that hold nothing."""
+        before = len(self._sessions)
+        for session in sorted(self._sessions.values(), key=lambda s: s.last_seen):
+            if len(self._sessions) < self._max_sessions:
+                break
+            if not self._holds(session):
+                del self._sessions[session.identity]
+        if len(self._sessions) < before:
+            log.debug("forgot %d idle shim sessions", before - len(self._sessions))
+
+    def _holds(self, session: Session) -> bool:
+        bound = self.completions is not None and self.completions.bound(session.identity)
+        return bound or self._keep(session)
 
     def send(self, envelope: list[bytes], msg: p.ToShim) -> None:
         if self._sock is None:
