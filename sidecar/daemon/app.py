@@ -131,9 +131,9 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.config
-        if cfg.metrics_port >= 0:
+        if cfg.http_port >= 0:
             self.metrics_server = start_http_server(
-                self.metrics, self.health, cfg.metrics_host, cfg.metrics_port
+                self.metrics, self.health, cfg.metrics_host, cfg.http_port
             )
             log.info("metrics on %s", self.metrics_server.url)
         gid = resolve_group(cfg.socket_group) if cfg.socket_group else None

@@ -30,6 +30,7 @@ ENV_NOT_KEYS = frozenset(
     }
 )
 DEFAULT_SOCKET_DIR = "/run/kv-sidecar"
+DEFAULT_METRICS_PORT = 9464  # GPU N's daemon serves its endpoint on this + N unless metrics_port is set
 MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 # Keys SIGHUP may change; the others need a restart.
 DEFAULT_POLL_BUSY_S = 0.05  # poll_busy_s with a GPU when unset
@@ -139,13 +140,12 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     ] = 5.0
     metrics_host: Annotated[str, _doc("address of the Prometheus / health HTTP endpoint")] = "127.0.0.1"
     metrics_port: Annotated[
-        int,
+        Annotated[int, msgspec.Meta(ge=-1, le=65535)] | None,
         _doc(
-            "port of /metrics, /healthz, /readyz; 0 picks a free port, -1 disables the endpoint",
-            ge=-1,
-            le=65535,
+            "port of /metrics, /healthz, /readyz; unset: 9464 + N for GPU N (9464 without a GPU), so the "
+            "daemons of one host never collide; 0 picks a free port, -1 disables the endpoint"
         ),
-    ] = 9464
+    ] = None
     max_inflight: Annotated[int, _doc("requests read and converted at the same time", ge=1)] = 64
     max_queued: Annotated[
         int,
@@ -467,6 +467,13 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     @property
     def socket_path(self) -> str:
         return self.socket_endpoint.removeprefix("ipc://")
+
+    @property
+    def http_port(self) -> int:
+        """``metrics_port``, or its default for this GPU when unset (-1: no endpoint)."""
+        if self.metrics_port is not None:
+            return self.metrics_port
+        return DEFAULT_METRICS_PORT + (self.gpu or 0)
 
 
 def direct_reads(cfg: Config) -> str | None:

@@ -196,14 +196,10 @@ def load_target(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[T
         return None, DoctorCheck("config", "fail", str(exc))
     if args.metrics_url:
         url: str | None = args.metrics_url.rstrip("/")
-    elif cfg.metrics_port < 0:
+    elif cfg.http_port < 0:
         url = None
     else:
-        explicit = "KV_SIDECAR_METRICS_PORT" in environ or _file_sets(
-            args.config or environ.get("KV_SIDECAR_CONFIG"), "metrics_port"
-        )
-        # kv-sidecar@N listens on 9464+N unless a port is configured (deploy/systemd).
-        port = cfg.metrics_port if explicit else 9464 + (cfg.gpu or 0)
+        port = cfg.http_port  # as the daemon reads it: 9464 + N for GPU N unless metrics_port is set
         host = "127.0.0.1" if cfg.metrics_host in ("0.0.0.0", "::", "") else cfg.metrics_host
         url = f"http://{host}:{port}"
     target = Target(socket=cfg.socket_endpoint, metrics_url=url, config=cfg)
@@ -213,17 +209,6 @@ def load_target(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[T
         "pass",
         f"{where}: socket {target.socket}, metrics {url or 'disabled'}, {len(cfg.remotes)} remote rule(s)",
     )
-
-
-def _file_sets(path: str | None, key: str) -> bool:
-    if not path:
-        return False
-    from sidecar.ops import config as config_mod
-
-    try:
-        return key in config_mod.file_values(path)
-    except config_mod.ConfigError:
-        return False
 
 
 def check_daemon(socket_endpoint: str, timeout_s: float) -> tuple[list[DoctorCheck], Any]:

@@ -211,16 +211,15 @@ def test_dropin_orders_vllm_after_its_sidecars():
 
 
 def _exec_start_argv(instance: str, binary: str) -> list[str]:
-    """ExecStart as systemd runs it: specifiers and '$$' resolved (the unit uses no other expansion)."""
+    """ExecStart as systemd runs it: specifiers resolved (the unit uses no variable expansion)."""
     line = _value(read_unit(UNIT), "Service", "ExecStart")
     assert line is not None
-    assert "${" not in line.replace("$${", ""), "ExecStart must leave all variable expansion to the shell"
-    line = line.replace("%i", instance).replace("$$", "$").replace(INSTALLED_BINARY, binary)
-    return shlex.split(line)
+    assert "$" not in line, "ExecStart must leave the config to the daemon (no shell, no variables)"
+    return shlex.split(line.replace("%i", instance).replace(INSTALLED_BINARY, binary))
 
 
 def _fake_daemon(tmp_path: Path) -> str:
-    """A stand-in for the console script that records how it was started (argv and the config variables)."""
+    """A stand-in for the console script that records how it was started (argv and the config file)."""
     fake = tmp_path / "kv-sidecar"
     fake.write_text(
         "#!/bin/sh\n"
@@ -228,8 +227,7 @@ def _fake_daemon(tmp_path: Path) -> str:
             [
                 sys.executable,
                 "-c",
-                "import json, os, sys; print(json.dumps({'argv': sys.argv[1:], 'pid': os.getpid(), "
-                "'port': os.environ.get('KV_SIDECAR_METRICS_PORT'), "
+                "import json, os, sys; print(json.dumps({'argv': sys.argv[1:], "
                 "'config': os.environ.get('KV_SIDECAR_CONFIG')}))",
             ]
         )
@@ -240,21 +238,30 @@ def _fake_daemon(tmp_path: Path) -> str:
 
 
 @pytest.mark.parametrize(
-    "instance, env, port",
+    "instance, toml, env, port",
     [
-        ("0", {}, "9464"),
-        ("3", {}, "9467"),
-        ("3", {"KV_SIDECAR_METRICS_PORT": "19000"}, "19000"),  # an environment file wins
+        ("0", "", {}, 9464),
+        ("3", "", {}, 9467),
+        ("3", "", {"KV_SIDECAR_METRICS_PORT": "19000"}, 19000),  # an environment file
+        ("3", "metrics_port = 9600\n", {}, 9600),  # the TOML file (the unit used to override it)
+        ("3", "metrics_port = 9600\n", {"KV_SIDECAR_METRICS_PORT": "19000"}, 19000),  # variables win
     ],
 )
-def test_exec_start_serves_gpu_i_on_port_9464_plus_i(tmp_path, instance, env, port):
+def test_exec_start_serves_gpu_i_on_port_9464_plus_i(tmp_path, instance, toml, env, port):
+    """kv-sidecar@N runs ``serve --gpu N``; the daemon's config then puts the endpoint on 9464+N unless
+    metrics_port is set in the TOML file or an environment file (what ``doctor`` reads too)."""
+    from sidecar.ops import config as config_mod
+
+    path = tmp_path / "kv-sidecar.toml"
+    path.write_text(toml)
     argv = _exec_start_argv(instance, _fake_daemon(tmp_path))
-    base = {"PATH": os.environ["PATH"], "KV_SIDECAR_CONFIG": "/etc/kv-sidecar/kv-sidecar.toml", **env}
+    base = {"PATH": os.environ["PATH"], "KV_SIDECAR_CONFIG": str(path), **env}
     out = subprocess.run(argv, env=base, capture_output=True, text=True, timeout=30, check=True)
     seen = json.loads(out.stdout)
     assert seen["argv"] == ["serve", "--gpu", instance]
-    assert seen["port"] == port
-    assert seen["config"] == "/etc/kv-sidecar/kv-sidecar.toml"
+    assert seen["config"] == str(path)
+    cfg = config_mod.load(seen["config"], environ=env, overrides={"gpu": int(seen["argv"][2])})
+    assert cfg.http_port == port
 
 
 # ------------------------------------------------------------------------- the daemon's side of Type=notify

@@ -11,12 +11,13 @@ def test_defaults_are_the_cpu_twin_on_loopback():
     cfg = c.load(environ={})
     assert cfg.gpu is None and cfg.device == "cpu"
     assert cfg.socket_endpoint == "ipc:///run/kv-sidecar/cpu.sock"
-    assert cfg.metrics_host == "127.0.0.1" and cfg.metrics_port == 9464
+    assert cfg.metrics_host == "127.0.0.1" and cfg.metrics_port is None and cfg.http_port == 9464
     assert (cfg.max_inflight, cfg.pull_mode) == (64, "auto")
     assert (cfg.heartbeat_interval_s, cfg.lease_s) == (5.0, 30.0)
     assert cfg.nixl_backends == ["UCX"] and cfg.remotes == []
     gpu = c.load(environ={"KV_SIDECAR_GPU": "3"})
     assert gpu.device == "cuda:3" and gpu.socket_endpoint == "ipc:///run/kv-sidecar/gpu3.sock"
+    assert gpu.http_port == 9467  # two daemons of one host never collide by default
 
 
 def test_file_then_environment_then_flags(tmp_path):

@@ -3,6 +3,7 @@ emulator."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -82,6 +83,25 @@ def test_env_file_reads_like_systemd(tmp_path):
         "UCX_NET_DEVICES": "mlx5_0:1",
         "KV_SIDECAR_LOG_LEVEL": "DEBUG",
     }
+
+
+@pytest.mark.parametrize(
+    "toml, env, url",
+    [
+        ("", {}, "http://127.0.0.1:9465"),  # kv-sidecar@1's default
+        ("metrics_port = 9600\n", {}, "http://127.0.0.1:9600"),  # the TOML file's, as the daemon reads it
+        ("metrics_port = 9600\n", {"KV_SIDECAR_METRICS_PORT": "19000"}, "http://127.0.0.1:19000"),
+        ("metrics_port = -1\n", {}, None),
+    ],
+)
+def test_the_metrics_endpoint_is_where_the_daemon_serves_it(tmp_path, toml, env, url):
+    path = tmp_path / "kv-sidecar.toml"
+    path.write_text(toml)
+    parser = argparse.ArgumentParser()
+    doctor.add_arguments(parser)
+    target, check = doctor.load_target(parser.parse_args(["--gpu", "1", "--config", str(path)]), env)
+    assert check.status == "pass", check
+    assert target is not None and target.metrics_url == url
 
 
 def test_metrics_text_gauges():
