@@ -200,8 +200,8 @@ def load_target(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[T
         url = None
     else:
         port = cfg.http_port  # as the daemon reads it: 9464 + N for GPU N unless metrics_port is set
-        host = "127.0.0.1" if cfg.metrics_host in ("0.0.0.0", "::", "") else cfg.metrics_host
-        url = f"http://{host}:{port}"
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(cfg.metrics_host, cfg.metrics_host)
+        url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"  # an IPv6 address
     target = Target(socket=cfg.socket_endpoint, metrics_url=url, config=cfg)
     where = args.config or environ.get("KV_SIDECAR_CONFIG") or "defaults and KV_SIDECAR_* variables"
     return target, DoctorCheck(

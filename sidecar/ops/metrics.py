@@ -8,6 +8,8 @@ daemons (tests) can live in one process.
 from __future__ import annotations
 
 import asyncio
+import errno
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -301,16 +303,24 @@ class Health:
         return (not missing), ("ok" if not missing else "not ready: " + ", ".join(missing))
 
 
+class _ThreadingHTTPServer6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
 class MetricsServer:
     """The HTTP endpoint in a daemon thread; ``port`` is the bound one (useful with port 0)."""
 
     def __init__(self, metrics: Metrics, health: Health, host: str = "127.0.0.1", port: int = 9464) -> None:
         handler = _handler(metrics, health)
+        server = _ThreadingHTTPServer6 if ":" in host else ThreadingHTTPServer  # an IPv6 address
         try:
-            self._server = ThreadingHTTPServer((host, port), handler)
+            self._server = server((host, port), handler)
         except OSError as e:  # a busy port, an address not on this host: the operator fixes the config
-            raise StartupError("metrics_port", f"cannot serve metrics on {host}:{port}: {e.strerror or e}. "
-                               "Pick another metrics_port (0: any free port, -1: no endpoint)") from None
+            if e.errno == errno.EADDRINUSE:
+                raise StartupError("metrics_port", f"cannot serve metrics on {host}:{port}: {e.strerror}. "
+                                   "Pick another metrics_port (0: any free port, -1: no endpoint)") from None
+            raise StartupError("metrics_host", f"cannot serve metrics on {host}:{port}: {e.strerror or e}. "
+                               "Pick an address of this host (127.0.0.1, ::1, 0.0.0.0, ::)") from None
         self._server.daemon_threads = True
         self.host, self.port = self._server.server_address[:2]
         self._thread = threading.Thread(
@@ -323,12 +333,17 @@ class MetricsServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return http_url(self.host, self.port)
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(5)
+
+
+def http_url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def start_http_server(

@@ -92,6 +92,7 @@ def test_env_file_reads_like_systemd(tmp_path):
         ("metrics_port = 9600\n", {}, "http://127.0.0.1:9600"),  # the TOML file's, as the daemon reads it
         ("metrics_port = 9600\n", {"KV_SIDECAR_METRICS_PORT": "19000"}, "http://127.0.0.1:19000"),
         ("metrics_port = -1\n", {}, None),
+        ('metrics_host = "::"\n', {}, "http://[::1]:9465"),  # an IPv6 wildcard is asked on its loopback
     ],
 )
 def test_the_metrics_endpoint_is_where_the_daemon_serves_it(tmp_path, toml, env, url):

@@ -11,6 +11,7 @@ import socket
 import stat
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -114,6 +115,31 @@ def test_busy_metrics_port_is_one_clear_error() -> None:
         port = s.getsockname()[1]
         with pytest.raises(StartupError, match=rf"^metrics_port: cannot serve metrics on 127.0.0.1:{port}: "):
             MetricsServer(Metrics(), Health(), "127.0.0.1", port)
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this host has no IPv6 loopback")
+def test_metrics_serve_on_an_ipv6_address() -> None:
+    server = MetricsServer(Metrics(), Health(), "::1", 0)
+    try:
+        assert server.url == f"http://[::1]:{server.port}"
+        with urllib.request.urlopen(server.url + "/metrics", timeout=10) as reply:
+            assert reply.status == 200 and b"kv_sidecar_" in reply.read()
+    finally:
+        server.close()
+
+
+def test_a_metrics_host_not_on_this_host_is_named() -> None:
+    with pytest.raises(StartupError, match=r"^metrics_host: cannot serve metrics on 192\.0\.2\.1:0: "):
+        MetricsServer(Metrics(), Health(), "192.0.2.1", 0)  # TEST-NET-1: no host has it
 
 
 def test_max_timeout_s_and_finite_timeouts() -> None:
