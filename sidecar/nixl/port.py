@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from sidecar.nixl.errors import MappingUnavailable, RemoteRefused, TransferError
 from sidecar.nixl.geometry import BlockPairs, LocalRegions, StagingPool, regions_per_layer
 from sidecar.nixl.mapping import MappedPages, map_pages, mapping_layout
 from sidecar.wire import prefill as vllm_wire
+
+log = logging.getLogger("kv_sidecar.nixl")
 
 
 @dataclass(eq=False)
@@ -280,20 +283,32 @@ class NixlPort:
                         pool=pool, slots=slots, gaps=gaps, table=tables[i], pairs=pairs,
                     ))
                 except Exception as exc:
-                    # The failed rank was notified by its pull; stop and notify the others exactly once too.
-                    for op in ops:
-                        self.agent.abort(op)
-                    if isinstance(exc, TransferError) and ops:
-                        failed = [exc.read] if isinstance(exc.read, ReadOp) else []
-                        exc.read = ReadGroup(ops + failed)  # every rank's handles, for the caller's stop
-                    for rest in members[i + 1 :]:
-                        self._notify_one(rest, remote_request_id)
-                    for m2 in members:
-                        self._spent[(m2.agent_name, remote_request_id)] = None
-                    while len(self._spent) > 4096:
-                        self._spent.pop(next(iter(self._spent)))
+                    self._fail_ranks(exc, ops, members, members[i + 1 :], remote_request_id)
                     raise
             return ops[0] if len(ops) == 1 else ReadGroup(ops)
+
+    def _fail_ranks(
+        self, exc: Exception, ops: list[ReadOp], members: Sequence[Any], rest: Sequence[Any], request_id: str
+    ) -> None:
+        """A rank's post failed (its pull notified it): stop the posted ranks' reads, which notifies them,
+        and notify the ranks not posted, every rank exactly once. The posted reads ride on ``exc`` for the
+        caller's stop; a notification that cannot be sent (the prefill is often gone by now) is logged, never
+        raised over ``exc``, which would lose them."""
+        for op in ops:
+            self.agent.abort(op)
+        if isinstance(exc, TransferError) and ops:
+            failed = [exc.read] if isinstance(exc.read, ReadOp) else []
+            exc.read = ReadGroup(ops + failed)  # every rank's handles, for the caller's stop
+        for m in members:  # before the sends: whatever they do, the daemon's own notify skips every rank
+            self._spent[(m.agent_name, request_id)] = None
+        while len(self._spent) > 4096:
+            self._spent.pop(next(iter(self._spent)))
+        for m in rest:
+            try:
+                self._notify_one(m, request_id)
+            except Exception as err:  # noqa: BLE001 - the post's own failure is what the caller must see
+                log.warning("cannot notify prefill rank %d of %s after a failed read: %s", m.tp_rank,
+                            request_id, err)
 
     def poll(self, read: ReadOp | ReadGroup, now: float, *, notify: bool = True) -> bool:
         if isinstance(read, ReadOp):

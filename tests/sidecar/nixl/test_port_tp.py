@@ -12,7 +12,7 @@ import pytest
 
 from sidecar.daemon.port import PeerSet
 from sidecar.nixl.agent import ReadOp
-from sidecar.nixl.errors import TransferFailed
+from sidecar.nixl.errors import RemoteDisconnected, TransferFailed
 from sidecar.nixl.port import NixlPort, ReadGroup
 
 
@@ -102,6 +102,35 @@ def test_a_rank_failing_while_posting_leaves_every_rank_told_exactly_once(failin
     assert sorted(agent.sent) == [(f"agent-{r}", "req", 1) for r in range(3)]
     port.notify(PEERS, "other")  # other requests are untouched
     assert [s for s in agent.sent if s[1] == "other"] == [(f"agent-{r}", "other", 1) for r in range(3)]
+
+
+@dataclass
+class UnreachableRank(StubAgent):
+    """Rank 2 cannot be told (its prefill died), and a posted read does not stop at once."""
+
+    def notify_agent(self, agent, rid, n):
+        if agent == "agent-2":
+            raise RemoteDisconnected("send_notif: the remote agent disconnected")
+        super().notify_agent(agent, rid, n)
+
+    def abort(self, op):
+        op.finished = True
+        self._notify_once(op)
+        return False  # its handles are still in flight
+
+
+def test_a_rank_that_cannot_be_told_keeps_the_posted_reads_and_tells_no_rank_twice():
+    """Rank 1 fails while posting, rank 0's read is still in flight, rank 2 cannot be notified: the error
+    the caller sees still carries rank 0's read to stop, and the daemon's own notify tells nobody again.
+    Before, the notification's error replaced the post's, losing the read (answered safe while it wrote)."""
+    agent = UnreachableRank(fail_on={1})
+    port = port_with(agent)
+    with pytest.raises(TransferFailed) as raised:
+        read(port)
+    assert isinstance(raised.value.read, ReadGroup)
+    assert [op.peer.tp_rank for op in raised.value.read.ops] == [0]  # rank 1 posted nothing
+    port.notify(PEERS, "req")
+    assert sorted(agent.sent) == [("agent-0", "req", 1), ("agent-1", "req", 1)]
 
 
 def test_reads_of_every_rank_are_one_group():
