@@ -6,8 +6,8 @@ Pure bookkeeping, no NIXL: ``NixlTransfer`` makes the NIXL calls around it. The 
   and the one it replaces stays loaded and readable until the daemon removes it (once no pull reads through
   it).
 - A higher generation, other metadata, or another engine at the same address and rank (a restarted prefill)
-  replaces the current one at once: it is *unloaded* (no read goes through it) but stays loaded, its mapping
-  open, until removed. A lower generation is refused.
+  replaces the current one, and any a re-admission left readable, at once: they are *unloaded* (no read goes
+  through them) but stay loaded, their mappings open, until removed. A lower generation is refused.
 - Loaded peers may share one NIXL remote agent (the same metadata bytes); the agent is let go once no current
   peer uses it.
 """
@@ -41,20 +41,22 @@ class PeerBook:
     def replaced_by(
         self, key: Key, generation: int, metadata: bytes, address: str, tp_rank: int
     ) -> list[Any]:
-        """The current peers a new admission of ``key`` replaces at once (to unload), by the rules above;
+        """The readable peers a new admission of ``key`` replaces at once (to unload), by the rules above: the
+        current one and any a re-admission left readable, since a pull may still read through those too;
         RemoteRefused for a generation older than the current one's."""
-        out = []
         old = self._current.get(key)
-        if old is not None:
-            if generation < old.generation:
-                raise RemoteRefused(
-                    f"generation {generation} is older than the loaded {old.generation}",
-                    "remote_registration_generation",
-                )
-            if generation > old.generation or metadata != old.agent_metadata:
-                out.append(old)
-        out += [p for p in self._current.values() if p.address == address and p.tp_rank == tp_rank
-                and p.key != key]
+        if old is not None and generation < old.generation:
+            raise RemoteRefused(
+                f"generation {generation} is older than the loaded {old.generation}",
+                "remote_registration_generation",
+            )
+        out = []
+        for p in self._readable():
+            if p.key == key:
+                if generation > p.generation or metadata != p.agent_metadata:
+                    out.append(p)
+            elif p.address == address and p.tp_rank == tp_rank:
+                out.append(p)
         return out
 
     def agent_for(self, metadata: bytes) -> str | None:

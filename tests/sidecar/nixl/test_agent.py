@@ -703,6 +703,26 @@ def test_a_newer_registration_unloads_the_old_peer_but_leaves_its_mapping_to_its
     tx.remove_peer(newer)
 
 
+def test_a_newer_registration_after_a_reload_unloads_the_retired_peer_too(emu, tx, planes):
+    """A reload re-admitted the prefill alike (the retired peer stays readable for a pull holding it), then
+    the prefill registered again: a read through the retired peer is refused as through the replaced one,
+    nothing written. Before, only the current peer was unloaded and the retired one read on."""
+    retired = connect(tx, emu)
+    alike = connect(tx, emu)
+    kw = dict(tp_rank=0, address=address(emu), agent_metadata=alike.agent_metadata, plan=alike.plan,
+              regions=alike.regions)
+    newer = tx.add_peer(engine_id=emu.ready.engine_id, generation=2, **kw)
+    assert retired.unloaded and alike.unloaded
+    _, params = new_request(emu, 2)
+    planes.reset()
+    with pytest.raises(TransferFailed) as e:
+        tx.pull(retired, planes.dest, "direct", [0, 1], params.remote_block_ids[0], params.remote_request_id)
+    assert e.value.field == "remote_registration_generation"
+    assert (planes.arr == SENTINEL).all()
+    for peer in (retired, alike, newer):
+        tx.remove_peer(peer)
+
+
 def test_heartbeats_reach_the_prefill(emu, tx):
     peer = connect(tx, emu)
     _, params = new_request(emu, 2, lease_s=30.0)

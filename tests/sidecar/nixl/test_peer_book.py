@@ -57,6 +57,18 @@ def test_another_engine_at_the_same_address_and_rank_replaces_it_not_at_another_
     assert book.replaced_by(("new", 0), 1, b"meta-n", "10.0.0.2:5600", 0) == []
 
 
+def test_a_newer_generation_replaces_every_readable_peer_of_the_key_and_address():
+    """A reload re-admitted the prefill alike (the old peer stays readable for a pull holding it); then it
+    registered again: both peers are unloaded, else that pull would read the older registration's regions.
+    A restarted engine at the same address replaces a retired peer of the old engine too."""
+    old = P("e")
+    book = book_with(old)
+    assert book.replaced_by(("e", 0), 1, b"meta-a", old.address, 0) == []  # alike: reads on
+    book.add(new := P("e"))
+    assert book.replaced_by(("e", 0), 2, b"meta-b", old.address, 0) == [old, new]
+    assert book.replaced_by(("restarted", 0), 1, b"meta-r", old.address, 0) == [old, new]
+
+
 def test_a_re_admitted_peer_shares_the_agent_until_both_are_gone():
     old = P("e")
     book = book_with(old)
