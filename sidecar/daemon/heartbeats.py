@@ -62,7 +62,7 @@ class Heartbeats:
                 self._leases.shim_heartbeat(key, t.remote_request_ids, received)
                 peer = self._peers.admitted(key)
                 if peer is not None:
-                    self._leases.send(peer, t.remote_request_ids)
+                    self._leases.send(key, peer, t.remote_request_ids)
                 elif not self._peers.known(key) and self._caches.current is not None and not self._stopping():
                     target = PeerTarget(t.remote_engine_id, rank, t.remote_host, t.remote_port,
                                         remote_tp=t.remote_tp_size, local_tp=session.tp_size,
@@ -73,7 +73,7 @@ class Heartbeats:
         """A handshake went through: heartbeat what the shim heartbeated before we knew this prefill."""
         pending = self._leases.heartbeated_for(key)
         if pending:
-            self._leases.send(peer, pending)
+            self._leases.send(key, peer, pending)
 
     async def renew_loop(self) -> None:
         """Renew the leases that are due of requests we hold past their handshake (a queued one has no prefill
@@ -83,13 +83,12 @@ class Heartbeats:
             now = time.monotonic()
             held = {j.msg.remote_request_id: j for j in self._jobs.jobs()}
             by_peer: dict[Key, list[str]] = {}
-            for rid in self._leases.due(now):
-                job = held.get(rid)
-                if job is not None and job.peer_entries:
-                    for entry in job.peer_entries:
+            for rid, job in held.items():
+                for entry in job.peer_entries:  # none yet while it queues
+                    if self._leases.due(rid, entry.key, now):
                         by_peer.setdefault(entry.key, []).append(rid)
             for key, ids in by_peer.items():
                 peer = self._peers.admitted(key)
                 if peer is not None:
-                    self._leases.send(peer, ids)
+                    self._leases.send(key, peer, ids)
             self._leases.forget_lapsed(set(held), now)

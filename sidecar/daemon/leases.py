@@ -11,14 +11,15 @@ from typing import Any
 log = logging.getLogger("kv_sidecar.leases")
 
 
+Rank = tuple[str, int]  # a prefill rank: (engine id, rank)
+
+
 @dataclass
 class _Lease:
-    """One request's lease as we can vouch for it."""
+    """One request's lease as we can vouch for it, rank by rank (each prefill rank frees its own blocks)."""
 
     started: float  # the earliest start anyone reported
-    until: float  # vouched for until then
-    last_beat: float  # the last heartbeat that counted (the start before any)
-    beats: list[float] = field(default_factory=list)  # heartbeats that counted, in order
+    beats: dict[Rank, list[float]] = field(default_factory=dict)  # heartbeats that counted, by rank, in order
 
 
 class LeaseTracker:
@@ -29,7 +30,9 @@ class LeaseTracker:
     The prefill's clock started before we first saw the request, so we count from the earliest start the
     shim reported (or our first sighting) minus a ``margin_s`` for the proxy hop and clock skew. A heartbeat
     sent after the lease may have lapsed proves nothing (the blocks may already be reused), so such a request
-    stays lost. Times are monotonic seconds.
+    stays lost. Each prefill rank runs its own lease (a prefill of larger TP than the decoder's has several
+    for one request): a heartbeat renews only the rank it reached, and a request is vouched for as long as
+    every rank read is. Times are monotonic seconds.
     """
 
     def __init__(
@@ -53,45 +56,48 @@ class LeaseTracker:
         Pull does, and the Pull's ``lease_started_at_ns`` may be seconds earlier: the lease is counted from
         that, and the heartbeats sent meanwhile are counted again against it (a late one proves nothing)."""
         lease = self._leases.get(req_id)
-        if lease is not None and lease.started <= started:
-            return
-        until = started + self.lease_s - self.margin_s
-        for t in lease.beats if lease is not None else ():
-            if t < until:
-                until = self._renewed(until, t)
         if lease is None:
-            self._leases[req_id] = _Lease(started, until, last_beat=started)
-        else:
-            lease.started, lease.until = started, until
+            self._leases[req_id] = _Lease(started)
+        elif started < lease.started:
+            lease.started = started
 
-    def heartbeat_sent(self, req_ids: Iterable[str], now: float) -> None:
+    def heartbeat_sent(self, req_ids: Iterable[str], now: float, rank: Rank) -> None:
+        """A heartbeat for ``req_ids`` reached prefill ``rank`` (sent at ``now``)."""
         for req_id in req_ids:
             lease = self._leases.get(req_id)
-            if lease is None or now >= lease.until:
+            if lease is None or now >= self._until(lease, rank):
                 continue  # unknown, or too late to count
-            lease.until = self._renewed(lease.until, now)
-            lease.last_beat = now
-            lease.beats.append(now)
+            lease.beats.setdefault(rank, []).append(now)
 
-    def _renewed(self, until: float, beat: float) -> float:
-        """What a heartbeat sent at ``beat`` (in time) makes of a lease vouched for until ``until``."""
-        return max(until, beat + self.extension_s - self.margin_s)
+    def _until(self, lease: _Lease, rank: Rank) -> float:
+        """Until when ``rank`` holds the blocks for sure: from the start, renewed by each beat in time."""
+        until = lease.started + self.lease_s - self.margin_s
+        for beat in lease.beats.get(rank, ()):
+            if beat < until:
+                until = max(until, beat + self.extension_s - self.margin_s)
+        return until
 
-    def vouched_until(self, req_id: str) -> float:
+    def vouched_until(self, req_id: str, ranks: Iterable[Rank]) -> float:
+        """Until when every one of ``ranks`` holds ``req_id``'s blocks for sure (-inf: unknown request)."""
         lease = self._leases.get(req_id)
-        return float("-inf") if lease is None else lease.until
+        if lease is None:
+            return float("-inf")
+        return min((self._until(lease, rank) for rank in ranks), default=lease.started + self.lease_s
+                   - self.margin_s)
 
-    def check(self, req_id: str, now: float) -> bool:
-        """True while the prefill still holds ``req_id``'s blocks for sure."""
-        return now < self.vouched_until(req_id)
+    def check(self, req_id: str, now: float, ranks: Iterable[Rank]) -> bool:
+        """True while every one of ``ranks`` still holds ``req_id``'s blocks for sure."""
+        return now < self.vouched_until(req_id, ranks)
 
-    def due(self, now: float) -> list[str]:
-        """Requests that need a heartbeat now (still vouched, last one older than the interval)."""
-        return [
-            r
-            for r, lease in self._leases.items()
-            if now - lease.last_beat >= self.heartbeat_interval_s and now < lease.until
-        ]
+    def due(self, req_id: str, rank: Rank, now: float) -> bool:
+        """Whether ``rank`` needs a heartbeat for ``req_id`` now (still vouched, its last one older than the
+        interval); a lost request is not heartbeated."""
+        lease = self._leases.get(req_id)
+        if lease is None:
+            return False
+        beats = lease.beats.get(rank)
+        last = beats[-1] if beats else lease.started
+        return now - last >= self.heartbeat_interval_s and now < self._until(lease, rank)
 
     def forget(self, req_id: str) -> None:
         self._leases.pop(req_id, None)
@@ -131,37 +137,38 @@ class Leases:
     def seen(self, remote_request_id: str, at: float) -> None:
         self.tracker.seen(remote_request_id, at)
 
-    def check(self, remote_request_id: str, now: float) -> bool:
-        return self.tracker.check(remote_request_id, now)
+    def check(self, remote_request_id: str, now: float, ranks: Iterable[Rank]) -> bool:
+        return self.tracker.check(remote_request_id, now, ranks)
 
-    def vouched_until(self, remote_request_id: str) -> float:
-        return self.tracker.vouched_until(remote_request_id)
+    def vouched_until(self, remote_request_id: str, ranks: Iterable[Rank]) -> float:
+        return self.tracker.vouched_until(remote_request_id, ranks)
 
-    def shim_heartbeat(self, key: tuple[str, int], remote_request_ids: list[str], now: float) -> None:
+    def shim_heartbeat(self, key: Rank, remote_request_ids: list[str], now: float) -> None:
         """The shim heartbeated these requests for prefill rank ``key``."""
         for rid in remote_request_ids:
             self.tracker.seen(rid, now)
             self._heartbeated.setdefault(rid, set()).add(key)
 
-    def heartbeated_for(self, key: tuple[str, int]) -> list[str]:
+    def heartbeated_for(self, key: Rank) -> list[str]:
         """Requests the shim heartbeats for ``key`` (sent on once its handshake is through)."""
         return [rid for rid, keys in self._heartbeated.items() if key in keys]
 
-    def send(self, peer: Any, remote_request_ids: list[str]) -> None:
-        """Heartbeat those of ``remote_request_ids`` we can still vouch for (a late one proves nothing). Sent
-        now, or on the poster thread after the post in progress (the loop does not wait for a post)."""
+    def send(self, key: Rank, peer: Any, remote_request_ids: list[str]) -> None:
+        """Heartbeat prefill rank ``key`` (``peer``) for those of ``remote_request_ids`` we can still vouch
+        for there (a late one proves nothing). Sent now, or on the poster thread after the post in progress
+        (the loop does not wait for a post)."""
         now = time.monotonic()
-        live = [rid for rid in remote_request_ids if self.tracker.check(rid, now)]
+        live = [rid for rid in remote_request_ids if self.tracker.check(rid, now, [key])]
         if not live:
             return
         self._sent()
         with self._port.hold(blocking=self._later is None) as held:
             if held:
-                self._counted(self._send_now(peer, live), live)
+                self._counted(self._send_now(peer, live), live, key)
                 return
         assert self._later is not None
         fut = self._later(self._send_now, peer, live)
-        fut.add_done_callback(lambda f: self._counted(None if f.cancelled() else f.result(), live))
+        fut.add_done_callback(lambda f: self._counted(None if f.cancelled() else f.result(), live, key))
 
     def _send_now(self, peer: Any, live: list[str]) -> float | None:
         """Send the heartbeat; when it went out, the time just before (what it can vouch from)."""
@@ -173,14 +180,14 @@ class Leases:
             return None
         return sent_at
 
-    def _counted(self, sent_at: float | None, live: list[str]) -> None:
+    def _counted(self, sent_at: float | None, live: list[str], key: Rank) -> None:
         if sent_at is None:
             return
-        self.tracker.heartbeat_sent(live, sent_at)  # a heartbeat sent after a lease lapsed counts for none
+        self.tracker.heartbeat_sent(live, sent_at, key)  # one sent after a lease lapsed counts for none
         self._metrics.heartbeats_sent.inc()
 
-    def due(self, now: float) -> list[str]:
-        return self.tracker.due(now)
+    def due(self, remote_request_id: str, key: Rank, now: float) -> bool:
+        return self.tracker.due(remote_request_id, key, now)
 
     def forget(self, remote_request_id: str) -> None:
         self.tracker.forget(remote_request_id)
@@ -188,5 +195,6 @@ class Leases:
 
     def forget_lapsed(self, held: set[str], now: float) -> None:
         """Drop shim-heartbeated ids whose lease lapsed and that no job holds."""
-        for rid in [r for r in self._heartbeated if r not in held and not self.tracker.check(r, now)]:
+        lapsed = [r for r, keys in self._heartbeated.items() if not self.tracker.check(r, now, keys)]
+        for rid in [r for r in lapsed if r not in held]:
             self.forget(rid)

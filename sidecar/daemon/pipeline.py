@@ -188,7 +188,7 @@ class Pipeline:
             job.peer_entries.append(entry)
             handshakes.append(handshake)
         job.peer = PeerSet(_admitted(handshakes) or await self._handshakes(handshakes))
-        if not self._leases.check(msg.remote_request_id, time.monotonic()):
+        if not self._leases.check(msg.remote_request_id, time.monotonic(), _ranks(job)):
             raise Failed(
                 f"lease: cannot vouch for {msg.remote_request_id!r} any more (lease {cfg.lease_s:g} s, "
                 "no heartbeat in time); not reading blocks the prefill may have reused"
@@ -208,7 +208,7 @@ class Pipeline:
         await self._reads.wait(job)  # layer groups convert as they land, while later ones still read
         done_at = job.read.done_at or time.monotonic()
         job.timings["read"] = done_at - posted
-        if done_at >= self._leases.vouched_until(msg.remote_request_id):
+        if done_at >= self._leases.vouched_until(msg.remote_request_id, _ranks(job)):
             raise Failed(
                 f"lease: the read of {msg.remote_request_id!r} ended after its lease could have "
                 "lapsed; its bytes cannot be trusted"
@@ -254,7 +254,7 @@ class Pipeline:
         job.enter(Stage.CONVERT)
         await self._mapped.convert(job, source, len(caches.layers))
         rid = job.msg.remote_request_id
-        if time.monotonic() >= self._leases.vouched_until(rid):
+        if time.monotonic() >= self._leases.vouched_until(rid, _ranks(job)):
             raise Failed(
                 f"lease: the conversion of {rid!r} ended after its lease could have lapsed; its bytes "
                 "cannot be trusted"
@@ -481,6 +481,11 @@ def _targets(job: Job, refuse: bool = True) -> list[PeerTarget]:
         )
         for rank in ranks
     ]
+
+
+def _ranks(job: Job) -> list[tuple[str, int]]:
+    """The prefill ranks the job reads, (engine id, rank): each holds its blocks on a lease of its own."""
+    return [entry.key for entry in job.peer_entries]
 
 
 def _admitted(handshakes: list[asyncio.Task]) -> tuple[Any, ...] | None:

@@ -873,7 +873,7 @@ def test_notifications_and_heartbeats_during_a_post_go_out_after_it_without_bloc
             sent0 = h.daemon.metrics.heartbeats_sent._value.get()
             t0 = time.monotonic()
             h.daemon.peers.notify(peer, "r-other")
-            h.daemon.leases.send(peer, ["r-a"])
+            h.daemon.leases.send((peer.engine_id, peer.tp_rank), peer, ["r-a"])
             assert time.monotonic() - t0 < 1.0  # queued behind the post: waiting would never return
             await asyncio.sleep(0.05)
             assert "r-other" not in h.port.notified and h.port.heartbeats == []

@@ -759,17 +759,17 @@ def test_read_held_past_the_lease_survives_with_heartbeats(emu, tx, planes):
     lt = _tracker()
     lt.seen(rid, time.monotonic())
     hold_until = time.monotonic() + 1.5 * LEASE  # e.g. waiting for decoder blocks
+    rank = [peer.key]
     while (now := time.monotonic()) < hold_until:
-        due = lt.due(now)
-        if due:
-            tx.heartbeat(peer, due)
-            lt.heartbeat_sent(due, now)
+        if lt.due(rid, peer.key, now):
+            tx.heartbeat(peer, [rid])
+            lt.heartbeat_sent([rid], now, peer.key)
         time.sleep(0.02)
-    assert lt.check(rid, time.monotonic())
+    assert lt.check(rid, time.monotonic(), rank)
     assert emu.client.status(rid).state == "pending"  # the prefill kept the blocks
     planes.reset()
     pull = tx.wait(tx.pull(peer, planes.dest, "direct", list(range(6)), params.remote_block_ids[0], rid))
-    assert lt.check(rid, pull.done_at)  # vouched for until the read had landed
+    assert lt.check(rid, pull.done_at, rank)  # vouched for until the read had landed
     check_planes(planes.arr, reply, list(range(6)))
     st = emu.client.wait_state(rid, "freed_by_notif", 10)
     assert st.heartbeats >= 5
@@ -784,8 +784,9 @@ def test_without_heartbeats_the_request_is_failed_not_read(emu, tx, planes):
     lt = _tracker()
     lt.seen(rid, time.monotonic())
     deadline = time.monotonic() + 10
+    rank = [peer.key]
     while True:
-        vouched = lt.check(rid, time.monotonic())
+        vouched = lt.check(rid, time.monotonic(), rank)
         state = emu.client.status(rid).state
         if vouched:
             assert state == "pending", "we vouched for a request whose blocks were already reused"
@@ -793,7 +794,7 @@ def test_without_heartbeats_the_request_is_failed_not_read(emu, tx, planes):
             break
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert not lt.check(rid, time.monotonic()) and lt.due(time.monotonic()) == []
+    assert not lt.check(rid, time.monotonic(), rank) and not lt.due(rid, peer.key, time.monotonic())
     # what the service must not do: a late read succeeds at the NIXL level but returns reused pages
     planes.reset()
     tx.wait(tx.pull(peer, planes.dest, "direct", list(range(4)), params.remote_block_ids[0], rid))
