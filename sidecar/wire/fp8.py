@@ -16,12 +16,16 @@ Rules (``reencode_rule``):
 - ``"rescale"``: any other ratio. Output = fnuz(round_nearest_even(v_fn x prefill_scale / decoder_scale)),
   computed in float64, saturated to +-240 (fnuz has no infinity), NaN -> 0x80, -0 -> 0x00. Lossy where a
   value saturates or rounds; ``table_loses_values`` says whether a given ratio can lose anything.
+
+Whether a byte keeps its value is decided in exact rational arithmetic (the scales are arbitrary floats:
+0.1 x 3 / 0.2 is 1.5000000000000002 in float64, yet a 0.2 decoder scale is exactly twice 0.1).
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+from fractions import Fraction
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:  # numpy only where a kernel table is built: the shim imports formats, which imports us
@@ -62,6 +66,10 @@ def decode_e4m3fnuz(byte: int) -> float:
 _FNUZ_VALUES = [decode_e4m3fnuz(b) for b in range(256)]
 # Non-negative fnuz codes 0x00..0x7F in increasing value order (the encoding is monotone per sign).
 _POS = list(_FNUZ_VALUES[:128])
+# Exact values of the finite bytes as (numerator, denominator), for the loss notes (NaN has none: (0, 1)).
+_FN_EXACT = [(0, 1) if math.isnan(v) else v.as_integer_ratio() for v in map(decode_e4m3fn, range(256))]
+_FNUZ_EXACT = [(0, 1) if math.isnan(v) else v.as_integer_ratio() for v in _FNUZ_VALUES]
+_FNUZ_MAX_INT = int(FNUZ_MAX)
 
 
 def encode_e4m3fnuz(value: float) -> tuple[int, bool]:
@@ -97,23 +105,28 @@ def byte_table(prefill_scale: float, decoder_scale: float) -> list[tuple[int, in
     if not (prefill_scale > 0 and decoder_scale > 0 and math.isfinite(prefill_scale * decoder_scale)):
         raise ValueError(f"scales must be positive and finite, got {prefill_scale}, {decoder_scale}")
     rule = reencode_rule(prefill_scale, decoder_scale)
+    # prefill / decoder scale as an exact ratio rn / rd: the notes compare rationals, with no rounding
+    rn, rd = (Fraction(prefill_scale) / Fraction(decoder_scale)).as_integer_ratio()
     rows = []
     for b in range(256):
         v = decode_e4m3fn(b)
         if math.isnan(v):
             rows.append((b, FNUZ_NAN, "nan"))
             continue
-        target = v * prefill_scale / decoder_scale
         if rule == "bits":
             out = 0x00 if b == 0x80 else b
-            saturated = False
         else:
-            out, saturated = encode_e4m3fnuz(target)
-        note = "saturated" if saturated else ""
-        if not note and b == 0x80:
+            out, _ = encode_e4m3fnuz(v * prefill_scale / decoder_scale)
+        # the decoder must read v x prefill / decoder scale = (vn x rn) / (vd x rd); fnuz(out) is un / ud
+        (vn, vd), (un, ud) = _FN_EXACT[b], _FNUZ_EXACT[out]
+        if abs(vn) * rn > _FNUZ_MAX_INT * vd * rd:
+            note = "saturated"
+        elif b == 0x80:
             note = "-0"
-        elif not note and _FNUZ_VALUES[out] != target:
+        elif un * vd * rd != vn * rn * ud:
             note = "rounded"
+        else:
+            note = ""
         rows.append((b, out, note))
     return rows
 

@@ -1,5 +1,7 @@
 """Every in-scope and out-of-scope pairing rule of page-formats.md, as a table."""
 
+import math
+
 import msgspec
 import pytest
 
@@ -104,6 +106,45 @@ def test_fp8_reencode_plans_say_which_rule_and_whether_lossy():
     # k exact by bits, v rescaled: the plan is "rescale" (the tables differ per tensor)
     mixed = negotiate(std(dtype="float8_e4m3fn", k_scale=0.5), local, allow_lossy_fp8=True)
     assert isinstance(mixed, Plan) and mixed.reencode == "rescale"
+
+
+def fn(k: float, v: float) -> PageFormat:
+    return std(dtype="float8_e4m3fn", k_scale=k, v_scale=v)
+
+
+def fnuz(k: float, v: float) -> PageFormat:
+    return shuf(dtype="float8_e4m3fnuz", k_scale=k, v_scale=v)
+
+
+@pytest.mark.parametrize("k,v", [(0.1, 0.1), (0.3, 0.3), (1 / 3, 1 / 3), (0.0123, 0.0123), (0.1, 0.0123),
+                                 (0.017, 3.7), (1e-320, 0.1)])
+def test_fp8_doubled_scales_reencode_exactly_whatever_the_scale(k, v):
+    """Checkpoint kv scales are arbitrary floats: a local scale exactly twice the remote's is the exact bit
+    re-encode, not a lossy one (0.1 x 3 / 0.2 is 1.5000000000000002 in float64, yet nothing rounds)."""
+    for allow in (False, True):
+        plan = negotiate(fn(k, v), fnuz(2 * k, 2 * v), allow_lossy_fp8=allow)
+        assert isinstance(plan, Plan) and (plan.reencode, plan.lossy) == ("bits", False), plan
+
+
+LOCAL_SCALE = {  # a local scale off twice the remote's: each rounds or saturates some value
+    "one-ulp-up": lambda s: math.nextafter(2 * s, math.inf),
+    "one-ulp-down": lambda s: math.nextafter(2 * s, 0),
+    "equal": lambda s: s,
+    "x3": lambda s: 3 * s,
+    "x4": lambda s: 4 * s,
+}
+
+
+@pytest.mark.parametrize("how", LOCAL_SCALE)
+@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
+@pytest.mark.parametrize("scale", [0.1, 1 / 3, 0.5])
+def test_fp8_other_scale_ratios_stay_lossy(scale, name, how):
+    remote = fn(scale, scale)
+    local = msgspec.structs.replace(fnuz(2 * scale, 2 * scale), **{name: LOCAL_SCALE[how](scale)})
+    refused = negotiate(remote, local)
+    assert isinstance(refused, Refusal) and refused.field == f"local.{name}", refused
+    opted = negotiate(remote, local, allow_lossy_fp8=True)
+    assert isinstance(opted, Plan) and (opted.reencode, opted.lossy) == ("rescale", True), opted
 
 
 @pytest.mark.parametrize("kw,word", [

@@ -4,7 +4,9 @@ import ast
 import math
 import os
 import pathlib
+import random
 import zipfile
+from fractions import Fraction
 
 import pytest
 import torch
@@ -14,7 +16,8 @@ from sidecar.wire import fp8
 BYTES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
 REPO = pathlib.Path(__file__).parents[3]
 TABLES = REPO / "bench" / "results" / "fp8-fn-to-fnuz-tables.txt"
-SCALES = [(1.0, 2.0), (0.5, 1.0), (1.0, 1.0), (1.0, 0.5), (1.0, 4.0), (0.3, 0.7), (2.0, 1.0), (1e-3, 1.0)]
+SCALES = [(1.0, 2.0), (0.5, 1.0), (1.0, 1.0), (1.0, 0.5), (1.0, 4.0), (0.3, 0.7), (2.0, 1.0), (1e-3, 1.0),
+          (0.1, 0.2), (1 / 3, 2 / 3), (0.0123, 0.0246)]  # doubled scales that are not powers of two
 
 
 def _torch_values(dtype) -> list[float]:
@@ -43,14 +46,14 @@ def test_every_byte_against_torch_cast(ps, ds):
         clamped = max(-fp8.FNUZ_MAX, min(fp8.FNUZ_MAX, target))
         want = torch.tensor([clamped], dtype=torch.float64).to(torch.float8_e4m3fnuz).view(torch.uint8).item()
         assert out == want, (hex(b), target)
-        got = fp8.decode_e4m3fnuz(out) * ds
+        exact = Fraction(v) * Fraction(ps) / Fraction(ds)  # the notes are exact, not float64's
         assert note == (
             "saturated"
-            if abs(target) > fp8.FNUZ_MAX
+            if abs(exact) > fp8.FNUZ_MAX
             else "-0"
             if b == 0x80
             else "rounded"
-            if got != v * ps
+            if Fraction(fp8.decode_e4m3fnuz(out)) != exact
             else ""
         ), (hex(b), note)
 
@@ -63,6 +66,20 @@ def test_bits_rule_is_exact_and_rescale_with_equal_scales_saturates_only_beyond_
     assert len(saturated) == 14 and all(abs(fp8.decode_e4m3fn(b)) > 240 for b in saturated)
     assert not any(note == "rounded" for _, _, note in rows)  # fnuz covers every fn value up to 240
     assert fp8.table_loses_values(1.0, 1.0)
+
+
+def test_bits_rule_is_exact_for_any_scale_and_its_neighbours_are_not():
+    """A decoder scale exactly twice the prefill's loses nothing whatever the scale (real kv scales are
+    arbitrary floats: 0.1 x 3 / 0.2 is not 1.5 in float64); one ulp off either way rounds."""
+    rng = random.Random(20261207)
+    scales = [0.1, 0.3, 1 / 3, 0.0123, 0.7, 1e-30, 1e30, 5e-324, 1e-320]
+    scales += [2.0 ** rng.uniform(-60, 60) for _ in range(200)]
+    want = fp8.byte_table(1.0, 2.0)
+    for ps in scales:
+        assert fp8.byte_table(ps, 2 * ps) == want, ps
+        assert not fp8.table_loses_values(ps, 2 * ps), ps
+        for ds in (math.nextafter(2 * ps, math.inf), math.nextafter(2 * ps, 0)):
+            assert fp8.reencode_rule(ps, ds) == "rescale" and fp8.table_loses_values(ps, ds), (ps, ds)
 
 
 def test_kernel_table_flags():
