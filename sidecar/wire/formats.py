@@ -9,7 +9,7 @@ from typing import Literal
 
 import msgspec
 
-from sidecar.wire.fp8 import reencode_rule, table_loses_values
+from sidecar.wire.fp8 import reencode_rule, scale_problem, table_loses_values
 
 STANDARD = "standard"
 # Kinds whose LBHNC page holds each head's tokens as one byte range, so a TP slice of heads is one range:
@@ -185,6 +185,13 @@ def negotiate(
         )
     if not reencode:
         return Plan(remote=remote, local=local, convert=True)
+    for name in ("k_scale", "v_scale"):
+        r, l_ = getattr(remote, name), getattr(local, name)
+        problem = scale_problem(r, l_)
+        if problem is not None:
+            side, why = problem
+            return Refusal(f"{'remote' if side == 'prefill' else 'local'}.{name}",
+                           f"e4m3fn -> e4m3fnuz with remote {name} {r!r} and local {l_!r}: {why}")
     rules = {reencode_rule(remote.k_scale, local.k_scale), reencode_rule(remote.v_scale, local.v_scale)}
     k_lossy = table_loses_values(remote.k_scale, local.k_scale)
     lossy = k_lossy or table_loses_values(remote.v_scale, local.v_scale)

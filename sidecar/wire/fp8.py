@@ -19,12 +19,18 @@ Rules (``reencode_rule``):
 
 Whether a byte keeps its value is decided in exact rational arithmetic (the scales are arbitrary floats:
 0.1 x 3 / 0.2 is 1.5000000000000002 in float64, yet a 0.2 decoder scale is exactly twice 0.1).
+
+Scales (``scale_problem``): the bits rule takes any positive finite pair. The rescale rule's float64 target
+is the exact value rounded only while v_fn x prefill_scale is a normal float64 for every finite fn value
+(2^-9 to 448 in magnitude): a prefill scale from 2^-1013 (1.1e-305) to about 4.0e305. Past that it would
+overflow to infinity or lose digits, and bytes would be wrong rather than rounded, so it is refused.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+import sys
 from fractions import Fraction
 from typing import TYPE_CHECKING, Literal
 
@@ -33,12 +39,15 @@ if TYPE_CHECKING:  # numpy only where a kernel table is built: the shim imports 
 
 FN = "float8_e4m3fn"
 FNUZ = "float8_e4m3fnuz"
+FN_MAX = 448.0
+FN_MIN = 2.0**-9  # the smallest positive e4m3fn value (a subnormal)
 FNUZ_MAX = 240.0
 FNUZ_NAN = 0x80
 FLAG_SATURATED = 1 << 8  # bits above the output byte in a kernel table entry
 FLAG_NAN = 1 << 9
 
 Rule = Literal["bits", "rescale"]
+Side = Literal["prefill", "decoder"]
 
 
 def decode_e4m3fn(byte: int) -> float:
@@ -99,11 +108,47 @@ def reencode_rule(prefill_scale: float, decoder_scale: float) -> Rule:
     return "bits" if decoder_scale == 2.0 * prefill_scale else "rescale"
 
 
+RESCALE_PREFILL_MIN = sys.float_info.min / FN_MIN  # 2^-1013 exactly: FN_MIN x it is the least normal float64
+
+
+def _rescale_computes(prefill_scale: float) -> bool:
+    """Whether v x prefill_scale is a normal float64 for every finite e4m3fn value v."""
+    return prefill_scale >= RESCALE_PREFILL_MIN and math.isfinite(FN_MAX * prefill_scale)
+
+
+RESCALE_PREFILL_MAX = sys.float_info.max / FN_MAX
+while not _rescale_computes(RESCALE_PREFILL_MAX):  # the quotient rounded up; one ulp down is the largest
+    RESCALE_PREFILL_MAX = math.nextafter(RESCALE_PREFILL_MAX, 0.0)
+
+
+def scale_problem(prefill_scale: float, decoder_scale: float) -> tuple[Side, str] | None:
+    """None when ``byte_table`` takes this tensor's scales; else which scale it cannot take, and why."""
+    for side, scale in (("prefill", prefill_scale), ("decoder", decoder_scale)):
+        try:
+            ok = 0.0 < float(scale) < math.inf
+        except (TypeError, ValueError, OverflowError):  # an int past float64 is not a scale we can use
+            ok = False
+        if not ok:
+            return side, f"the {side} scale {scale!r} must be a positive finite float64"
+    if reencode_rule(float(prefill_scale), float(decoder_scale)) == "rescale" and not _rescale_computes(
+        float(prefill_scale)
+    ):
+        return "prefill", (
+            f"a rescaled byte is v x prefill scale / decoder scale in float64, which is the exact value "
+            f"rounded only for a prefill scale from {RESCALE_PREFILL_MIN:.3g} to {RESCALE_PREFILL_MAX:.3g} "
+            "(past that it overflows or loses digits); any scale is re-encoded exactly when the decoder "
+            "scale is exactly twice it"
+        )
+    return None
+
+
 def byte_table(prefill_scale: float, decoder_scale: float) -> list[tuple[int, int, str]]:
     """Every e4m3fn input byte's (input, output, note) for one tensor's scales; note is "", "saturated",
-    "nan", "rounded" (value changed by rounding) or "-0"."""
-    if not (prefill_scale > 0 and decoder_scale > 0 and math.isfinite(prefill_scale * decoder_scale)):
-        raise ValueError(f"scales must be positive and finite, got {prefill_scale}, {decoder_scale}")
+    "nan", "rounded" (value changed by rounding) or "-0". ValueError for scales ``scale_problem`` refuses."""
+    problem = scale_problem(prefill_scale, decoder_scale)
+    if problem is not None:
+        raise ValueError(problem[1])
+    prefill_scale, decoder_scale = float(prefill_scale), float(decoder_scale)
     rule = reencode_rule(prefill_scale, decoder_scale)
     # prefill / decoder scale as an exact ratio rn / rd: the notes compare rationals, with no rounding
     rn, rd = (Fraction(prefill_scale) / Fraction(decoder_scale)).as_integer_ratio()

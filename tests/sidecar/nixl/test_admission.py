@@ -1,11 +1,18 @@
-"""Admission (pure): the declared remote format by address, a published tag, the model identity rule."""
+"""Admission (pure): the declared remote format by address, a published tag, fp8 scales, model identity."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import msgspec
 import pytest
 
-from sidecar.nixl.admission import RemoteFormatRule, check_model_identity, resolve_remote_format
+from sidecar.nixl.admission import (
+    RemoteFormatRule,
+    admit_remote,
+    check_model_identity,
+    resolve_remote_format,
+)
 from sidecar.nixl.errors import RemoteRefused
 from sidecar.wire import prefill as wire
 from sidecar.wire.formats import AITER_SHUFFLED, STANDARD, PageFormat
@@ -47,6 +54,25 @@ def test_a_published_tag_wins_and_is_checked():
         resolve_remote_format("h:1", (), {**tag, "dtype": "complex"})
     assert e.value.field == "remote page format"
 
+
+@pytest.mark.parametrize("remote_k,local_k,allow,field", [
+    (1e200, 1e200, False, "local.k_scale"),  # ratio 1 saturates (the parent raised: 1e200 x 1e200 = inf)
+    (1e306, 4e306, True, "remote.k_scale"),  # 448 x 1e306 is past float64: no byte can be computed
+])
+def test_fp8_scales_of_any_size_are_refused_by_field(remote_k, local_k, allow, field):
+    """A declared fp8 scale negotiate cannot use is a RemoteRefused naming it (the prefill is then told),
+    never another exception."""
+    geometry = dict(num_heads=2, block_size=16, head_size=64)
+    remote = PageFormat(kind=STANDARD, layout="LBHNC", dtype="float8_e4m3fn", k_scale=remote_k, **geometry)
+    local = PageFormat(
+        kind=AITER_SHUFFLED, layout="LHBNC", dtype="float8_e4m3fnuz", k_scale=local_k, v_scale=2.0, **geometry
+    )
+    settings = SimpleNamespace(remote_formats=(RemoteFormatRule("*:*", remote),), conversion_enabled=True,
+                               allow_lossy_fp8=allow, remote_mem_type="VRAM")
+    with pytest.raises(RemoteRefused) as e:
+        admit_remote(SimpleNamespace(engine_id="e", page_format=None), address="h:1", local_format=local,
+                     layers=2, settings=settings, check_identity=False)
+    assert e.value.field == field
 
 
 FACTORS = {

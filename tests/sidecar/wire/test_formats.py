@@ -5,6 +5,7 @@ import math
 import msgspec
 import pytest
 
+from sidecar.wire import fp8
 from sidecar.wire.formats import AITER_SHUFFLED, STANDARD, PageFormat, Plan, Refusal, negotiate
 
 
@@ -145,6 +146,46 @@ def test_fp8_other_scale_ratios_stay_lossy(scale, name, how):
     assert isinstance(refused, Refusal) and refused.field == f"local.{name}", refused
     opted = negotiate(remote, local, allow_lossy_fp8=True)
     assert isinstance(opted, Plan) and (opted.reencode, opted.lossy) == ("rescale", True), opted
+
+
+def test_fp8_huge_scales_are_refused_by_field_never_raised():
+    """Scales pass PageFormat validation at any positive finite size; negotiate answers a Refusal (or a
+    Plan), never an exception: the admission turns only a Refusal into a refusal the prefill is told of."""
+    # 1e200 x 1e200 overflows float64, yet the ratio is 1: the usual lossy refusal, a lossy plan opted in
+    out = negotiate(fn(1e200, 1.0), fnuz(1e200, 2.0))
+    assert isinstance(out, Refusal) and out.field == "local.k_scale", out
+    out = negotiate(fn(1e200, 1e200), fnuz(1e200, 1e200), allow_lossy_fp8=True)
+    assert isinstance(out, Plan) and (out.reencode, out.lossy) == ("rescale", True), out
+    out = negotiate(fn(1.0, 1e300), fnuz(2.0, 2e300))
+    assert isinstance(out, Plan) and (out.reencode, out.lossy) == ("bits", False), out
+    # 448 x 1e306 is past float64: a rescaled byte cannot be computed, even opted in; names the remote scale
+    for allow in (False, True):
+        out = negotiate(fn(1e306, 1.0), fnuz(4e306, 2.0), allow_lossy_fp8=allow)
+        assert isinstance(out, Refusal) and out.field == "remote.k_scale" and "1e+306" in out.reason, out
+        out = negotiate(fn(1.0, 1e-310), fnuz(2.0, 1e-310), allow_lossy_fp8=allow)
+        assert isinstance(out, Refusal) and out.field == "remote.v_scale", out
+    out = negotiate(fn(1.0, 10**400), fnuz(2.0, 2.0), allow_lossy_fp8=True)  # an int PageFormat lets by
+    assert isinstance(out, Refusal) and out.field == "remote.v_scale", out
+    out = negotiate(fn(1.0, 1.0), fnuz(10**400, 2.0), allow_lossy_fp8=True)
+    assert isinstance(out, Refusal) and out.field == "local.k_scale", out
+
+
+EXTREME_SCALES = [5e-324, 1e-310, 2.0**-1013, 1e-300, 1e-30, 0.1, 1.0, 3.0, 1e30, 1e200, 4e305, 1e306,
+                  1.7976931348623157e308]
+
+
+@pytest.mark.parametrize("k", EXTREME_SCALES)
+def test_fp8_any_valid_scales_negotiate_to_a_plan_whose_tables_build_or_a_scale_refusal(k):
+    fields = {f"{side}.{name}" for side in ("remote", "local") for name in ("k_scale", "v_scale")}
+    for lk in [*EXTREME_SCALES, *[2 * k] * math.isfinite(2 * k)]:
+        for v, lv in ((1.0, 2.0), (k, lk), (lk, k)):
+            for allow in (False, True):
+                out = negotiate(fn(k, v), fnuz(lk, lv), allow_lossy_fp8=allow)
+                if isinstance(out, Refusal):
+                    assert out.field in fields, out
+                    continue
+                assert isinstance(out, Plan) and (allow or not out.lossy), out
+                assert fp8.pair_table(k, lk, v, lv).shape == (2, 256)  # what the daemon builds next
 
 
 @pytest.mark.parametrize("kw,word", [

@@ -79,7 +79,29 @@ def test_bits_rule_is_exact_for_any_scale_and_its_neighbours_are_not():
         assert fp8.byte_table(ps, 2 * ps) == want, ps
         assert not fp8.table_loses_values(ps, 2 * ps), ps
         for ds in (math.nextafter(2 * ps, math.inf), math.nextafter(2 * ps, 0)):
-            assert fp8.reencode_rule(ps, ds) == "rescale" and fp8.table_loses_values(ps, ds), (ps, ds)
+            assert fp8.reencode_rule(ps, ds) == "rescale", (ps, ds)
+            # a rescale of a subnormal prefill scale is refused (see the next test); every other loses
+            assert fp8.scale_problem(ps, ds) if ps < 1e-305 else fp8.table_loses_values(ps, ds), (ps, ds)
+
+
+def test_scales_past_float64_are_refused_only_where_a_byte_could_be_wrong():
+    """The bits rule takes any scales; the rescale rule's float64 target is right only while v x prefill
+    scale is a normal float64, so its prefill scale has bounds, and byte_table names them, never overflows."""
+    lo, hi = fp8.RESCALE_PREFILL_MIN, fp8.RESCALE_PREFILL_MAX
+    assert lo == 2.0**-1013 and math.isfinite(448 * hi)
+    assert not math.isfinite(448 * math.nextafter(hi, math.inf))
+    for ps in (lo, hi, 1e200, 1e-300):
+        assert fp8.scale_problem(ps, ps) is None and fp8.scale_problem(ps, 3 * ps) is None
+        assert [o for _, o, _ in fp8.byte_table(ps, ps)] == [o for _, o, _ in fp8.byte_table(1.0, 1.0)]
+        assert [o for _, o, _ in fp8.byte_table(ps, 3 * ps)] == [o for _, o, _ in fp8.byte_table(1.0, 3.0)]
+    for ps in (math.nextafter(lo, 0), 5e-324, math.nextafter(hi, math.inf), 1e306, 1.7976931348623157e308):
+        assert fp8.scale_problem(ps, 2 * ps) is None or not math.isfinite(2 * ps)
+        side, why = fp8.scale_problem(ps, ps)
+        assert side == "prefill" and "float64" in why
+        with pytest.raises(ValueError, match="prefill scale"):
+            fp8.byte_table(ps, ps)
+    assert fp8.byte_table(1e300, 2e300) == fp8.byte_table(1.0, 2.0)  # bits: no float64 target
+    assert fp8.scale_problem(1.0, 10**400)[0] == "decoder" and fp8.scale_problem(10**400, 1.0)[0] == "prefill"
 
 
 def test_kernel_table_flags():
