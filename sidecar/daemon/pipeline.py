@@ -96,7 +96,7 @@ class Pipeline:
         if msg.req_id in self._aborted_unseen:
             del self._aborted_unseen[msg.req_id]
             reason = "aborted: the shim's Abort of this request arrived before its Pull; nothing read"
-            self._answer_now(envelope, msg, Outcome.ABORTED, reason)
+            self._not_taken(envelope, session, msg, Outcome.ABORTED, reason)
             return
         if msg.req_id in self._jobs:
             self._metrics.invalid_messages.inc()
@@ -108,7 +108,7 @@ class Pipeline:
             return
         full = self._jobs.full()
         if full is not None:
-            self._answer_now(envelope, msg, Outcome.REFUSED, full)
+            self._not_taken(envelope, session, msg, Outcome.REFUSED, full)
             return
         cfg = self._config()
         timeout = self._jobs.timeout_for(msg, cfg.default_timeout_s, cfg.max_timeout_s)
@@ -116,8 +116,9 @@ class Pipeline:
         if deadline <= received:
             # the shim has given up on it, or is about to, and may have handed its blocks back to vLLM
             late = received - msg.sent_at_ns / 1e9
-            self._answer_now(
+            self._not_taken(
                 envelope,
+                session,
                 msg,
                 Outcome.EXPIRED,
                 f"deadline: {timeout:g} s had passed when the Pull arrived ({late:.1f} s after the shim sent "
@@ -162,6 +163,19 @@ class Pipeline:
             return
         job.abort_envelope = envelope  # answered with Aborted (not Done) once the job is quiet
         self._jobs.cancel(job, Ending(Outcome.ABORTED, "aborted by the shim"))
+
+    def _not_taken(
+        self, envelope: list[bytes], session: Session, msg: p.Pull, outcome: Outcome, reason: str
+    ) -> None:
+        """Answer a Pull of the caches' owner that will not be read (overloaded, expired, aborted first), and
+        tell its prefill ranks to free the blocks now rather than hold them for the rest of their lease: the
+        shim sends no notification of its own for a load that failed."""
+        self._answer_now(envelope, msg, outcome, reason)
+        caches = self._caches.current
+        if caches is None:
+            return
+        for target in _read_targets(msg, session, refuse=False):
+            self._peers.notify_unread(target, caches, msg.remote_request_id)
 
     def _answer_now(self, envelope: list[bytes], msg: p.Pull, outcome: Outcome, reason: str) -> None:
         self._metrics.answered(outcome.value)
@@ -462,7 +476,11 @@ class Pipeline:
 def _targets(job: Job, refuse: bool = True) -> list[PeerTarget]:
     """The prefill ranks the job reads (vLLM's TP mapping); unless ``refuse`` is False, a TP ratio that does
     not divide raises Refused naming remote_tp_size (then nothing is read, and no rank is named)."""
-    msg, session = job.msg, job.session
+    return _read_targets(job.msg, job.session, refuse)
+
+
+def _read_targets(msg: p.Pull, session: Session, refuse: bool) -> list[PeerTarget]:
+    """``_targets`` of a Pull from ``session``."""
     ranks = read_ranks(local_tp=session.tp_size, local_rank=session.rank, remote_tp=msg.remote_tp_size)
     if not isinstance(ranks, tuple):
         if refuse:

@@ -1062,6 +1062,27 @@ def test_a_pull_overtaken_by_its_own_abort_reads_nothing():
             h.pull("y")
             assert (await h.reply(p.Done, "y")).ok
             assert len(h.port.reads) == 1 and h.answers("x")[-1] == done  # "x" was never read
+            await h.until_notified("r-x")  # its prefill frees the blocks now, not at its lease's end
+
+    run(main())
+
+
+def test_an_overloaded_pull_is_refused_and_its_prefill_told():
+    """A Pull refused on arrival is never read: its prefill is told to free the blocks at once (the shim
+    sends nothing of its own for a failed load), where before it held them for the rest of its lease."""
+
+    async def main():
+        async with started(max_inflight=1, max_queued=0) as h:
+            h.port.auto_land = False
+            h.pull("a")
+            h.pull("b")
+            done = await h.reply(p.Done, "b")
+            assert not done.ok and done.reason.startswith("overloaded"), done
+            await h.until_notified("r-b")
+            assert "r-a" not in h.port.notified  # the one in flight is told once it ends
+            await h.until_stage("a", "transfer")
+            h.port.land(h.port.reads[0])
+            assert (await h.reply(p.Done, "a")).ok
 
     run(main())
 
