@@ -7,7 +7,7 @@
 #   steps: tests launchtests graphtests daemontests launch graphlaunch sweep convertgraph contiguous defaults
 #          graphsab groupsab gilab headcheck ab orders groups poll interference profile daemonprofile map
 #          mapped lingerab convertlead convertsweep pieces loopbench
-#          coldab alltests hops queuepieces fireparts gatestests gatesab directgatesab
+#          coldab alltests peertests hops queuepieces fireparts gatestests gatesab directgatesab
 #          gateprobe percallpieces hazardtests convertfired connab loadingab
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
@@ -54,6 +54,10 @@ for step in "$@"; do
     alltests) TAIL=12 run alltests 570 python3 -m pytest -m gpu -p no:cacheprovider -q -rfE --durations=8 \
       tests/sidecar tests/gpu ;;
     # where a lone pull's round trip goes (delivery, the daemon, return, the rest), staged and mapped
+    # the daemon's and NIXL's GPU tests and every real-process one, not the converter kernels' own (about half
+    # of alltests' time): for changes to the daemon, the peers or the mapped path
+    peertests) TAIL=20 run peertests 420 python3 -m pytest -m gpu -p no:cacheprovider -q -rfE --durations=8 \
+      tests/gpu/test_gpu_mapped.py tests/sidecar/nixl tests/sidecar/daemon tests/gpu ;;
     hops) TAIL=8 run hops 100 "${ONE_GPU[@]}" --contexts 4096,16384 --concurrency 1,8 --reps 10 \
       --pairs staged/contiguous,mapped/contiguous --budget-s 85 --out "$OUT/e2e-$GPU_TAG-hops.json" ;;
     tests) run tests 360 python3 -m pytest -m gpu -p no:cacheprovider -q tests/sidecar/convert \
