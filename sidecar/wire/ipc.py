@@ -25,7 +25,7 @@ import os
 import uuid
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 
@@ -37,6 +37,18 @@ BufferKind = Literal["cuda", "hip", "shm"]
 SHM_DIR = "/dev/shm"
 # torch's refcounted map allocator keeps an int64 refcount at the start of a filename-shared storage.
 TORCH_SHM_HEADER_BYTES = 64
+
+# torch's CUDA IPC ref-counter files hold CUDA_IPC_REF_COUNTER_FILE_SIZE int64 slots
+# (10000 in torch/csrc/CudaIPCTypes.h, torch 2.13). ``ref_counter_offset`` is a slot index, and the
+# importer's deleter decrements ``*((int64_t*)map + offset)`` unchecked: past the file, a write in the daemon.
+TORCH_IPC_REF_COUNTER_SLOTS = 10000
+# sizeof(cudaIpcEventHandle_t), hipIpcEventHandle_t's too: torch reads that many bytes of event_handle.
+IPC_EVENT_HANDLE_BYTES = 64
+# Device pointers are int64 (ptrdiff_t) in torch: storage offset + size must stay below this.
+_PTR_LIMIT = 2**63
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+ByteCount = Annotated[int, msgspec.Meta(ge=0, le=_PTR_LIMIT - 1)]
 
 # torch dtype name (without "torch.") -> bytes per element. Layer views may use any of these.
 VIEW_DTYPE_BYTES: dict[str, int] = {
@@ -63,22 +75,39 @@ class IpcError(ValueError):
 class CudaIpcHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The fields of ``storage._share_cuda_()``, in its order, plus the device's UUID for a cross-check."""
 
-    device: int
+    device: NonNegInt
     handle: bytes
-    storage_size_bytes: int
-    storage_offset_bytes: int
+    storage_size_bytes: ByteCount
+    storage_offset_bytes: ByteCount  # where the storage starts in the exporter's allocation
     ref_counter_handle: bytes
-    ref_counter_offset: int
+    ref_counter_offset: Annotated[int, msgspec.Meta(ge=0, lt=TORCH_IPC_REF_COUNTER_SLOTS)]
     event_handle: bytes = b""
     event_sync_required: bool = False
     device_uuid: str = ""
+
+    def __post_init__(self) -> None:
+        # The Meta bounds hold for decoded handles only; these hold for constructed ones too.
+        if not 0 <= self.ref_counter_offset < TORCH_IPC_REF_COUNTER_SLOTS:
+            raise ValueError(f"ref_counter_offset must be a slot in 0..{TORCH_IPC_REF_COUNTER_SLOTS - 1} of "
+                             f"torch's ref-counter file, got {self.ref_counter_offset}")
+        for name in ("storage_offset_bytes", "storage_size_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.storage_offset_bytes + self.storage_size_bytes >= _PTR_LIMIT:
+            raise ValueError(f"storage_offset_bytes {self.storage_offset_bytes} + storage_size_bytes "
+                             f"{self.storage_size_bytes} is past a device pointer's range (2**63)")
+        if len(self.event_handle) not in (0, IPC_EVENT_HANDLE_BYTES):
+            raise ValueError(f"event_handle must be empty or {IPC_EVENT_HANDLE_BYTES} bytes, "
+                             f"got {len(self.event_handle)}")
+        if self.event_sync_required and not self.event_handle:
+            raise ValueError("event_handle must be given when event_sync_required is set")
 
 
 class ShmFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A /dev/shm file holding the buffer at ``data_offset`` (64 for torch's filename sharing, else 0)."""
 
     path: str
-    data_offset: int = 0
+    data_offset: ByteCount = 0
     owner_pid: int = 0
 
 
@@ -86,7 +115,7 @@ class IpcBuffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One exported allocation. ``nbytes`` is the usable size; ``device`` is ``"cpu"`` or ``"cuda:N"``."""
 
     kind: BufferKind
-    nbytes: int
+    nbytes: ByteCount
     device: str
     cuda: CudaIpcHandle | None = None
     shm: ShmFile | None = None

@@ -13,7 +13,9 @@ import zmq
 
 from sidecar.cli import spawn_serve
 from sidecar.daemon.completions import completion_path
+from sidecar.wire import ipc
 from sidecar.wire import protocol as p
+from sidecar.wire.formats import PageFormat
 
 
 class Client:
@@ -166,6 +168,37 @@ def test_a_malformed_pull_on_the_completion_socket_gets_an_error_naming_it(clien
     done = c.recv_fast()
     assert isinstance(done, p.Done) and done.req_id == "good-1"
     assert "delivery" not in done.timings  # no send time given, none claimed
+
+
+def _register_cuda(**handle) -> bytes:
+    """A RegisterCaches frame of one CUDA IPC buffer whose handle carries ``handle``'s fields."""
+    cuda = {"device": 0, "handle": b"h" * 66, "storage_size_bytes": 8192, "storage_offset_bytes": 0,
+            "ref_counter_handle": b"/torch_1_2_3", "ref_counter_offset": 0, **handle}
+    fmt = PageFormat(kind="standard", layout="LBHNC", dtype="bfloat16", num_heads=1, block_size=16,
+                     head_size=128)
+    layer = ipc.LayerView(name="l0", buffer_index=0, offset_bytes=0, shape=[2, 1, 16, 256],
+                          strides=[4096, 4096, 256, 1], dtype="bfloat16")
+    return msgspec.msgpack.encode({"type": "RegisterCaches", "page_format": msgspec.to_builtins(fmt),
+                                   "buffers": [{"kind": "cuda", "nbytes": 8192, "device": "cuda:0",
+                                                "cuda": cuda}],
+                                   "layers": [msgspec.to_builtins(layer)]})
+
+
+@pytest.mark.parametrize(("handle", "field"), [
+    ({"ref_counter_offset": 2**40}, "ref_counter_offset"),  # torch's deleter would write at that slot
+    ({"storage_offset_bytes": -4096}, "storage_offset_bytes"),
+])
+def test_a_cuda_handle_out_of_bounds_is_refused_naming_the_field_and_the_daemon_serves_on(
+        client, handle, field):
+    c = client(b"shim-cuda-handle")
+    c.hello()
+    c.dealer.send(_register_cuda(**handle))
+    err = c.recv_zmq()
+    assert isinstance(err, p.Error) and err.in_reply_to == "RegisterCaches", err
+    assert f"$.buffers[0].cuda.{field}" in err.reason, err.reason
+    c.dealer.send(p.encode(p.Ping(nonce=11)))
+    pong = c.recv_zmq()
+    assert isinstance(pong, p.Pong) and pong.nonce == 11
 
 
 def test_a_pull_before_binding_is_refused_as_a_bind(daemon, client):

@@ -2,6 +2,7 @@
 
 import gc
 import os
+import re
 import subprocess
 import sys
 
@@ -200,6 +201,44 @@ def test_descriptions_validate_their_fields():
     with pytest.raises(ValueError, match="storage_size_bytes 8 < nbytes 16"):
         ipc.IpcBuffer(kind="cuda", nbytes=16, device="cuda:1", cuda=handle)
     assert _layer().extent_bytes == 64 and _layer(shape=[0, 8]).extent_bytes == 0
+
+
+def _cuda_buffer(**handle):
+    fields = dict(device=0, handle=b"h" * 66, storage_size_bytes=4096, storage_offset_bytes=0,
+                  ref_counter_handle=b"/torch_1_2_3", ref_counter_offset=7)
+    fields.update(handle)
+    return {"kind": "cuda", "nbytes": 4096, "device": "cuda:0", "cuda": fields}
+
+
+@pytest.mark.parametrize(("handle", "needle"), [
+    # torch's deleter decrements the int64 at slot ref_counter_offset of a 10000-slot file, unchecked
+    ({"ref_counter_offset": 2**40}, "<= 9999 - at `$.cuda.ref_counter_offset`"),
+    ({"ref_counter_offset": 10_000}, "at `$.cuda.ref_counter_offset`"),
+    ({"ref_counter_offset": -8}, ">= 0 - at `$.cuda.ref_counter_offset`"),
+    ({"storage_offset_bytes": -4096}, ">= 0 - at `$.cuda.storage_offset_bytes`"),  # before the allocation
+    ({"storage_size_bytes": -1}, ">= 0 - at `$.cuda.storage_size_bytes`"),
+    ({"storage_offset_bytes": 2**63 - 1}, "past a device pointer's range"),
+    ({"device": -1}, ">= 0 - at `$.cuda.device`"),
+    ({"event_handle": b"short"}, "event_handle must be empty or 64 bytes, got 5"),  # torch reads 64
+    ({"event_sync_required": True}, "event_handle must be given when event_sync_required"),
+])
+def test_cuda_handle_fields_out_of_torchs_bounds_are_refused_naming_them(handle, needle):
+    data = msgspec.msgpack.encode(_cuda_buffer(**handle))
+    with pytest.raises(msgspec.ValidationError, match=re.escape(needle)):
+        msgspec.msgpack.decode(data, type=ipc.IpcBuffer)
+
+
+def test_cuda_handle_bounds_hold_for_a_constructed_handle_too():
+    fields = _cuda_buffer()["cuda"]
+    for name, value in (("ref_counter_offset", 10_000), ("ref_counter_offset", -1),
+                        ("storage_offset_bytes", -64), ("storage_size_bytes", -1)):
+        with pytest.raises(ValueError, match=name):
+            ipc.CudaIpcHandle(**{**fields, name: value})
+    good = msgspec.msgpack.decode(msgspec.msgpack.encode(_cuda_buffer(ref_counter_offset=9999,
+                                                                      event_handle=b"e" * 64,
+                                                                      event_sync_required=True)),
+                                  type=ipc.IpcBuffer)
+    assert good.cuda.ref_counter_offset == 9999
 
 
 def test_cuda_buffer_on_a_host_without_gpu_is_refused():

@@ -13,6 +13,10 @@ from sidecar.wire.ipc import IpcBuffer, LayerView, ShmFile
 FMT = PageFormat(kind="aiter_shuffled", layout="LHBNC", dtype="bfloat16", num_heads=2, block_size=16,
                  head_size=128)
 BUF = IpcBuffer(kind="shm", nbytes=4096, device="cpu", shm=ShmFile(path="/dev/shm/x", data_offset=64))
+CUDA = {"device": 0, "handle": b"h" * 66, "storage_size_bytes": 4096, "storage_offset_bytes": 0,
+        "ref_counter_handle": b"/torch_1_2_3", "ref_counter_offset": 0}
+CUDA_BUF = {"kind": "cuda", "nbytes": 4096, "device": "cuda:0",
+            "cuda": CUDA}
 LAYER = LayerView(name="model.layers.0.attn", buffer_index=0, offset_bytes=0, shape=[2, 4, 16, 256],
                   strides=[16384, 4096, 256, 1], dtype="bfloat16")
 
@@ -136,6 +140,12 @@ def pull_dict(**kw):
     (enc({"type": "RegisterCaches", "buffers": [msgspec.to_builtins(BUF) | {"device": "cuda:0"}],
           "layers": [msgspec.to_builtins(LAYER)], "page_format": msgspec.to_builtins(FMT)}),
      "kind 'shm' lives on device 'cpu'"),
+    (enc({"type": "RegisterCaches", "buffers": [CUDA_BUF | {"cuda": CUDA | {"ref_counter_offset": 2**33}}],
+          "layers": [msgspec.to_builtins(LAYER)], "page_format": msgspec.to_builtins(FMT)}),
+     "<= 9999 - at `$.buffers[0].cuda.ref_counter_offset`"),
+    (enc({"type": "RegisterCaches", "buffers": [CUDA_BUF | {"cuda": CUDA | {"storage_offset_bytes": -1}}],
+          "layers": [msgspec.to_builtins(LAYER)], "page_format": msgspec.to_builtins(FMT)}),
+     ">= 0 - at `$.buffers[0].cuda.storage_offset_bytes`"),
     # nested arrays: msgspec raises RecursionError, which once escaped the decoder and ended the receive loop
     (b"\x91" * 3000 + b"\x01", "Expected `object`, got `array`"),
     (enc({"type": "RegisterCaches", "buffers": [msgspec.to_builtins(BUF)],
