@@ -94,6 +94,34 @@ def _port(name: str, value: int) -> None:
         raise ValueError(f"{name} must be in 1..65535, got {value}")
 
 
+# compat_factors nest no deeper than this: vLLM's are flat but for a config dict or two, and json.dumps meets
+# Python's recursion limit long before msgspec's own nesting limit.
+MAX_FACTOR_DEPTH = 32
+
+
+def _json_value(path: str, value: Any, depth: int = 0) -> None:
+    """Refuse, naming ``path``, what ``json.dumps(sort_keys=True)`` (vLLM's hash_factors) cannot serialise
+    alike in every process: only str, int, bool, None, finite floats, lists and str-keyed dicts of them."""
+    if value is None or isinstance(value, str | int):  # bool is an int
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{path} must be a finite number, got {value}")
+        return
+    if depth >= MAX_FACTOR_DEPTH:
+        raise ValueError(f"{path} nests deeper than {MAX_FACTOR_DEPTH} levels")
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _json_value(f"{path}[{i}]", item, depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{path} has the key {key!r} of type {type(key).__name__}, not str")
+            _json_value(f"{path}[{key!r}]", item, depth + 1)
+    else:
+        raise ValueError(f"{path} is of type {type(value).__name__}, not a JSON value")
+
+
 _ID = np.dtype("<u4")  # one packed block id
 assert array.array("I").itemsize == _ID.itemsize, "pack_block_ids needs a 4-byte C unsigned int"
 # A block id as vLLM hands it over (kv_transfer_params), checked before it is packed.
@@ -148,7 +176,8 @@ class RegisterCaches(_Msg):
     """The decoder's KV allocation(s) as IPC buffers, each layer's view into them, and its page format.
 
     ``compat_factors`` are the decoder's inputs to vLLM's NIXL compatibility hash (model, dtype, heads,
-    ...); the daemon recomputes the hash with each remote's backend name to check model identity.
+    ...); the daemon recomputes the hash with each remote's backend name to check model identity, so they
+    must be JSON values (str, int, bool, None, finite floats, lists, str-keyed dicts).
     """
 
     buffers: list[IpcBuffer]
@@ -161,6 +190,7 @@ class RegisterCaches(_Msg):
             raise ValueError("buffers must not be empty")
         if not self.layers:
             raise ValueError("layers must not be empty")
+        _json_value("compat_factors", self.compat_factors)
         for layer in self.layers:
             if layer.buffer_index >= len(self.buffers):
                 raise ValueError(f"layers[{layer.name}].buffer_index {layer.buffer_index} is out of range "

@@ -201,6 +201,36 @@ def test_a_cuda_handle_out_of_bounds_is_refused_naming_the_field_and_the_daemon_
     assert isinstance(pong, p.Pong) and pong.nonce == 11
 
 
+def _register_shm(shm: ipc.ShmBuffer, factors: dict) -> bytes:
+    """A RegisterCaches frame of one layer in ``shm`` (64 KiB) whose compat_factors are ``factors``."""
+    fmt = PageFormat(kind="aiter_shuffled", layout="LHBNC", dtype="bfloat16", num_heads=2, block_size=16,
+                     head_size=64)
+    layer = ipc.LayerView(name="l0", buffer_index=0, offset_bytes=0, shape=[8, 2, 16, 128],
+                          strides=[2048, 16384, 128, 1], dtype="bfloat16")
+    return msgspec.msgpack.encode({"type": "RegisterCaches", "page_format": msgspec.to_builtins(fmt),
+                                   "buffers": [msgspec.to_builtins(shm.description)],
+                                   "layers": [msgspec.to_builtins(layer)], "compat_factors": factors})
+
+
+def test_compat_factors_json_cannot_hash_are_refused_at_registration_naming_them(client):
+    """bytes (or a dict with an int key) registered fine, then every handshake's hash raised TypeError."""
+    c = client(b"shim-factors")
+    c.hello()
+    shm = ipc.create_shm_buffer(65536)
+    try:
+        for factors in ({"model": b"m"}, {"spec": {1: "a", "b": 2}}):
+            c.dealer.send(_register_shm(shm, {"attn_backend_name": "X", **factors}))
+            err = c.recv_zmq()
+            assert isinstance(err, p.Error) and err.in_reply_to == "RegisterCaches", err
+            assert "compat_factors[" in err.reason, err.reason
+        c.dealer.send(_register_shm(shm, {"attn_backend_name": "X", "model": "m"}))
+        assert isinstance(c.recv_zmq(), p.Registered)
+        c.dealer.send(p.encode(p.Unregister()))
+        assert isinstance(c.recv_zmq(), p.Unregistered)
+    finally:
+        shm.close()
+
+
 def test_a_pull_before_binding_is_refused_as_a_bind(daemon, client):
     raw = client(b"shim-unbound")
     raw.hello()

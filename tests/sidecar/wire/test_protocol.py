@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from sidecar.wire import protocol as p
 from sidecar.wire.formats import PageFormat
 from sidecar.wire.ipc import IpcBuffer, LayerView, ShmFile
+from sidecar.wire.prefill import compatibility_hash
 
 FMT = PageFormat(kind="aiter_shuffled", layout="LHBNC", dtype="bfloat16", num_heads=2, block_size=16,
                  head_size=128)
@@ -19,6 +20,13 @@ CUDA_BUF = {"kind": "cuda", "nbytes": 4096, "device": "cuda:0",
             "cuda": CUDA}
 LAYER = LayerView(name="model.layers.0.attn", buffer_index=0, offset_bytes=0, shape=[2, 4, 16, 256],
                   strides=[16384, 4096, 256, 1], dtype="bfloat16")
+
+
+def register_frame(factors):
+    """A RegisterCaches frame carrying ``factors`` as its compat_factors, whatever they are."""
+    return enc({"type": "RegisterCaches", "buffers": [msgspec.to_builtins(BUF)],
+                "layers": [msgspec.to_builtins(LAYER)], "page_format": msgspec.to_builtins(FMT),
+                "compat_factors": factors})
 
 
 def pull(**kw):
@@ -146,6 +154,13 @@ def pull_dict(**kw):
     (enc({"type": "RegisterCaches", "buffers": [CUDA_BUF | {"cuda": CUDA | {"storage_offset_bytes": -1}}],
           "layers": [msgspec.to_builtins(LAYER)], "page_format": msgspec.to_builtins(FMT)}),
      ">= 0 - at `$.buffers[0].cuda.storage_offset_bytes`"),
+    (register_frame({"model": b"m"}), "compat_factors['model'] is of type bytes, not a JSON value"),
+    (register_frame({"spec": {"k": {1: "a", "b": 2}}}),
+     "compat_factors['spec']['k'] has the key 1 of type int, not str"),
+    (register_frame({"rope": [1.0, float("nan")]}), "compat_factors['rope'][1] must be a finite number"),
+    (register_frame({"x": float("inf")}), "compat_factors['x'] must be a finite number, got inf"),
+    (register_frame({"deep": "HERE"}).replace(enc("HERE"), b"\x91" * 40 + b"\x01"), "nests deeper than 32"),
+    (register_frame({"t": "HERE"}).replace(enc("HERE"), b"\xd6\xff\x00\x00\x00\x01"), "not a JSON value"),
     # nested arrays: msgspec raises RecursionError, which once escaped the decoder and ended the receive loop
     (b"\x91" * 3000 + b"\x01", "Expected `object`, got `array`"),
     (enc({"type": "RegisterCaches", "buffers": [msgspec.to_builtins(BUF)],
@@ -157,6 +172,15 @@ def test_daemon_rejects(frame, needle):
     with pytest.raises(p.DecodeError) as info:
         p.decode_to_daemon(frame)
     assert needle in str(info.value)
+
+
+def test_compat_factors_that_decode_hash_alike_in_every_process():
+    factors = {"model": "m", "n": 8, "f": 0.5, "spec": {"k": [1, {"x": None}], "on": True}, "none": None}
+    msg = p.decode_to_daemon(register_frame(factors))
+    assert msg.compat_factors == factors
+    assert compatibility_hash(msg.compat_factors) == compatibility_hash(factors)
+    with pytest.raises(ValueError, match=r"compat_factors\['b'\] is of type bytes"):  # built by a shim, too
+        p.RegisterCaches(buffers=[BUF], layers=[LAYER], page_format=FMT, compat_factors={"b": b"x"})
 
 
 def test_shim_rejects_unknown_fields():
