@@ -26,6 +26,7 @@ log = logging.getLogger("kv_sidecar.completions")
 
 # A BindCompletions is < 300 bytes; a Pull of up to ~8,140 blocks fits (packed ids: 8 bytes a block, local
 # and remote). A larger packet is cut here and answered with a decode error (the shim sends those over ZMQ).
+# The shim reads as much of each reply, so a longer reply goes over ZMQ (reasons are cut well below it).
 MAX_PACKET = 65536
 READS_PER_WAKE = 64  # packets taken per readable callback before letting other sockets in
 BIND_WITHIN_S = 5.0  # a connection that has not bound by then is closed (idle ones would hold fds)
@@ -85,6 +86,10 @@ class CompletionSocket:
         """Send one reply to a bound shim, in order. False when it has no completion socket (use ZMQ)."""
         conn = self._by_id.get(routing_id)
         if conn is None:
+            return False
+        if len(data) > MAX_PACKET:  # the shim reads no more of a packet: it would be cut (or EMSGSIZE)
+            log.warning("a %d-byte reply to %r goes over ZMQ: past the %d bytes of a packet", len(data),
+                        routing_id, MAX_PACKET)
             return False
         if conn.pending:  # keep order behind what waits for room
             conn.pending.append(data)

@@ -258,8 +258,12 @@ def _peek(payload: bytes) -> tuple[str | None, str | None]:
         return None, None
     if not isinstance(obj, dict):
         return None, None
-    kind, req_id = obj.get("type"), obj.get("req_id")
-    return (kind if isinstance(kind, str) else None), (req_id if isinstance(req_id, str) else None)
+    return _short(obj.get("type")), _short(obj.get("req_id"))
+
+
+def _short(value: Any) -> str | None:
+    """``value`` if a str no valid message would refuse as too long (an Error echoing it must stay small)."""
+    return value if isinstance(value, str) and len(value) <= p.MAX_ID_CHARS else None
 
 
 def _log_send_failure(fut: asyncio.Future) -> None:

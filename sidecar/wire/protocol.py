@@ -60,6 +60,12 @@ PROTOCOL_VERSION = 5
 # TP sizes past this are refused: each prefill rank a decoder rank reads is a handshake (a ZMQ socket and a
 # task), and a Pull's or Heartbeat's remote_tp_size comes from a client's kv_transfer_params.
 MAX_TP_SIZE = 64
+# Free text of a Pull or Heartbeat, bounded so that a reply quoting it (a failed handshake's reason names the
+# prefill's address) stays far below one completion-socket packet (the shim reads 64 KiB at a time).
+MAX_HOST_CHARS = 255  # a DNS name is at most 253; an IPv6 address with a zone index fits too
+MAX_ID_CHARS = 1024  # request and engine ids (vLLM's: a uuid with a prefix or suffix)
+# A reply's reason is cut to this many characters when it is encoded: it may quote what a peer sent.
+MAX_REASON_CHARS = 4096
 
 
 class DecodeError(ValueError):
@@ -70,13 +76,16 @@ class _Msg(msgspec.Struct, tag_field="type", tag=True, forbid_unknown_fields=Tru
     pass
 
 
-def _nonempty(name: str, value: str) -> None:
+def _text(name: str, value: str, limit: int = MAX_ID_CHARS) -> None:
+    """Non-empty and at most ``limit`` characters."""
     if not value:
         raise ValueError(f"{name} must not be empty")
+    if len(value) > limit:
+        raise ValueError(f"{name} must be at most {limit} characters, got {len(value)}")
 
 
 def _request_id(name: str, value: str) -> None:
-    _nonempty(name, value)
+    _text(name, value)
     # Prefill heartbeats join ids with "," (vLLM's "HB:" message); an id holding one would break that message.
     if "," in value:
         raise ValueError(f"{name} {value!r} must not contain ','")
@@ -211,8 +220,8 @@ class HeartbeatTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     remote_tp_size: int = 1
 
     def __post_init__(self) -> None:
-        _nonempty("remote_engine_id", self.remote_engine_id)
-        _nonempty("remote_host", self.remote_host)
+        _text("remote_engine_id", self.remote_engine_id)
+        _text("remote_host", self.remote_host, MAX_HOST_CHARS)
         _port("remote_port", self.remote_port)
         _tp_size("remote_tp_size", self.remote_tp_size)
         for rid in self.remote_request_ids:
@@ -253,9 +262,9 @@ class Pull(_Msg):
     sent_at_ns: int = 0
 
     def __post_init__(self) -> None:
-        _nonempty("req_id", self.req_id)
-        _nonempty("remote_engine_id", self.remote_engine_id)
-        _nonempty("remote_host", self.remote_host)
+        _text("req_id", self.req_id)
+        _text("remote_engine_id", self.remote_engine_id)
+        _text("remote_host", self.remote_host, MAX_HOST_CHARS)
         _port("remote_port", self.remote_port)
         _request_id("remote_request_id", self.remote_request_id)
         _packed_ids("remote_block_ids", self.remote_block_ids)
@@ -291,7 +300,7 @@ class Abort(_Msg):
     req_id: str
 
     def __post_init__(self) -> None:
-        _nonempty("req_id", self.req_id)
+        _text("req_id", self.req_id)
 
 
 class Ping(_Msg):
@@ -402,7 +411,19 @@ _any = msgspec.msgpack.Decoder(Message)
 
 
 def encode(msg: Message) -> bytes:
+    """msgpack of ``msg``, its ``reason`` (if any) cut to MAX_REASON_CHARS: every reply passes here."""
+    reason = getattr(msg, "reason", None)
+    if reason is not None and len(reason) > MAX_REASON_CHARS:
+        msg = msgspec.structs.replace(msg, reason=cut_reason(reason))
     return _encoder.encode(msg)
+
+
+def cut_reason(reason: str) -> str:
+    """``reason`` shortened to MAX_REASON_CHARS, saying how much was cut."""
+    if len(reason) <= MAX_REASON_CHARS:
+        return reason
+    tail = f" [... cut, {len(reason)} characters in all]"
+    return reason[: MAX_REASON_CHARS - len(tail)] + tail
 
 
 def _decode(decoder: msgspec.msgpack.Decoder, data: bytes, direction: str) -> Any:

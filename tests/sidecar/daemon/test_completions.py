@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import stat
+import tempfile
 import time
 
 import msgspec
@@ -12,7 +14,7 @@ import pytest
 import zmq
 
 from sidecar.cli import spawn_serve
-from sidecar.daemon.completions import completion_path
+from sidecar.daemon.completions import CompletionSocket, completion_path
 from sidecar.wire import ipc
 from sidecar.wire import protocol as p
 from sidecar.wire.formats import PageFormat
@@ -229,6 +231,70 @@ def test_compat_factors_json_cannot_hash_are_refused_at_registration_naming_them
         assert isinstance(c.recv_zmq(), p.Unregistered)
     finally:
         shm.close()
+
+
+def test_a_pull_whose_reply_would_outgrow_a_packet_is_refused_in_one(client):
+    """A 70 KB remote_host failed its handshake with a reason quoting it: a Done the shim's 64 KiB read cut,
+    so the request hung to its deadline (~300 KB: EMSGSIZE, and the completion connection dropped)."""
+    c = client(b"shim-long-host")
+    assert c.bind(c.hello().completion_socket) == p.CompletionsBound(ok=True)
+    shm = ipc.create_shm_buffer(65536)
+    try:
+        c.dealer.send(_register_shm(shm, {"attn_backend_name": "X"}))  # so that the Pull gets to a handshake
+        assert isinstance(c.recv_fast(), p.Registered)
+        # past the 5 s handshake timeout, whose reason quoted the address
+        fields = msgspec.to_builtins(_pull("long-host", timeout_s=8.0), builtin_types=(bytes,))
+        c.dealer.send(msgspec.msgpack.encode({**fields, "remote_host": "h" * 70_000}))  # past a packet: ZMQ
+        err = c.recv_fast()
+        assert isinstance(err, p.Error) and err.req_id == "long-host", err
+        assert "remote_host must be at most 255 characters" in err.reason
+        c.dealer.send(p.encode(p.Unregister()))
+        assert isinstance(c.recv_fast(), p.Unregistered)
+    finally:
+        shm.close()
+
+
+@pytest.mark.parametrize("size", [100_000, 300_000])
+def test_a_reply_quoting_a_huge_field_still_fits_the_shims_read(client, size):
+    c = client(b"shim-huge-type")
+    assert c.bind(c.hello().completion_socket) == p.CompletionsBound(ok=True)
+    c.dealer.send(msgspec.msgpack.encode({"type": "T" * size, "req_id": "r" * size}))
+    data = c.fast.recv(65536 + 1)
+    assert len(data) <= 65536
+    err = p.decode_to_shim(data)
+    assert isinstance(err, p.Error) and "unknown message type 'TTT" in err.reason, err
+    assert len(err.reason) == p.MAX_REASON_CHARS and err.reason.endswith(" characters in all]")
+    assert err.in_reply_to is None and err.req_id is None  # too long to be a message's: not echoed
+    c.dealer.send(p.encode(p.Ping(nonce=5)))
+    pong = c.recv_fast()
+    assert isinstance(pong, p.Pong) and pong.nonce == 5
+
+
+def test_a_reply_longer_than_a_packet_goes_over_zmq():
+    """The last guard: whatever the daemon would send past what the shim reads of a packet takes ZMQ."""
+
+    async def main(path):
+        fell_back = []
+        loop = asyncio.get_running_loop()
+        cs = CompletionSocket(path, loop, may_bind=lambda _rid: None,
+                              fallback=lambda rid, data: fell_back.append((rid, data)))
+        shim = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            shim.connect(path)
+            shim.setblocking(False)
+            shim.send(p.encode(p.BindCompletions(routing_id=b"rid")))
+            bound = await loop.sock_recv(shim, 65536)
+            assert p.decode_to_shim(bound) == p.CompletionsBound(ok=True)
+            assert not cs.send(b"rid", b"x" * 65537)
+            assert cs.send(b"rid", b"y" * 65536)
+            assert await loop.sock_recv(shim, 65536) == b"y" * 65536
+            assert cs.bound(b"rid") and not fell_back
+        finally:
+            shim.close()
+            cs.close()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        asyncio.run(asyncio.wait_for(main(os.path.join(tmp, "c.sock")), 10))
 
 
 def test_a_pull_before_binding_is_refused_as_a_bind(daemon, client):

@@ -118,6 +118,14 @@ def pull_dict(**kw):
     (enc(pull_dict(timeout_s=float("nan"))), "timeout_s must be a finite number > 0, got nan"),
     (enc(pull_dict(remote_tp_size=0)), "remote_tp_size must be in 1..64"),
     (enc(pull_dict(remote_tp_size=65)), "remote_tp_size must be in 1..64, got 65"),
+    (enc(pull_dict(remote_host="h" * 256)), "remote_host must be at most 255 characters, got 256"),
+    (enc(pull_dict(remote_request_id="r" * 1025)), "remote_request_id must be at most 1024 characters"),
+    (enc(pull_dict(req_id="r" * 5000)), "req_id must be at most 1024 characters, got 5000"),
+    (enc(pull_dict(remote_engine_id="e" * 1025)), "remote_engine_id must be at most 1024 characters"),
+    (enc({"type": "Heartbeat", "targets": [{"remote_engine_id": "e", "remote_host": "h" * 300,
+                                            "remote_port": 1, "remote_request_ids": ["a"]}]}),
+     "remote_host must be at most 255"),
+    (enc({"type": "Abort", "req_id": "a" * 1025}), "req_id must be at most 1024 characters"),
     (enc(pull_dict(remote_request_id="HB:r1")), "must not start with HB: or PUSH_REG:"),
     (enc(pull_dict(remote_request_id="PUSH_REG:x")), "must not start with HB: or PUSH_REG:"),
     (enc({"type": "Heartbeat", "targets": [{"remote_engine_id": "e", "remote_host": "h", "remote_port": 1,
@@ -181,6 +189,21 @@ def test_compat_factors_that_decode_hash_alike_in_every_process():
     assert compatibility_hash(msg.compat_factors) == compatibility_hash(factors)
     with pytest.raises(ValueError, match=r"compat_factors\['b'\] is of type bytes"):  # built by a shim, too
         p.RegisterCaches(buffers=[BUF], layers=[LAYER], page_format=FMT, compat_factors={"b": b"x"})
+
+
+def test_a_reason_is_cut_when_encoded_so_any_reply_fits_a_completion_packet():
+    long = "x" * 300_000
+    for msg in (p.Done(req_id="r" * p.MAX_ID_CHARS, ok=False, reason=long), p.Aborted(req_id="r", safe=True,
+                reason=long), p.Error(reason=long), p.CompletionsBound(ok=False, reason=long)):
+        data = p.encode(msg)
+        assert len(data) < 65536 // 4
+        reason = p.decode_to_shim(data).reason
+        assert len(reason) == p.MAX_REASON_CHARS and reason.endswith(" [... cut, 300000 characters in all]")
+    worst = p.encode(p.Done(req_id="\U0010ffff" * p.MAX_ID_CHARS, ok=False, reason="\U0010ffff" * 10**5,
+                            timings={"end_to_end": 1.0}))
+    assert len(worst) < 65536  # 4-byte UTF-8 everywhere
+    short = p.Done(req_id="r", ok=False, reason="y" * p.MAX_REASON_CHARS)
+    assert p.decode_to_shim(p.encode(short)) == short
 
 
 def test_shim_rejects_unknown_fields():
