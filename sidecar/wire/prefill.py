@@ -25,6 +25,11 @@ HEARTBEAT_PREFIX = "HB:"
 # A pull prefill treats these prefixes as commands, not request ids (pull_worker._get_new_notifs).
 RESERVED_ID_PREFIXES = ("HB:", "PUSH_REG:")
 DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0
+# A side-channel reply frame larger than this is refused: ZMQ (MAXMSGSIZE) drops the connection instead of
+# handing it over. The emulator's reply (sidecar/standins/emulator.py) is 8.3 KB for 128 layers, 5.6 KB for
+# 80; a vLLM prefill's agent blob adds a packed UCX key or two per registered region (hundreds of bytes each),
+# so a real one stays far below a MiB. Unbounded, a hostile prefill's 194 MB reply was decoded whole (2.1 GB).
+MAX_HANDSHAKE_REPLY_BYTES = 8 << 20
 CONNECTOR_VERSIONS = (14, 15)
 LATEST_CONNECTOR_VERSION = 15
 MEM_TYPES = ("DRAM", "VRAM")
@@ -268,14 +273,55 @@ def _check_targets(ranks: Iterable[tuple[int, int]], timeout_s: float) -> list[t
     return targets
 
 
-def _configure_req(sock: zmq.Socket, address: str, timeout_s: float) -> None:
+def _configure_req(sock: zmq.Socket, address: str, timeout_s: float) -> zmq.Socket:
+    """Options and connect; returns a monitor socket reporting each time the connection drops."""
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_HANDSHAKE_REPLY_BYTES)
     ms = max(1, int(timeout_s * 1000))
     sock.setsockopt(zmq.RCVTIMEO, ms)
     sock.setsockopt(zmq.SNDTIMEO, ms)
     if address.startswith("tcp://["):
         sock.setsockopt(zmq.IPV6, 1)
+    # A REQ socket never resends, so a request whose connection dropped (how ZMQ refuses a reply past
+    # MAXMSGSIZE) would only wait out its timeout: the monitor tells the wait to stop at once.
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     sock.connect(address)
+    return monitor
+
+
+def _close(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    monitor.close(linger=0)
+    sock.close(linger=0)
+
+
+def _dropped(address: str, pp: int, tp: int) -> HandshakeRefused:
+    return HandshakeRefused(
+        "handshake_reply",
+        f"the connection dropped before the reply for (pp={pp}, tp={tp}) came: a reply frame over "
+        f"{MAX_HANDSHAKE_REPLY_BYTES} bytes (refused), or the prefill closed it",
+        address,
+    )
+
+
+def _drain(monitor: zmq.Socket) -> None:
+    """Forget drops reported before this request: it goes out on the connection made since."""
+    while monitor.poll(0):
+        monitor.recv_multipart()
+
+
+def _await_reply(sock: zmq.Socket, monitor: zmq.Socket, timeout_s: float) -> list[bytes] | None:
+    """The reply's frames; None when the connection dropped first. zmq.Again once ``timeout_s`` passed."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        ready = dict(poller.poll(max(1, int(left * 1000))))
+        if sock in ready:
+            return sock.recv_multipart()
+        if monitor in ready:
+            return None
+    raise zmq.Again()
 
 
 def _accept_reply(
@@ -303,19 +349,22 @@ def fetch_handshake(
     ctx = context or zmq.Context.instance()
     out: dict[tuple[int, int], HandshakeReply] = {}
     sock = ctx.socket(zmq.REQ)
+    monitor = _configure_req(sock, address, timeout_s)
     try:
-        _configure_req(sock, address, timeout_s)
         for pp, tp in targets:
             start = time.perf_counter()
+            _drain(monitor)
             try:
                 sock.send(encode_handshake_request(pp, tp))
-                frames = sock.recv_multipart()
+                frames = _await_reply(sock, monitor, timeout_s)
             except zmq.Again:
                 raise HandshakeTimeout(address, pp, tp, timeout_s) from None
+            if frames is None:
+                raise _dropped(address, pp, tp)
             rtt = time.perf_counter() - start
             out[(pp, tp)] = _accept_reply(frames, pp, tp, rtt, expected_engine_id, address)
     finally:
-        sock.close(linger=0)
+        _close(sock, monitor)
     return out
 
 
@@ -336,20 +385,44 @@ async def fetch_handshake_async(
     ctx = context or zmq.asyncio.Context.instance()
     out: dict[tuple[int, int], HandshakeReply] = {}
     sock = ctx.socket(zmq.REQ)
+    monitor = _configure_req(sock, address, timeout_s)
     try:
-        _configure_req(sock, address, timeout_s)
         for pp, tp in targets:
             start = time.perf_counter()
+            await _drain_async(monitor)
             try:
                 await asyncio.wait_for(sock.send(encode_handshake_request(pp, tp)), timeout_s)
-                frames = await asyncio.wait_for(sock.recv_multipart(), timeout_s)
+                frames = await _await_reply_async(sock, monitor, timeout_s)
             except (asyncio.TimeoutError, zmq.Again):
                 raise HandshakeTimeout(address, pp, tp, timeout_s) from None
+            if frames is None:
+                raise _dropped(address, pp, tp)
             rtt = time.perf_counter() - start
             out[(pp, tp)] = _accept_reply(frames, pp, tp, rtt, expected_engine_id, address)
     finally:
-        sock.close(linger=0)
+        _close(sock, monitor)
     return out
+
+
+async def _drain_async(monitor: Any) -> None:
+    while await monitor.poll(0):
+        await monitor.recv_multipart()
+
+
+async def _await_reply_async(sock: Any, monitor: Any, timeout_s: float) -> list[bytes] | None:
+    """``_await_reply`` on the loop: the frames, None on a drop, asyncio.TimeoutError past the bound."""
+    reply = asyncio.ensure_future(sock.recv_multipart())
+    dropped = asyncio.ensure_future(monitor.recv_multipart())
+    try:
+        done, _ = await asyncio.wait((reply, dropped), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for fut in (reply, dropped):
+            fut.cancel()
+    if reply in done:
+        return reply.result()
+    if dropped in done:
+        return None
+    raise asyncio.TimeoutError
 
 
 # --- notifications and heartbeats ---

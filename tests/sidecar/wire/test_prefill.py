@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import tracemalloc
 
 import msgspec
 import pytest
@@ -754,6 +755,32 @@ def test_bad_replies_are_refused_naming_the_field(listener_factory, mode: str) -
                 )
         assert err.value.field == field
         assert f"127.0.0.1:{lst.port}" in err.value.address
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_reply_past_the_size_bound_is_refused_at_once_not_decoded(listener_factory, mode: str) -> None:
+    """A hostile prefill's 194 MB reply was received and decoded whole (2.1 GB RSS). Now ZMQ drops the
+    connection at MAXMSGSIZE, and the client says so at once instead of waiting out its timeout."""
+    good = _rank_frames(0)
+    huge = [good[0] + b"\0" * (16 << 20), good[1]]
+    lst = listener_factory({(0, 0): good, (0, 1): huge})
+    tracemalloc.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(w.HandshakeRefused) as err:
+            if mode == "sync":
+                w.fetch_handshake("127.0.0.1", lst.port, [(0, 0), (0, 1)], timeout_s=20)
+            else:
+                asyncio.run(w.fetch_handshake_async("127.0.0.1", lst.port, [(0, 0), (0, 1)], timeout_s=20))
+        elapsed = time.monotonic() - t0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert err.value.field == "handshake_reply", err.value
+    assert "(pp=0, tp=1)" in str(err.value) and f"over {w.MAX_HANDSHAKE_REPLY_BYTES} bytes" in str(err.value)
+    assert elapsed < 5, elapsed
+    assert peak < 4 << 20, peak  # the reply never reached Python
+    assert len(lst.requests) == 2  # rank 0's reply was fine
 
 
 def test_client_refuses_bad_arguments_before_sending(listener_factory) -> None:
