@@ -31,6 +31,7 @@ from typing import Any, Literal
 import numpy as np
 
 from sidecar.nixl.pairing import (
+    MAX_BLOCKS_PER_LOGICAL,
     BlockPairs,
     GeometryError,
     PairRule,
@@ -124,6 +125,12 @@ class RemoteRegions:
             raise GeometryError("region_num_blocks", f"{counts.size} entries for {r} regions")
         if (counts <= 0).any():
             raise GeometryError("region_num_blocks", "every region must hold at least one block")
+        if ratio > MAX_BLOCKS_PER_LOGICAL:
+            raise GeometryError(
+                "physical_blocks_per_logical_kv_block",
+                f"{ratio} kernel blocks per logical block, past the {MAX_BLOCKS_PER_LOGICAL} accepted "
+                "(vLLM's is its manager block size over its kernel block size)",
+            )
         if ratio > int(counts.min()):
             # a logical block must fit in every region: a larger ratio can only be a bad field, and one from
             # a peer would make each request expand its ids by that ratio before any range check
@@ -509,8 +516,12 @@ class PairGeometry:
         With ``remote_num_tokens`` (kv_transfer_params' ``remote_num_tokens``) the kernel blocks past the last
         token are dropped first on both sides (a logical block of several kernel blocks can end in empty
         ones), so tail pairing stays token-aligned when the two sides' logical block sizes differ."""
-        lk = kernel_block_ids(local_block_ids, self.local.blocks_per_logical, "local_block_ids")
-        rk = kernel_block_ids(remote_block_ids, self.remote.blocks_per_logical, "remote_block_ids")
+        lk = kernel_block_ids(
+            local_block_ids, self.local.blocks_per_logical, "local_block_ids", self.local_limit
+        )
+        rk = kernel_block_ids(
+            remote_block_ids, self.remote.blocks_per_logical, "remote_block_ids", self.remote_limit
+        )
         if remote_num_tokens is not None:
             lk, rk = trim_padding(
                 lk, rk, remote_num_tokens, self.remote.block_size, self.local.blocks_per_logical
@@ -656,7 +667,9 @@ class PairGeometry:
         if pairs is not None:
             rk = self.accept(pairs).remote
         elif local_block_ids is None:
-            rk = kernel_block_ids(remote_block_ids, self.remote.blocks_per_logical, "remote_block_ids")
+            rk = kernel_block_ids(
+                remote_block_ids, self.remote.blocks_per_logical, "remote_block_ids", self.remote_limit
+            )
             if remote_num_tokens is not None:
                 _, rk = trim_padding(np.empty(0, _I64), rk, remote_num_tokens, self.remote.block_size, 1)
             _, rk = pair_blocks(np.empty(slots.shape[1], _I64), rk)

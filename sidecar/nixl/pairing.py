@@ -16,6 +16,9 @@ from sidecar.wire.block_ids import increasing, read_only, repeat_in_sorted, with
 
 _I64 = np.int64
 _I64_DTYPE = np.dtype(np.int64)  # as_ids' fast path: the daemon's unpacked ids
+# A prefill's physical_blocks_per_logical_kv_block past this is refused at admission: vLLM's is its manager
+# block size over its attention kernel's (16 or 32 tokens), a few at most; each Pull expands its ids by it.
+MAX_BLOCKS_PER_LOGICAL = 256
 
 
 class GeometryError(ValueError):
@@ -90,15 +93,30 @@ def single_group(block_ids: Sequence[Any], field: str) -> list[int]:
     return list(block_ids)
 
 
-def kernel_block_ids(logical_ids: Sequence[int] | np.ndarray, ratio: int, field: str) -> np.ndarray:
-    """Logical (manager) block ids to kernel block ids: L -> L*ratio + j, j in [0, ratio)."""
+def kernel_block_ids(
+    logical_ids: Sequence[int] | np.ndarray, ratio: int, field: str, limit: int | None = None
+) -> np.ndarray:
+    """Logical (manager) block ids to kernel block ids: L -> L*ratio + j, j in [0, ratio). With ``limit``
+    (the cache's kernel blocks), a logical id past ``limit // ratio`` is refused before any expansion."""
     ids = as_ids(logical_ids, field)
     if ratio == 1:
         return ids
+    if limit is not None:
+        _check_logical(ids, ratio, limit, field)
     top = int(ids.max()) if ids.size else 0
     if top >= np.iinfo(_I64).max // ratio:  # would wrap to an in-range kernel id
         raise GeometryError(field, f"block id {top} is past any cache ({ratio} kernel blocks each)")
     return (ids[:, None] * ratio + np.arange(ratio, dtype=_I64)[None, :]).ravel()
+
+
+def _check_logical(ids: np.ndarray, ratio: int, limit: int, field: str) -> None:
+    """Every logical id's kernel blocks within ``limit``: a bad id costs no ``ratio``-fold expansion."""
+    logical = limit // ratio
+    if ids.size and not within(ids, logical):
+        bad = int(ids[(ids < 0) | (ids >= logical)][0])
+        raise GeometryError(
+            field, f"logical block id {bad} outside [0, {logical}) ({limit} kernel blocks, {ratio} a block)"
+        )
 
 
 def pair_blocks(local_ids: np.ndarray, remote_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

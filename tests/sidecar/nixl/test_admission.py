@@ -16,6 +16,7 @@ from sidecar.nixl.admission import (
 from sidecar.nixl.errors import RemoteRefused
 from sidecar.wire import prefill as wire
 from sidecar.wire.formats import AITER_SHUFFLED, STANDARD, PageFormat
+from tests.sidecar.nixl.test_geometry import RemoteMem, std
 
 STD = PageFormat(
     kind=STANDARD, layout="LBHNC", dtype="bfloat16", num_heads=2, block_size=16, head_size=64
@@ -103,3 +104,19 @@ def test_model_identity_sets_the_backend_name_aside():
     assert e.value.field == "compatibility_hash"
 
 
+def test_a_huge_logical_block_is_refused_at_admission_naming_the_field():
+    """physical_blocks_per_logical_kv_block is the prefill's word: each Pull expands its ids by it."""
+    settings = SimpleNamespace(remote_formats=(RemoteFormatRule(address="*:*", format=std()),),
+                               conversion_enabled=True, remote_mem_type="DRAM")
+    rmem = RemoteMem(2, 8)
+    ratio = 4096
+    rmem.meta.physical_blocks_per_logical_kv_block = ratio
+    rmem.meta.num_blocks, rmem.meta.region_num_blocks = ratio, [ratio, ratio]
+    with pytest.raises(RemoteRefused) as e:
+        admit_remote(rmem.meta, address="10.0.0.1:5600", local_format=std(), layers=2, settings=settings,
+                     check_identity=False)
+    assert e.value.field == "physical_blocks_per_logical_kv_block", e.value
+    rmem.meta.physical_blocks_per_logical_kv_block = 16
+    _plan, regions = admit_remote(rmem.meta, address="10.0.0.1:5600", local_format=std(), layers=2,
+                                  settings=settings, check_identity=False)
+    assert regions.blocks_per_logical == 16

@@ -7,6 +7,8 @@ page-formats.md says, and every byte outside the request's blocks must be untouc
 
 from __future__ import annotations
 
+import dataclasses
+import tracemalloc
 from types import SimpleNamespace
 
 import numpy as np
@@ -711,6 +713,46 @@ def test_staged_pool_must_hold_pages():
     assert e.value.field == "pool"
     with pytest.raises(GeometryError):
         StagingPool(LBASE, PAGE, 0)
+
+
+def test_a_ratio_past_the_cap_is_refused_at_admission_naming_it():
+    rmem = RemoteMem(2, 8)
+    rmem.meta.physical_blocks_per_logical_kv_block = 512
+    rmem.meta.num_blocks, rmem.meta.region_num_blocks = 512, [512, 512]  # regions as large: not refused so
+    with pytest.raises(GeometryError) as e:
+        RemoteRegions.from_metadata(rmem.meta)
+    assert e.value.field == "physical_blocks_per_logical_kv_block"
+    assert "512 kernel blocks per logical block, past the 256 accepted" in e.value.reason
+    rmem.meta.physical_blocks_per_logical_kv_block = 256  # the cap itself is accepted
+    assert RemoteRegions.from_metadata(rmem.meta).blocks_per_logical == 256
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_logical_ids_past_the_cache_are_refused_before_they_are_expanded(staged):
+    """A prefill with 2**16 kernel blocks per logical block and regions that large (admitted before the cap):
+    a 16-id Pull expanded to 1M kernel ids before any range check (2**22: 583 MB and 2.5 s on the loop)."""
+    ratio = 2**16
+    rmem = RemoteMem(1, 8)
+    regions = rmem.regions()
+    remote = dataclasses.replace(regions, blocks_per_logical=ratio, num_blocks=np.full(1, ratio, np.int64))
+    geo = PairGeometry(plan_of(std(), std()), remote, LocalMem(1, 8, PAGE).blocks(), "plain")
+    ids = np.arange(16, dtype=np.int64)  # one logical block fits the region: ids 1.. are past it
+    tracemalloc.start()
+    try:
+        with pytest.raises(GeometryError) as e:
+            if staged:
+                pool = StagingPool(base=1 << 44, slot_bytes=PAGE, num_slots=4)
+                staged_geo = PairGeometry(plan_of(std(), shuf()), remote, LocalMem(2, 8, HALF).planes(),
+                                          "staged", pool=pool)
+                staged_geo.staged_descs(ids, np.zeros((1, 1), np.int64))
+            else:
+                geo.blocks(ids[:1], ids)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert e.value.field == "remote_block_ids"
+    assert "logical block id 1 outside [0, 1)" in e.value.reason, e.value
+    assert peak < 1 << 20, peak  # 16 x 2**16 kernel ids are 8 MiB
 
 
 # -- plain -----------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@ checks."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -23,6 +25,16 @@ def test_kernel_block_ids_refuse_ids_that_would_wrap():
     assert e.value.field == "remote_block_ids"
     big = np.iinfo(np.int64).max // 4 - 1
     assert kernel_block_ids(np.array([big], np.int64), 4, "x")[-1] == big * 4 + 3
+
+
+def test_kernel_block_ids_check_logical_ids_against_the_cache_first():
+    assert kernel_block_ids([0, 1], 4, "x", 8).tolist() == list(range(8))
+    assert kernel_block_ids([5], 1, "x", 2).tolist() == [5]  # ratio 1: the caller's range check sees it
+    for ids, needle in (([0, 2], "logical block id 2 outside [0, 2) (9 kernel blocks, 4 a block)"),
+                        ([-1], "logical block id -1 outside")):
+        with pytest.raises(GeometryError, match=re.escape(needle)) as e:
+            kernel_block_ids(ids, 4, "remote_block_ids", 9)
+        assert e.value.field == "remote_block_ids"
 
 
 def test_single_group():
