@@ -146,9 +146,11 @@ def _pieces(
     # Each slice checks only its own ids: check the whole request first, so a duplicate split across slices
     # is refused and nothing is written unless every id (and source row) is valid.
     ids = checks.launch_ids(ps.planes, ids)
+    span = layers if layers is not None else (0, ps.num_layers)
+    if src is not None:
+        _check_whole_source(src, span, len(ids), index is not None)
     if index is not None and src is not None:
         checks.launch_src_rows(index, ids, src.shape[1])
-    span = layers if layers is not None else (0, ps.num_layers)
     tuning = limits.tuning()
     out = []
     for l0, l1, b0, b1 in plan_slices(span, len(ids), limits.max_slice_pairs):
@@ -161,6 +163,17 @@ def _pieces(
             )
         )
     return out
+
+
+def _check_whole_source(src: Any, span: tuple[int, int], m: int, indexed: bool) -> None:
+    """The unsliced launch's rule for ``src``, [layers of ``span``, ``m`` rows (any number when ``indexed``),
+    page], checked before any slice runs: a slice sees only its own cut and would convert its blocks before a
+    later one found the source short."""
+    layers = span[1] - span[0]
+    shape = tuple(getattr(src, "shape", ()))
+    if len(shape) != 3 or shape[0] != layers or (not indexed and shape[1] != m):
+        rows = "rows" if indexed else f"{m} rows"
+        raise ValueError(f"src shape {shape} must be [{layers} layers, {rows}, page] for this launch")
 
 
 def make_stream(device: Any, limits: ConversionLimits | None = None) -> Any:

@@ -83,3 +83,20 @@ def test_a_sliced_conversion_checks_the_whole_request_before_writing(ids, match)
         convert_blocks(types.SimpleNamespace(plane_set=ps), np.array(ids), AITER_SHUFFLED, None, None,
                        ConversionLimits(max_slice_pairs=1))
     assert torch.equal(c, before)
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 512), (2, 4, 512), (1, 4, 512, 1)],
+                         ids=["rows short", "layers more", "four dims"])
+def test_a_sliced_conversion_checks_the_source_before_writing(shape):
+    """A source the unsliced launch refuses is refused before the first slice writes: each slice checks only
+    its own cut, and a short source used to let the first slices convert before a later one found it."""
+    h, n, d, nb = 1, 16, 16, 4
+    c = torch.zeros((2, nb, h * n * d), dtype=torch.int16)
+    planes = c.view(torch.bfloat16)
+    ps = PlaneSet([planes[0]], [planes[1]], num_heads=h, block_size=n, head_size=d)
+    src = torch.ones(shape, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="src shape"):
+        convert_blocks(types.SimpleNamespace(plane_set=ps), np.arange(nb), AITER_SHUFFLED, src, None,
+                       ConversionLimits(max_slice_pairs=1))
+    assert not c.any()
+
