@@ -433,7 +433,7 @@ def check_prefill(
     try:
         host, port = split_address(address)
         reply = vllm_wire.fetch_handshake(host, port, [(0, 0)], timeout_s=timeout_s)[(0, 0)]
-    except (vllm_wire.HandshakeTimeout, vllm_wire.WireError, ValueError) as exc:
+    except (vllm_wire.HandshakeTimeout, vllm_wire.HandshakeDropped, vllm_wire.WireError, ValueError) as exc:
         return [DoctorCheck(name, "fail", f"side channel: {exc}")]
     except Exception as exc:  # noqa: BLE001
         return [DoctorCheck(name, "fail", f"side channel: {type(exc).__name__}: {exc}")]

@@ -65,7 +65,7 @@ def probe_pull(control: str, spec: EmulatorSpec | None, timeout_s: float, blocks
         reply = vllm_wire.fetch_handshake(
             params["remote_host"], params["remote_port"], [(0, 0)], timeout_s=timeout_s
         )[(0, 0)]
-    except (vllm_wire.HandshakeTimeout, vllm_wire.WireError) as exc:
+    except (vllm_wire.HandshakeTimeout, vllm_wire.HandshakeDropped, vllm_wire.WireError) as exc:
         return PullProbeResult(False, f"emulator side channel: {exc}")
     meta = reply.metadata
     regions = RemoteRegions.from_metadata(meta, default_mem_type="DRAM")

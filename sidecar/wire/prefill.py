@@ -64,6 +64,21 @@ class IdentityMismatch(WireError):
     """The remote's compatibility hash differs from ours once the backend name is set aside."""
 
 
+class HandshakeDropped(ConnectionError):
+    """The side channel's connection dropped while a reply was awaited: a reply frame over the bound (ZMQ
+    refuses it by dropping the connection) or a prefill that closed it. Transient, like a timeout."""
+
+    def __init__(self, address: str, pp_rank: int, tp_rank: int) -> None:
+        super().__init__(
+            f"the connection to {address} dropped before the handshake reply for (pp={pp_rank}, "
+            f"tp={tp_rank}) came: a reply frame over {MAX_HANDSHAKE_REPLY_BYTES} bytes (refused), or the "
+            "prefill closed it"
+        )
+        self.address = address
+        self.pp_rank = pp_rank
+        self.tp_rank = tp_rank
+
+
 class HandshakeTimeout(TimeoutError):
     """No reply from a prefill's side channel within the bound."""
 
@@ -294,15 +309,6 @@ def _close(sock: zmq.Socket, monitor: zmq.Socket) -> None:
     sock.close(linger=0)
 
 
-def _dropped(address: str, pp: int, tp: int) -> HandshakeRefused:
-    return HandshakeRefused(
-        "handshake_reply",
-        f"the connection dropped before the reply for (pp={pp}, tp={tp}) came: a reply frame over "
-        f"{MAX_HANDSHAKE_REPLY_BYTES} bytes (refused), or the prefill closed it",
-        address,
-    )
-
-
 def _drain(monitor: zmq.Socket) -> None:
     """Forget drops reported before this request: it goes out on the connection made since."""
     while monitor.poll(0):
@@ -360,7 +366,7 @@ def fetch_handshake(
             except zmq.Again:
                 raise HandshakeTimeout(address, pp, tp, timeout_s) from None
             if frames is None:
-                raise _dropped(address, pp, tp)
+                raise HandshakeDropped(address, pp, tp)
             rtt = time.perf_counter() - start
             out[(pp, tp)] = _accept_reply(frames, pp, tp, rtt, expected_engine_id, address)
     finally:
@@ -396,7 +402,7 @@ async def fetch_handshake_async(
             except (asyncio.TimeoutError, zmq.Again):
                 raise HandshakeTimeout(address, pp, tp, timeout_s) from None
             if frames is None:
-                raise _dropped(address, pp, tp)
+                raise HandshakeDropped(address, pp, tp)
             rtt = time.perf_counter() - start
             out[(pp, tp)] = _accept_reply(frames, pp, tp, rtt, expected_engine_id, address)
     finally:

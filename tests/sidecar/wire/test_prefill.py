@@ -11,6 +11,7 @@ both), with msgspec 0.23's default ``msgspec.msgpack.Encoder()``, exactly as a p
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 import tracemalloc
@@ -721,9 +722,11 @@ def test_silent_listener_times_out_within_bound(listener_factory, mode: str) -> 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_nobody_listening_times_out(mode: str) -> None:
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    sock.close(linger=0)  # a port nobody serves
+    # a port nobody serves: a plain socket bound and closed, never listening (a ZMQ socket closes in its I/O
+    # thread, which may still accept a connection and drop it: a HandshakeDropped, not this test's case)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     with pytest.raises(w.HandshakeTimeout):
         if mode == "sync":
             w.fetch_handshake("127.0.0.1", port, timeout_s=0.2)
@@ -760,14 +763,15 @@ def test_bad_replies_are_refused_naming_the_field(listener_factory, mode: str) -
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_reply_past_the_size_bound_is_refused_at_once_not_decoded(listener_factory, mode: str) -> None:
     """A hostile prefill's 194 MB reply was received and decoded whole (2.1 GB RSS). Now ZMQ drops the
-    connection at MAXMSGSIZE, and the client says so at once instead of waiting out its timeout."""
+    connection at MAXMSGSIZE, and the client says so at once instead of waiting out its timeout: a transient
+    failure (HandshakeDropped, as a prefill that closes the connection), not a refusal of the format."""
     good = _rank_frames(0)
     huge = [good[0] + b"\0" * (16 << 20), good[1]]
     lst = listener_factory({(0, 0): good, (0, 1): huge})
     tracemalloc.start()
     t0 = time.monotonic()
     try:
-        with pytest.raises(w.HandshakeRefused) as err:
+        with pytest.raises(w.HandshakeDropped) as err:
             if mode == "sync":
                 w.fetch_handshake("127.0.0.1", lst.port, [(0, 0), (0, 1)], timeout_s=20)
             else:
@@ -776,7 +780,6 @@ def test_a_reply_past_the_size_bound_is_refused_at_once_not_decoded(listener_fac
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert err.value.field == "handshake_reply", err.value
     assert "(pp=0, tp=1)" in str(err.value) and f"over {w.MAX_HANDSHAKE_REPLY_BYTES} bytes" in str(err.value)
     assert elapsed < 5, elapsed
     assert peak < 4 << 20, peak  # the reply never reached Python
