@@ -6,20 +6,11 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import urllib.error
-import urllib.request
 
 from sidecar.daemon.app import Daemon
 from sidecar.ops.config import Config
 from sidecar.standins.fake_transfer import FakePort
-
-
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+from tests.sidecar.daemon.test_serve import http as get
 
 
 def test_healthz_says_starting_until_the_socket_is_bound(tmp_path):
