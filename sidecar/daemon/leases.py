@@ -69,9 +69,13 @@ class LeaseTracker:
                 continue  # unknown, or too late to count
             lease.beats.setdefault(rank, []).append(now)
 
+    def _unrenewed(self, lease: _Lease) -> float:
+        """Until when a rank no heartbeat reached holds the blocks for sure."""
+        return lease.started + self.lease_s - self.margin_s
+
     def _until(self, lease: _Lease, rank: Rank) -> float:
         """Until when ``rank`` holds the blocks for sure: from the start, renewed by each beat in time."""
-        until = lease.started + self.lease_s - self.margin_s
+        until = self._unrenewed(lease)
         for beat in lease.beats.get(rank, ()):
             if beat < until:
                 until = max(until, beat + self.extension_s - self.margin_s)
@@ -82,8 +86,7 @@ class LeaseTracker:
         lease = self._leases.get(req_id)
         if lease is None:
             return float("-inf")
-        return min((self._until(lease, rank) for rank in ranks), default=lease.started + self.lease_s
-                   - self.margin_s)
+        return min((self._until(lease, rank) for rank in ranks), default=self._unrenewed(lease))
 
     def check(self, req_id: str, now: float, ranks: Iterable[Rank]) -> bool:
         """True while every one of ``ranks`` still holds ``req_id``'s blocks for sure."""
