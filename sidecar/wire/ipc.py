@@ -434,9 +434,51 @@ def _import_cuda(buf: IpcBuffer) -> ImportedBuffer:
         h.ref_counter_offset, h.event_handle or None, h.event_sync_required)
     if st.nbytes() < buf.nbytes:
         raise IpcError(f"nbytes: imported storage has {st.nbytes()} bytes, description says {buf.nbytes}")
+    _check_within_allocation(h, st.data_ptr(), bool(torch.version.hip))
     t = torch.empty(0, dtype=torch.uint8, device=f"cuda:{h.device}")
     t.set_(st, 0, (buf.nbytes,), (1,))
     return ImportedBuffer(buf, t, None)
+
+
+def _check_within_allocation(h: CudaIpcHandle, ptr: int, hip: bool) -> None:
+    """The imported storage lies inside the allocation its handle opened. torch maps the whole allocation
+    and trusts the offset and size it is given: past the allocation's end the daemon's address space may hold
+    another mapping, such as another buffer of the same decoder, and a write there is a write outside the
+    request's blocks."""
+    if h.storage_size_bytes == 0:
+        return
+    base, size = _allocation_range(h.device, ptr, hip)
+    mapped = ptr - h.storage_offset_bytes  # where torch mapped the handle's allocation
+    if base != mapped:
+        raise IpcError(f"cuda.storage_offset_bytes: {h.storage_offset_bytes} leads out of the exporter's "
+                       f"allocation into another one")
+    if h.storage_offset_bytes + h.storage_size_bytes > size:
+        raise IpcError(f"cuda.storage_size_bytes: storage_offset_bytes {h.storage_offset_bytes} + "
+                       f"storage_size_bytes {h.storage_size_bytes} run past the exporter's allocation of "
+                       f"{size} bytes")
+
+
+def _allocation_range(device: int, ptr: int, hip: bool) -> tuple[int, int]:
+    """(base, bytes) of the device allocation holding ``ptr`` (``cuMemGetAddressRange`` /
+    ``hipMemGetAddressRange``, through the driver library torch has loaded already)."""
+    import ctypes
+
+    import torch
+
+    lib, fn = ("libamdhip64.so", "hipMemGetAddressRange") if hip else \
+        ("libcuda.so.1", "cuMemGetAddressRange_v2")
+    try:
+        call = getattr(ctypes.CDLL(lib), fn)
+    except (OSError, AttributeError) as e:
+        raise IpcError(f"cuda.handle: cannot check the imported storage's bounds ({lib}: {e})") from None
+    call.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    with torch.cuda.device(device):  # the driver call needs the device's context current on this thread
+        rc = call(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    if rc != 0:
+        raise IpcError(f"cuda.storage_offset_bytes: the imported storage's start {ptr:#x} is in no "
+                       f"allocation of GPU {device} ({fn} returned {rc})")
+    return int(base.value), int(size.value)
 
 
 def _check_view_fits(layer: LayerView, buffers: list[IpcBuffer]) -> None:

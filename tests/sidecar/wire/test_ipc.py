@@ -275,3 +275,62 @@ def test_cuda_ipc_second_process_reads_and_writes():
     assert torch.all(caches["l1"][1] == 7)
     assert torch.all(caches["l1"][0] == 1) and torch.all(caches["l1"][2:] == 1)
     assert torch.all(caches["l0"] == 1)
+
+
+# The second process imports the buffer and reports what the import said.
+IMPORT_CHILD = """
+import sys, msgspec
+from sidecar.wire import ipc
+buf = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=ipc.IpcBuffer)
+try:
+    ipc.import_buffer(buf).close()
+    print("imported")
+except ipc.IpcError as e:
+    print("refused:", e)
+"""
+
+
+def _import_in_child(buf, env=None):
+    out = subprocess.run([sys.executable, "-c", IMPORT_CHILD], input=msgspec.msgpack.encode(buf),
+                         capture_output=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr.decode()
+    return out.stdout.decode().strip().splitlines()[-1]
+
+
+EXPORTER = """
+import sys, msgspec, torch
+from sidecar.wire import ipc
+t = torch.ones(4 << 20, dtype=torch.uint8, device="cuda:0")[1 << 20:]
+buf = ipc.export_caches({"l0": t}).buffers[0]
+print(msgspec.json.encode(buf).decode(), flush=True)
+sys.stdin.read()  # keep the allocation alive until the test is done
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+@pytest.mark.parametrize("allocator", ["default", "expandable_segments:True"])
+def test_cuda_storage_outside_its_allocation_is_refused_naming_the_field(allocator):
+    """A handle whose offset or size leads past the allocation it opens is refused: torch would map it and let
+    the daemon write into whatever lies beyond. An honest handle, from either allocator, imports."""
+    env = dict(os.environ)
+    if allocator != "default":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = allocator
+    exporter = subprocess.Popen([sys.executable, "-c", EXPORTER], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, env=env)
+    try:
+        buf = msgspec.json.decode(exporter.stdout.readline(), type=ipc.IpcBuffer)
+        assert buf.cuda.storage_offset_bytes >= 1 << 20
+        assert _import_in_child(buf) == "imported"
+        h = buf.cuda
+        longer = msgspec.structs.replace(h, storage_size_bytes=h.storage_size_bytes + (1 << 30))
+        said = _import_in_child(msgspec.structs.replace(buf, cuda=longer))
+        assert said.startswith("refused: cuda.storage_size_bytes"), said
+        assert "past the exporter's allocation" in said
+        for shift in (1 << 30, 1 << 40):
+            moved = msgspec.structs.replace(h, storage_offset_bytes=h.storage_offset_bytes + shift)
+            said = _import_in_child(msgspec.structs.replace(buf, cuda=moved))
+            assert said.startswith("refused: cuda.storage_offset_bytes"), said
+    finally:
+        exporter.stdin.close()
+        exporter.wait(timeout=60)
