@@ -140,7 +140,7 @@ class GraphLaunches:
         h, n, d = p.num_heads, p.block_size, p.head_size
         self._geom = dict(N=n, D=d, X=x_of(p.elem_bytes))
         self._chunks = tk.oop_chunks(h, n, d, x_of(p.elem_bytes), tuning)
-        self._in_place = tk.in_place_form(h, n * d, p.elem_bytes, tuning) == "split"  # else never replayed
+        self._in_place = tk.in_place_form(h, n, d, p.elem_bytes, tuning) == "split"  # else never replayed
         self._unused = tk._unused_counts(self.device)
         self._graphs: OrderedDict[Key, list[_Graph]] = OrderedDict()
         self._sources: OrderedDict[tuple, _Source] = OrderedDict()  # by every property the checks read

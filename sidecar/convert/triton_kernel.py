@@ -35,7 +35,7 @@ import triton.language as tl
 
 from sidecar.convert.checks import ConversionJob
 from sidecar.convert.tables import MetaCache, meta_table, upload
-from sidecar.convert.tuning import TUNING, Tuning
+from sidecar.convert.tuning import TUNING, Tuning, gather_piece, in_place_form, next_pow2, oop_chunks
 
 
 @triton.jit
@@ -283,14 +283,6 @@ def gather_pairs_kernel(anchor, meta, ids, M, pair0, scratch, H, ND: tl.constexp
     tl.store(dst + half + o, tl.load(anchor + v_base + o, eviction_policy=EVICT))
 
 
-def _next_pow2(v: int) -> int:
-    return 1 << (v - 1).bit_length()
-
-
-def _floor_pow2(v: int) -> int:
-    return 1 << (max(1, v).bit_length() - 1)
-
-
 def _meta_table(job: ConversionJob, anchor: torch.Tensor, src_rows: np.ndarray | None,
                 cache: MetaCache | None = None) -> np.ndarray:
     """int64 [L, 6] of element offsets from ``anchor`` and row strides (``tables.meta_table``), host side.
@@ -300,35 +292,11 @@ def _meta_table(job: ConversionJob, anchor: torch.Tensor, src_rows: np.ndarray |
     return cache.get(job.plane_rows, src_rows, anchor.data_ptr(), job.elem_bytes)
 
 
-def oop_chunks(h: int, n: int, d: int, x: int, tuning: Tuning) -> tuple[int, int, int, int]:
-    """The out-of-place program's chunk of a page, about ``oop_elems`` elements: (heads, tokens, dims,
-    head chunks); several heads of a small page, or tokens x dims of one head."""
-    dc = min(d, tuning.oop_max_dims)
-    if 2 * n * dc <= tuning.oop_elems and dc == d:
-        hc, nc = min(_next_pow2(h), _floor_pow2(tuning.oop_elems // (2 * n * d))), n
-    else:
-        hc, nc = 1, max(x, min(n, _floor_pow2(tuning.oop_elems // (2 * dc))))
-    return hc, nc, dc, -(-h // hc)
-
-
 def in_place_strategy(job: ConversionJob, tuning: Tuning = TUNING) -> str:
     """How a pair of this shape converts in place: "pipe", "whole" or "split" (on chip) or "scratch"."""
     if job.lut is not None:
         return "scratch"  # only convert_kernel re-encodes
-    return in_place_form(job.num_heads, job.block_size * job.head_size, job.elem_bytes, tuning)
-
-
-def in_place_form(h: int, nd: int, e: int, tuning: Tuning = TUNING) -> str:
-    """``in_place_strategy`` of a pair without a re-encode: ``h`` heads of ``nd`` elements of ``e`` bytes."""
-    pair_bytes = 2 * e * _next_pow2(h) * nd  # K and V, heads padded to a power of two
-    resident_bytes = 2 * e * _next_pow2(h - h // 2) * nd
-    if tuning.in_place == "pipe" and pair_bytes <= tuning.pipe_max_pair_bytes:
-        return "pipe"
-    if tuning.in_place == "whole" and pair_bytes <= tuning.whole_max_pair_bytes:
-        return "whole"
-    if tuning.in_place != "scratch" and resident_bytes <= tuning.split_max_resident_bytes:
-        return "split"
-    return "scratch"
+    return in_place_form(job.num_heads, job.block_size, job.head_size, job.elem_bytes, tuning)
 
 
 @functools.cache
@@ -438,10 +406,10 @@ def launch_split(device: torch.device, direct: bool, anchor: torch.Tensor, meta:
                  ids: torch.Tensor, m: int, pairs: int, h: int, geom: dict[str, int], tuning: Tuning) -> None:
     """``in_place_split_kernel`` over ``pairs`` = layers x ``m`` (layer, block) pairs, block ids at ``ids``
     (the ordinary launch's, or a graph's padded to its bucket ``m``). ``geom``: N, D and X."""
-    hr = _next_pow2(h - h // 2)
+    hr = next_pow2(h - h // 2)
     resident = 2 * hr * geom["N"] * geom["D"]
     _launch(in_place_split_kernel, (pairs,), device, direct, anchor, meta, ids, m, h, HR=hr,
-            G=min(tuning.split_group, _next_pow2(max(1, h // 2))), PREFETCH=tuning.prefetch,
+            G=min(tuning.split_group, next_pow2(max(1, h // 2))), PREFETCH=tuning.prefetch,
             KD=tuning.k_direct, EVICT=tuning.evict,
             num_warps=_warps(resident, tuning.in_place_elems_per_thread), **geom, **register_cap(tuning))
 
@@ -499,7 +467,7 @@ class Launcher:
         if self.strategy == "out_of_place":
             self._out_of_place(self.meta, 0, total, self.src_idx)
         elif self.strategy == "whole":
-            hp = _next_pow2(self.job.num_heads)
+            hp = next_pow2(self.job.num_heads)
             self._go(convert_kernel, (total,), self.anchor, self.meta, self.ids, self.m, self.job.num_heads,
                      0, HC=hp, HCHUNKS=1, NC=self.job.block_size, DC=self.job.head_size, FROM_SRC=False,
                      KD=self.t.k_direct, EVICT=self.t.evict, SRC_IDX=False,
@@ -507,7 +475,7 @@ class Launcher:
                                       self.t.in_place_elems_per_thread),
                      **self.reenc, **self.geom, **self.extra)
         elif self.strategy == "pipe":
-            hp = _next_pow2(self.job.num_heads)
+            hp = next_pow2(self.job.num_heads)
             grid = min(total, _sm_count(self.job.device) * self.t.pipe_ctas_per_sm)
             if self.t.pipe_max_programs:
                 grid = min(grid, self.t.pipe_max_programs)
@@ -558,7 +526,7 @@ class Launcher:
             ).reshape(-1, 2)
             self.chunks.append((pair0, min(self.per_chunk, total - pair0)))
             tables.append(meta_table(job.plane_rows, rows, self.anchor.data_ptr(), job.elem_bytes))
-        self.piece = min(4096, job.block_size * job.head_size)  # a power of two that divides the half page
+        self.piece = gather_piece(job.block_size, job.head_size)
         return tables
 
     def _in_place_scratch(self) -> None:

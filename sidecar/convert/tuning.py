@@ -1,4 +1,4 @@
-"""Launch shapes of the Triton kernels (plain data, importable without Triton)."""
+"""Launch shapes of the Triton kernels and how they tile a page (pure: importable without Triton)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,59 @@ class Tuning:
 
 
 TUNING = Tuning()
+
+
+# The kernels tile a page with Triton ranges, whose lengths must be powers of two, and cut it into whole
+# chunks by integer division: a chunk that does not divide its dimension leaves a remainder unconverted.
+
+
+def next_pow2(v: int) -> int:
+    return 1 << (v - 1).bit_length()
+
+
+def floor_pow2(v: int) -> int:
+    return 1 << (max(1, v).bit_length() - 1)
+
+
+def pow2_divisor(v: int, cap: int) -> int:
+    """The largest power of two that divides ``v`` (> 0) and is at most ``cap``."""
+    return min(v & -v, floor_pow2(cap))
+
+
+def oop_chunks(h: int, n: int, d: int, x: int, tuning: Tuning) -> tuple[int, int, int, int]:
+    """The out-of-place program's chunk of a page, about ``oop_elems`` elements: (heads, tokens, dims,
+    head chunks); several heads of a small page, or tokens x dims of one head. Tokens and dims are cut
+    into powers of two dividing ``n`` and ``d`` (multiples of ``x``, as the planes' checks require), so a
+    head size like 192 is converted in three chunks of 64 dims, not one of 128 and a remainder."""
+    if n % x or d % x:
+        raise ValueError(f"block_size {n} and head_size {d} must be multiples of x={x}")
+    dc = max(x, pow2_divisor(d, tuning.oop_max_dims))  # still a power of two dividing d
+    whole_page = n & (n - 1) == 0 and dc == d
+    if whole_page and 2 * n * d <= tuning.oop_elems:
+        hc, nc = min(next_pow2(h), floor_pow2(tuning.oop_elems // (2 * n * d))), n
+    else:
+        hc, nc = 1, max(x, min(pow2_divisor(n, n), floor_pow2(tuning.oop_elems // (2 * dc))))
+    return hc, nc, dc, -(-h // hc)
+
+
+def in_place_form(h: int, n: int, d: int, e: int, tuning: Tuning = TUNING) -> str:
+    """How a pair of ``h`` heads x ``n`` tokens x ``d`` dims of ``e`` bytes converts in place without a
+    re-encode: "pipe", "whole" or "split" (on chip, a whole head per range: ``n`` and ``d`` powers of two)
+    or "scratch" (copied aside, then converted by the out-of-place chunks)."""
+    nd = n * d
+    if nd & (nd - 1):
+        return "scratch"
+    pair_bytes = 2 * e * next_pow2(h) * nd  # K and V, heads padded to a power of two
+    resident_bytes = 2 * e * next_pow2(h - h // 2) * nd
+    if tuning.in_place == "pipe" and pair_bytes <= tuning.pipe_max_pair_bytes:
+        return "pipe"
+    if tuning.in_place == "whole" and pair_bytes <= tuning.whole_max_pair_bytes:
+        return "whole"
+    if tuning.in_place != "scratch" and resident_bytes <= tuning.split_max_resident_bytes:
+        return "split"
+    return "scratch"
+
+
+def gather_piece(n: int, d: int) -> int:
+    """Elements each program of the in-place scratch's gather copies: a power of two dividing a half page."""
+    return pow2_divisor(n * d, 4096)

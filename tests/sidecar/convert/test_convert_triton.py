@@ -159,6 +159,30 @@ def test_plane_set_layer_groups_on_the_gpu(cases, no_reference, in_place):
     assert_bits(got[:, 0], got[:, 1], case.want_k, case.want_v, f"layer groups, in_place={in_place}")
 
 
+@pytest.mark.parametrize(("h", "n", "d"), [(3, 16, 96), (8, 16, 192), (2, 48, 128)], ids=lambda v: str(v))
+def test_pages_off_the_powers_of_two_convert_whole(cases, no_reference, h, n, d):
+    """Head or block sizes that are not powers of two (192 dims, 48 tokens): the out-of-place chunks divide
+    them (no remainder left unconverted, as a 128-dim chunk of 192 did) and in place goes through the scratch
+    (the on-chip kernels hold a whole head per power-of-two range)."""
+    from sidecar.convert import triton_kernel
+
+    dt, ids = torch.bfloat16, [5, 1, 3, 6]
+    geom = dict(num_heads=h, block_size=n, head_size=d)
+    case = cases.make_case(2, 7, ids, h, n, d, 0, seed=4)
+    for in_place in (True, False):
+        k0, v0 = (case.in_place_k, case.in_place_v) if in_place else (case.before_k, case.before_v)
+        for tuning in (triton_kernel.TUNING, triton_kernel.Tuning(oop_elems=1024, oop_max_dims=64)):
+            cache = lhbnc(k0, v0, dt)
+            src = None if in_place else torch.from_numpy(case.src).to(DEV).view(dt)
+            job = check_job([cache[0, 0], cache[1, 0]], [cache[0, 1], cache[1, 1]], torch.tensor(ids), **geom,
+                            srcs=None if src is None else [src[0], src[1]])
+            launcher = triton_kernel.Launcher(job, tuning)
+            assert launcher.strategy == ("scratch" if in_place else "out_of_place")
+            launcher()
+            got = cache.view(torch.int16).cpu().numpy()
+            assert_bits(got[:, 0], got[:, 1], case.want_k, case.want_v, f"in_place={in_place}, {tuning}")
+
+
 def _compiled_kernels() -> int:
     from sidecar.convert import triton_kernel as tk
 
