@@ -8,7 +8,7 @@
 #          graphsab groupsab gilab headcheck ab orders groups poll interference profile daemonprofile map
 #          mapped lingerab convertlead convertsweep pieces loopbench
 #          coldab alltests peertests hops queuepieces fireparts gatestests gatesab directgatesab
-#          gateprobe percallpieces hazardtests convertfired connab loadingab
+#          gateprobe percallpieces hazardtests convertfired connab loadingab shapetests
 # Knobs: FASTPATH_BUDGET_S (default 560: the whole call), GROUPS_SWEEP (layer groups the groups step runs).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -57,7 +57,11 @@ for step in "$@"; do
     # the daemon's and NIXL's GPU tests and every real-process one, not the converter kernels' own (about half
     # of alltests' time): for changes to the daemon, the peers or the mapped path
     peertests) TAIL=20 run peertests 420 python3 -m pytest -m gpu -p no:cacheprovider -q -rfE --durations=8 \
-      tests/gpu/test_gpu_mapped.py tests/sidecar/nixl tests/sidecar/daemon tests/gpu ;;
+      tests/gpu/test_gpu_mapped.py tests/sidecar/wire tests/sidecar/nixl tests/sidecar/daemon tests/gpu ;;
+    # the converter's tiling of pages off the powers of two, with the graph launches that share it
+    shapetests) TAIL=12 run shapetests 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rfE --durations=5 \
+      tests/sidecar/convert/test_convert_graphs_gpu.py tests/sidecar/convert/test_convert_triton.py \
+      -k "graphs or off_the_powers or 8-16-128-bfloat16 or 3-32-64-float16" ;;
     hops) TAIL=8 run hops 100 "${ONE_GPU[@]}" --contexts 4096,16384 --concurrency 1,8 --reps 10 \
       --pairs staged/contiguous,mapped/contiguous --budget-s 85 --out "$OUT/e2e-$GPU_TAG-hops.json" ;;
     tests) run tests 360 python3 -m pytest -m gpu -p no:cacheprovider -q tests/sidecar/convert \
