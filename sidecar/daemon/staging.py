@@ -164,6 +164,8 @@ class Staging:
                     f"the request needs {need} slots of {fmt.page_bytes} bytes, "
                     f"the pool has {cut.allocator.num_slots}",
                 )
+            if need == 0:  # no block to read (a full prefix hit, a notify-only pull): nothing to wait for
+                return cut.pool, (0, 0)
             first, _ = await self._wait_run(cut, need)
             if first is not None:
                 return cut.pool, (first, need)
@@ -288,10 +290,11 @@ class Staging:
         if view is None:
             if len(self._views) >= VIEWS_KEPT:
                 self._views.clear()
+            dtype = ipc_mod.torch_dtype(fmt.dtype)
+            # the page's length spelled out: a run of no blocks (0 elements) cannot infer it
+            page = slot // dtype.itemsize
             view = self._views[key] = (
-                self._tensor[first * slot : (first + n) * slot]
-                .view(ipc_mod.torch_dtype(fmt.dtype))
-                .view(layers, blocks, -1)
+                self._tensor[first * slot : (first + n) * slot].view(dtype).view(layers, blocks, page)
             )
         return view
 

@@ -1126,6 +1126,29 @@ def test_a_pull_larger_than_the_whole_pool_is_refused_naming_staging_bytes():
     run(main())
 
 
+@pytest.mark.parametrize("mode", ["auto", "staged"])
+def test_a_pull_of_no_blocks_is_answered_at_once_even_while_the_pool_is_held_whole(mode):
+    """The shim's notify-only Pull (and a full local prefix hit) has no block to read: it is answered ok and
+    its prefill told at once, without a staging slot, while another pull holds every slot of the pool."""
+
+    async def main():
+        async with started(pull_mode=mode, staging_bytes=LAYERS * 3 * PAGE_BYTES) as h:
+            h.port.auto_land = False
+            h.pull("a")  # the whole pool
+            await _posted(h, 1)
+            h.pull("none", blocks=[])
+            assert await _posted(h, 2, timeout=1.0) == ["r-a", "r-none"]  # not behind a's slots
+            h.port.land(h.port.reads[1])  # the fake's empty read (the real port posts none)
+            done = await h.reply(p.Done, "none", timeout=1.0)
+            assert done.ok and done.safe, done
+            await h.until_notified("r-none")
+            h.port.land(h.port.reads[0])
+            assert (await h.reply(p.Done, "a")).ok
+            await h.staging_all_free()
+
+    run(main())
+
+
 def test_the_staging_gauges_show_the_pool_and_what_a_pull_holds_of_it(blocked_conversion):
     """kv_sidecar_staging_bytes is the pool; _in_use, read when scraped, is the slots a pull holds until its
     answer (3 blocks x LAYERS pages while it converts), then 0 again."""

@@ -149,3 +149,26 @@ def test_holds_says_what_take_would_refuse(slots):
         else:
             with pytest.raises(Refused, match="staging_bytes"):
                 asyncio.run(take())
+
+
+def test_a_request_of_no_blocks_takes_no_slots_and_never_waits_for_them():
+    """A Pull of no blocks (a full local prefix hit, or the shim's notify-only pull) stages nothing: it gets
+    an empty run at once, even from a pool another pull holds whole, and its source is an empty view."""
+
+    async def main():
+        staging = _pool(4)
+        _, whole = await staging.take(FMT, 1, 4)
+        for get in (
+            lambda: staging.take(FMT, 2, 0),
+            lambda: staging.take_span(FMT, 2, np.empty(0, np.int64), None, 0.0),
+        ):
+            got = await asyncio.wait_for(get(), 0.5)
+            run = got[1] if isinstance(got, tuple) else got.run
+            assert run[1] == 0 and staging.waiting == 0
+            assert tuple(staging.source(run, FMT, 2, 0).shape[:2]) == (2, 0)
+            staging.give(run)
+        assert _free(staging) == 0  # the whole pool is still the first pull's
+        staging.give(whole)
+        assert _free(staging) == 4
+
+    asyncio.run(main())
