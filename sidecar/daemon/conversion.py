@@ -345,6 +345,11 @@ class Conversions:
             else:
                 self._launch(job, src, first, last)
         except Exception as exc:  # noqa: BLE001 - a launch that fails fails the request, not the loop
+            if self._stream is not None:
+                # What it queued before failing (a slice, a table's copy) still reads the source and writes
+                # the blocks: the job's wait, hence its answer and the staging slots' return, covers it.
+                with contextlib.suppress(Exception):
+                    conv.last_event = self.fence()
             failed = loop.create_future()
             failed.set_exception(exc)
             conv.groups.append(failed)

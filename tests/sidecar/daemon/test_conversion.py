@@ -643,3 +643,69 @@ def test_gates_opened_under_lazy_module_loading_say_how_to_load_eagerly(loading,
     finally:
         conversions.close()
     assert caplog.text.count("set CUDA_MODULE_LOADING=EAGER") == (0 if loading == "EAGER" else 1)
+
+
+class _Stream:
+    """A GPU stream stood in for: its work in order, each item marked run by the test."""
+
+    def __init__(self) -> None:
+        self.queued: list[dict] = []
+
+
+class _StreamEvent:
+    """``torch.cuda.Event`` on ``_Stream``: complete once the work queued before its record has run."""
+
+    def __init__(self) -> None:
+        self.before: list[dict] = []
+
+    def record(self, stream: _Stream) -> None:
+        self.before = list(stream.queued)
+
+    def query(self) -> bool:
+        return all(work["ran"] for work in self.before)
+
+
+def test_work_a_failed_launch_queued_before_failing_is_waited_for_before_the_job_settles(monkeypatch):
+    """A sliced launch queues its slices one by one; one that fails after an earlier slice was queued leaves
+    that slice on the stream, reading the staging slots and writing the decoder's blocks. The job's wait (so
+    its answer and the slots' return) must cover it, not only the event of the group before."""
+    from sidecar.daemon import conversion as conversion_mod
+
+    monkeypatch.setattr(torch.cuda, "Event", _StreamEvent)
+    stream = _Stream()
+
+    def launch_gpu(on, caches, ids, fmt, src, layers, *rest):
+        on.queued.append({"ran": False, "layers": layers})  # a slice queued
+        if layers == (1, 2):
+            raise RuntimeError("CUDA error: out of memory")  # the next slice's launch fails
+        event = _StreamEvent()
+        event.record(on)
+        return event
+
+    monkeypatch.setattr(conversion_mod, "launch_gpu", launch_gpu)
+    conversions = Conversions(None)
+    conversions._stream = stream  # as on a GPU; graphs off: the ordinary launch
+    caches = types.SimpleNamespace(page_format=LOCAL, graphs=None)
+    job = types.SimpleNamespace(caches=caches, pairs=types.SimpleNamespace(local=np.array([0, 1])),
+                                conversion=None, timings={}, req_id="r")
+    conversions.begin(job, torch.zeros((LAYERS, 2, 8)), negotiate(REMOTE, REMOTE))
+
+    async def main():
+        conversions.convert_group(job, 0, 1)
+        conversions.convert_group(job, 1, 2)  # fails, its first slice queued
+        stream.queued[0]["ran"] = True
+        settle = asyncio.ensure_future(conversions.settle(job))
+        for _ in range(5):
+            await asyncio.sleep(0)
+            conversions.poll(0.0)
+        assert not settle.done()  # the failed launch's slice still runs
+        stream.queued[1]["ran"] = True
+        conversions.poll(0.0)
+        await asyncio.wait_for(settle, 1.0)
+        with pytest.raises(Failed, match="out of memory"):
+            await conversions.finish(job, LAYERS)
+
+    try:
+        asyncio.run(main())
+    finally:
+        conversions.close()
