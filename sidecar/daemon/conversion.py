@@ -419,9 +419,10 @@ class Conversions:
         return done
 
     def _give_back_gates(self, gated: list[Gated], done: asyncio.Future) -> None:
-        """``gated``'s gates, once the work behind them has run (not after a failed query: it may not
-        have)."""
-        if done.cancelled() or any(isinstance(r, BaseException) for r in done.result()):
+        """``gated``'s gates, once the work behind them has run (not after a failed query of their events:
+        it may not have). Only their own events count: another group's failed launch says nothing of the
+        work behind these gates, and a gate never given back is out of use for good."""
+        if done.cancelled() or any(isinstance(r, BaseException) for r in done.result()[-len(gated):]):
             return
         for g in gated:
             self._gates.give_back(g.slot)

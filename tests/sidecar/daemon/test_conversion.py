@@ -645,6 +645,29 @@ def test_gates_opened_under_lazy_module_loading_say_how_to_load_eagerly(loading,
     assert caplog.text.count("set CUDA_MODULE_LOADING=EAGER") == (0 if loading == "EAGER" else 1)
 
 
+def test_a_failed_launch_beside_a_gated_one_still_gives_its_gate_back():
+    """A group whose launch fails on the host fails the job, but the gated launch beside it ran (its event
+    was seen complete): its gate is free again. Before, any error in the job's wait kept every gate of the
+    job out of use for good, and each such pull took gates until none were left."""
+    conversions, job, calls, gates, _ = _gated_job()
+    graphs = job.caches.graphs
+
+    async def main():
+        conversions.prepare(job, [(0, 1)])  # (1, 3) is not made ready: it launches whole when it lands
+        conversions.convert_group(job, 0, 1)
+        graphs.fail = True
+        conversions.convert_group(job, 1, 3)  # its launch fails on the host: nothing of it was queued
+        task = asyncio.ensure_future(conversions.finish(job, 3))
+        await asyncio.sleep(0)
+        conversions.poll(0.0)
+        with pytest.raises(Failed, match="block_ids: bad"):
+            await task
+        await _settle(conversions, job)
+
+    _run(conversions, main)
+    assert sorted(gates.free_slots) == list(range(8))
+
+
 class _Stream:
     """A GPU stream stood in for: its work in order, each item marked run by the test."""
 
