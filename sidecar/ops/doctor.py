@@ -466,6 +466,7 @@ def check_prefill(
             if r.page_format is not None and r is rule
         ),
         conversion_enabled=rule.convert if rule else True,
+        allow_lossy_fp8=rule.fp8_lossy_reencode if rule else False,
         remote_mem_type="DRAM" if cfg.gpu is None else "VRAM",
     )
     check_identity = cfg.verify_model_identity and bool(factors)

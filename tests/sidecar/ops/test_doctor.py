@@ -452,3 +452,51 @@ def test_table_output_names_the_failed_checks():
     )
     text = console.export_text()
     assert "FAIL" in text and "PASS" in text and "FAIL: daemon" in text
+
+
+# ------------------------------------------------------------------------------- negotiation as the daemon
+
+
+FP8_GEOMETRY = dict(num_heads=2, block_size=16, head_size=64)
+FP8_PREFILL = PageFormat(kind="standard", layout="LBHNC", dtype="float8_e4m3fn", **FP8_GEOMETRY)
+# 1.0 is not twice the prefill's 1.0: the e4m3fn -> e4m3fnuz re-encode can saturate or round
+FP8_DECODER = PageFormat(kind="aiter_shuffled", layout="LHBNC", dtype="float8_e4m3fnuz", **FP8_GEOMETRY)
+
+
+def _fake_prefill(monkeypatch, page_bytes: int) -> None:
+    """vLLM's handshake reply of a prefill with 2 layers of ``page_bytes`` pages, without a network."""
+    from types import SimpleNamespace
+
+    from sidecar.wire import prefill as vllm_wire
+    from tests.sidecar.nixl.test_geometry import RemoteMem
+
+    meta = RemoteMem(2, 8, block_len=page_bytes).meta
+    meta.num_regions = 2
+    reply = SimpleNamespace(metadata=meta, compatibility_hash=None, rtt_s=0.001)
+    monkeypatch.setattr(vllm_wire, "fetch_handshake", lambda *a, **k: {(0, 0): reply})
+
+
+@pytest.mark.parametrize("lossy_ok, status", [(True, "pass"), (False, "fail")])
+def test_negotiation_honours_the_rules_fp8_lossy_reencode(monkeypatch, lossy_ok, status):
+    """The daemon admits a lossy e4m3fn -> e4m3fnuz prefill when its [[remotes]] rule opts in
+    (fp8_lossy_reencode); doctor must say the same, not "refused on local.k_scale"."""
+    from sidecar.ops import config
+
+    _fake_prefill(monkeypatch, FP8_PREFILL.page_bytes)
+    cfg = config.build(
+        {
+            "verify_model_identity": False,
+            "remotes": [
+                {
+                    "match": "10.0.0.1:5600",
+                    "page_format": msgspec.to_builtins(FP8_PREFILL),
+                    "fp8_lossy_reencode": lossy_ok,
+                }
+            ],
+        }
+    )
+    checks = doctor.check_prefill("10.0.0.1:5600", cfg, FP8_DECODER, 2, {}, 1.0)
+    neg = {c.name: c for c in checks}["negotiation 10.0.0.1:5600"]
+    assert neg.status == status, neg
+    if not lossy_ok:
+        assert neg.detail.startswith("refused on local.k_scale:"), neg
