@@ -237,6 +237,15 @@ def check_daemon(socket_endpoint: str, timeout_s: float) -> tuple[list[DoctorChe
                 "(systemctl status kv-sidecar@N / the pod's kv-sidecar container)?",
             )
         ], None
+    if local and not os.access(path, os.W_OK):  # ZMQ would retry the refused connect silently
+        return [
+            DoctorCheck(
+                "daemon",
+                "fail",
+                f"cannot open {path} (permission denied): run doctor as the daemon's user, a member of "
+                "its socket_group, or root",
+            )
+        ], None
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -185,6 +185,46 @@ def test_stale_socket_file_is_reported(tmp_path):
     assert checks[0].status == "fail" and "no reply" in checks[0].detail
 
 
+def test_a_socket_doctor_may_not_open_is_not_called_stale():
+    """A live daemon's socket that doctor's user cannot write (0600, doctor not its owner): connecting is
+    refused, and saying "stale socket, or the daemon is stuck" would have the operator restart a healthy
+    daemon. Run as nobody when the tests run as root (root may open anything)."""
+    import shutil
+    import socket as socket_mod
+    import tempfile
+
+    as_other = []
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root without setpriv: cannot test as another user")
+        as_other = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+    with tempfile.TemporaryDirectory(dir="/tmp") as d:
+        os.chmod(d, 0o755)  # enterable: only the socket itself is out of reach
+        path = f"{d}/gpu0.sock"
+        listener = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM)
+        try:
+            listener.bind(path)
+            listener.listen()
+            os.chmod(path, 0o000 if not as_other else 0o600)
+            code = (
+                "import json, sys, msgspec; from sidecar.ops import doctor; "
+                "print(msgspec.json.encode(doctor.check_daemon(sys.argv[1], 0.5)[0]).decode())"
+            )
+            repo = str(Path(__file__).resolve().parents[3])
+            out = subprocess.run(
+                [*as_other, sys.executable, "-c", code, f"ipc://{path}"],
+                capture_output=True, text=True, timeout=60, cwd=d,
+                env={**os.environ, "PYTHONPATH": repo},
+            )
+        finally:
+            listener.close()
+    assert out.returncode == 0, out.stderr[-2000:]
+    (check,) = json.loads(out.stdout)
+    assert check["status"] == "fail"
+    assert "permission denied" in check["detail"] and "stale" not in check["detail"], check
+
+
 # ------------------------------------------------------------------------------------------------ e2e
 
 
