@@ -76,6 +76,7 @@ class Target(msgspec.Struct, frozen=True):
     socket: str
     metrics_url: str | None
     config: Any  # sidecar.ops.config.Config
+    no_metrics: str = ""  # why metrics_url is None
 
 
 # ----------------------------------------------------------------------------------------- pure helpers
@@ -194,20 +195,27 @@ def load_target(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[T
         cfg = config_mod.load(args.config, environ=environ, overrides=overrides)
     except config_mod.ConfigError as exc:
         return None, DoctorCheck("config", "fail", str(exc))
+    url: str | None = None
+    no_metrics = ""
     if args.metrics_url:
-        url: str | None = args.metrics_url.rstrip("/")
+        url = args.metrics_url.rstrip("/")
     elif cfg.http_port < 0:
-        url = None
+        no_metrics = "metrics endpoint disabled (metrics_port = -1)"
+    elif cfg.http_port == 0:  # the daemon bound a free port, which only its ready line says
+        no_metrics = ("metrics_port = 0: the daemon serves on a free port (its ready line says which); give "
+                      "--metrics-url")
     else:
         port = cfg.http_port  # as the daemon reads it: 9464 + N for GPU N unless metrics_port is set
         host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(cfg.metrics_host, cfg.metrics_host)
         url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"  # an IPv6 address
-    target = Target(socket=cfg.socket_endpoint, metrics_url=url, config=cfg)
+    target = Target(socket=cfg.socket_endpoint, metrics_url=url, config=cfg, no_metrics=no_metrics)
     where = args.config or environ.get("KV_SIDECAR_CONFIG") or "defaults and KV_SIDECAR_* variables"
+    shown = url or ("disabled" if cfg.http_port < 0 else "on a free port")
     return target, DoctorCheck(
         "config",
         "pass",
-        f"{where}: socket {target.socket}, metrics {url or 'disabled'}, {len(cfg.remotes)} remote rule(s)",
+        f"{where}: socket {target.socket}, metrics {shown}, "
+        f"{len(cfg.remotes)} remote rule(s)",
     )
 
 
@@ -351,9 +359,11 @@ def _get(url: str, timeout_s: float) -> tuple[int, str]:
         return exc.code, exc.read().decode(errors="replace")
 
 
-def check_health(url: str | None, timeout_s: float) -> tuple[list[DoctorCheck], dict[str, float]]:
+def check_health(
+    url: str | None, timeout_s: float, why_none: str = "metrics endpoint disabled (metrics_port = -1)"
+) -> tuple[list[DoctorCheck], dict[str, float]]:
     if url is None:
-        return [DoctorCheck("health", "skip", "metrics endpoint disabled (metrics_port = -1)")], {}
+        return [DoctorCheck("health", "skip", why_none)], {}
     checks, gauges = [], {}
     for path in ("/healthz", "/readyz"):
         try:
@@ -581,7 +591,7 @@ def diagnose(args: argparse.Namespace, environ: Mapping[str, str] | None = None)
     checks += daemon_checks
     if all(c.status == "pass" for c in daemon_checks):
         checks.append(check_completion_socket(target.socket, args.timeout))
-    health, gauges = check_health(target.metrics_url, args.timeout)
+    health, gauges = check_health(target.metrics_url, args.timeout, target.no_metrics)
     checks += health
     checks.append(check_caches(status, gauges))
     checks.append(check_read_path(target.config))

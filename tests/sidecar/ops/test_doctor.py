@@ -92,6 +92,7 @@ def test_env_file_reads_like_systemd(tmp_path):
         ("metrics_port = 9600\n", {}, "http://127.0.0.1:9600"),  # the TOML file's, as the daemon reads it
         ("metrics_port = 9600\n", {"KV_SIDECAR_METRICS_PORT": "19000"}, "http://127.0.0.1:19000"),
         ("metrics_port = -1\n", {}, None),
+        ("metrics_port = 0\n", {}, None),  # a free port picked at start: not port 0
         ('metrics_host = "::"\n', {}, "http://[::1]:9465"),  # an IPv6 wildcard is asked on its loopback
     ],
 )
@@ -103,6 +104,20 @@ def test_the_metrics_endpoint_is_where_the_daemon_serves_it(tmp_path, toml, env,
     target, check = doctor.load_target(parser.parse_args(["--gpu", "1", "--config", str(path)]), env)
     assert check.status == "pass", check
     assert target is not None and target.metrics_url == url
+
+
+def test_a_free_metrics_port_is_asked_for_not_probed_at_port_0(tmp_path):
+    """metrics_port = 0: the daemon picked a free port; doctor cannot know it and must say so, not fail
+    /healthz and /readyz against port 0."""
+    path = tmp_path / "kv-sidecar.toml"
+    path.write_text("metrics_port = 0\n")
+    parser = argparse.ArgumentParser()
+    doctor.add_arguments(parser)
+    target, _ = doctor.load_target(parser.parse_args(["--config", str(path)]), {})
+    assert target is not None
+    checks, gauges = doctor.check_health(target.metrics_url, 0.5, target.no_metrics)
+    assert [(c.name, c.status) for c in checks] == [("health", "skip")] and gauges == {}
+    assert "--metrics-url" in checks[0].detail and "metrics_port = 0" in checks[0].detail
 
 
 def test_metrics_text_gauges():
