@@ -576,6 +576,9 @@ def check_test_pull(args: argparse.Namespace, env: Mapping[str, str]) -> list[Do
 
 def diagnose(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> DoctorReport:
     env = dict(os.environ if environ is None else environ)
+    unit_config = getattr(args, "unit_config", None)
+    if unit_config is not None:  # the unit's Environment=, which its EnvironmentFile=s override
+        env.setdefault("KV_SIDECAR_CONFIG", unit_config)
     checks: list[DoctorCheck] = []
     for path in args.env_file or []:
         try:
@@ -691,8 +694,8 @@ def run(args: argparse.Namespace, *, out: Callable[[str], None] | None = None) -
     if args.env_file is None:
         args.env_file = _default_env_files(args.gpu)
     systemd_host = args.gpu is not None and os.path.exists(SYSTEMD_CONFIG)
-    if args.config is None and systemd_host and "KV_SIDECAR_CONFIG" not in os.environ:
-        args.config = SYSTEMD_CONFIG
+    if args.config is None and systemd_host:
+        args.unit_config = SYSTEMD_CONFIG
     report = diagnose(args)
     if args.json:
         text = json.dumps({"ok": report.ok, "checks": msgspec.to_builtins(report.checks)}, indent=2)

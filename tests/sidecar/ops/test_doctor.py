@@ -120,6 +120,29 @@ def test_a_free_metrics_port_is_asked_for_not_probed_at_port_0(tmp_path):
     assert "--metrics-url" in checks[0].detail and "metrics_port = 0" in checks[0].detail
 
 
+def test_gpu_n_reads_the_config_an_env_file_names_as_kv_sidecar_at_n_does(tmp_path, monkeypatch):
+    """kv-sidecar@N's Environment=KV_SIDECAR_CONFIG=/etc/kv-sidecar/kv-sidecar.toml is overridden by its
+    EnvironmentFile=s (systemd: "settings from these files override settings made with Environment="), so a
+    per-GPU N.env may point the daemon at another file; doctor --gpu N must check that one."""
+    shared, own = tmp_path / "kv-sidecar.toml", tmp_path / "gpu1.toml"
+    shared.write_text("metrics_port = 9600\n")
+    own.write_text("metrics_port = 9700\n")
+    (tmp_path / "1.env").write_text(f"KV_SIDECAR_CONFIG={own}\n")
+    monkeypatch.setattr(doctor, "SYSTEMD_CONFIG", str(shared))
+    env_files = (str(tmp_path / "kv-sidecar.env"), str(tmp_path / "{gpu}.env"))
+    monkeypatch.setattr(doctor, "SYSTEMD_ENV_FILES", env_files)
+    monkeypatch.delenv("KV_SIDECAR_CONFIG", raising=False)
+    out: list[str] = []
+    parser = argparse.ArgumentParser()
+    doctor.add_arguments(parser)
+    args = parser.parse_args(["--gpu", "1", "--no-pull", "--json", "--timeout", "0.2",
+                              "--socket", f"ipc://{tmp_path}/gpu1.sock"])
+    doctor.run(args, out=out.append)
+    config = _by_name(json.loads(out[0]))["config"]
+    assert config["status"] == "pass" and config["detail"].startswith(f"{own}:"), config
+    assert "http://127.0.0.1:9700" in config["detail"], config
+
+
 def test_metrics_text_gauges():
     text = (
         "# HELP kv_sidecar_ready x\n# TYPE kv_sidecar_ready gauge\nkv_sidecar_ready 1.0\n"
