@@ -27,6 +27,7 @@ ENV_NOT_KEYS = frozenset(
         "KV_SIDECAR_INTEROP_START_TIMEOUT",
         "KV_SIDECAR_TINY_MODEL",
         "KV_SIDECAR_SHIM_LOG_LEVEL",
+        "KV_SIDECAR_VLLM_WHEEL_DIR",
     }
 )
 DEFAULT_SOCKET_DIR = "/run/kv-sidecar"

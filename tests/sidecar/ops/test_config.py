@@ -143,3 +143,32 @@ def test_inline_posts_default_by_device_and_can_be_set():
     with pytest.raises(msgspec.ValidationError, match="inline_post_max_descriptors"):
         msgspec.convert({"inline_post_max_descriptors": -1}, Config)
     assert "inline_post_max_descriptors" in c.RELOADABLE
+
+
+def test_every_kv_sidecar_variable_the_repo_reads_is_a_key_or_set_aside():
+    """A KV_SIDECAR_* variable that is not a config key makes `kv-sidecar serve` (and every test that
+    spawns it) exit with "no config key": the variables tests, scripts and the shim read must be in
+    ENV_NOT_KEYS. (KV_SIDECAR_VLLM_WHEEL_DIR, which two tests tell the developer to export, was not.)"""
+    import re
+    from pathlib import Path
+
+    import msgspec
+
+    from sidecar.ops import config
+
+    repo = Path(__file__).resolve().parents[3]
+    read = re.compile(r"""(?:environ(?:\.get)?[\[(]|getenv\()\s*["'](KV_SIDECAR_[A-Z0-9_]+)""")
+    names = {
+        m.group(1)
+        for top in ("sidecar", "vllm_glue", "tests", "scripts", "bench")
+        if (repo / top).is_dir()
+        for path in (repo / top).rglob("*")
+        if path.suffix in (".py", ".sh") and path.is_file()
+        for m in read.finditer(path.read_text(errors="replace"))
+    }
+    keys = {f.name for f in msgspec.structs.fields(config.Config)}
+    assert names, "the scan found no variables"
+    stray = sorted(n for n in names if n[len(config.ENV_PREFIX):].lower() not in keys)
+    assert set(stray) <= config.ENV_NOT_KEYS, set(stray) - config.ENV_NOT_KEYS
+    environ = {name: "x" for name in config.ENV_NOT_KEYS - {"KV_SIDECAR_CONFIG"}}  # that one names a file
+    assert config.load(environ=environ) == config.build({})
