@@ -47,16 +47,17 @@ ENV PATH=/opt/kv-sidecar/bin:${PATH} \
     PYTHONUNBUFFERED=1 \
     HOME=/var/lib/kv-sidecar \
     XDG_CACHE_HOME=/var/cache/kv-sidecar \
-    TRITON_CACHE_DIR=/var/cache/kv-sidecar/triton \
-    KV_SIDECAR_METRICS_PORT=9464
+    TRITON_CACHE_DIR=/var/cache/kv-sidecar/triton
 
 USER ${KV_SIDECAR_UID}:${KV_SIDECAR_GID}
 WORKDIR /var/lib/kv-sidecar
 EXPOSE 9464
 
-# /healthz: the process is alive and its event loop answers (readiness, /readyz, also needs vLLM's caches).
+# /healthz: the process is alive and its event loop answers (readiness, /readyz, also needs vLLM's caches). The
+# check reads the port as the daemon does (9464 + N for `serve --gpu N`, or metrics_port from flags, variables
+# or the config file), so one image serves every GPU of a host.
 HEALTHCHECK --interval=15s --timeout=3s --start-period=60s --retries=3 \
-  CMD ["/opt/kv-sidecar/bin/python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('KV_SIDECAR_METRICS_PORT', '9464') + '/healthz', timeout=2)"]
+  CMD ["/opt/kv-sidecar/bin/python", "-m", "sidecar.ops.healthcheck"]
 
 ENTRYPOINT ["/opt/kv-sidecar/bin/kv-sidecar"]
 CMD ["serve", "--gpu", "0"]

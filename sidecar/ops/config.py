@@ -476,6 +476,16 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             return self.metrics_port
         return DEFAULT_METRICS_PORT + (self.gpu or 0)
 
+    @property
+    def local_metrics_url(self) -> str | None:
+        """Where a process on this host reaches the metrics endpoint (None: disabled, or a free port that only
+        the daemon's ready line names)."""
+        if self.http_port <= 0:
+            return None
+        loopback = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+        host = loopback.get(self.metrics_host, self.metrics_host)
+        return f"http://[{host}]:{self.http_port}" if ":" in host else f"http://{host}:{self.http_port}"
+
 
 def direct_reads(cfg: Config) -> str | None:
     """Why a GPU daemon with ``cfg`` reads pulls direct, the descriptor-bound way, or None (the CPU twin's

@@ -205,9 +205,7 @@ def load_target(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[T
         no_metrics = ("metrics_port = 0: the daemon serves on a free port (its ready line says which); give "
                       "--metrics-url")
     else:
-        port = cfg.http_port  # as the daemon reads it: 9464 + N for GPU N unless metrics_port is set
-        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(cfg.metrics_host, cfg.metrics_host)
-        url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"  # an IPv6 address
+        url = cfg.local_metrics_url  # as the daemon reads it: 9464 + N for GPU N unless metrics_port is set
     target = Target(socket=cfg.socket_endpoint, metrics_url=url, config=cfg, no_metrics=no_metrics)
     where = args.config or environ.get("KV_SIDECAR_CONFIG") or "defaults and KV_SIDECAR_* variables"
     shown = url or ("disabled" if cfg.http_port < 0 else "on a free port")

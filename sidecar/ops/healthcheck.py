@@ -1,0 +1,51 @@
+"""Docker's HEALTHCHECK: ``GET /healthz`` where the container's daemon serves it.
+
+The port is the daemon's own: its ``serve`` flags (read from PID 1's command line), its config file and the
+``KV_SIDECAR_*`` variables, loaded as ``serve`` loads them, so ``serve --gpu 1`` is checked on 9465 and a
+``metrics_port`` in the TOML file is honoured. Exit 0 when healthy, 1 otherwise, with one line saying why.
+"""
+
+from __future__ import annotations
+
+import sys
+import urllib.error
+import urllib.request
+
+
+def serve_argv(cmdline: bytes) -> list[str]:
+    """The ``serve ...`` part of a NUL-separated command line (``python .../kv-sidecar serve --gpu 1``)."""
+    words = [w.decode(errors="replace") for w in cmdline.split(b"\0") if w]
+    if "serve" not in words:
+        raise ValueError(f"not a kv-sidecar serve command line: {' '.join(words)!r}")
+    return words[words.index("serve"):]
+
+
+def health_url(argv: list[str]) -> str:
+    """The daemon's ``/healthz`` URL for ``serve`` flags ``argv``; ValueError when it serves none."""
+    from sidecar.cli import build_parser, config_overrides
+    from sidecar.ops import config as config_mod
+
+    args = build_parser().parse_args(argv)
+    cfg = config_mod.load(args.config, overrides=config_overrides(args))
+    url = cfg.local_metrics_url
+    if url is None:
+        raise ValueError(f"metrics_port = {cfg.http_port}: no fixed metrics endpoint to check")
+    return url + "/healthz"
+
+
+def main(pid: int = 1, timeout_s: float = 2.0) -> int:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            url = health_url(serve_argv(f.read()))
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            print(f"{url}: {r.status}")
+        return 0
+    except urllib.error.HTTPError as exc:
+        print(f"{exc.url}: {exc.code} {exc.read().decode(errors='replace').strip()}")
+    except Exception as exc:  # noqa: BLE001 - any failure is unhealthy, said in one line
+        print(f"unhealthy: {type(exc).__name__}: {exc}")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

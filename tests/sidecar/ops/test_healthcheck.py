@@ -1,0 +1,53 @@
+"""Docker's HEALTHCHECK finds the daemon's port as the daemon does, and says why it is unhealthy."""
+
+import socket
+
+import pytest
+
+from sidecar.cli import spawn_serve
+from sidecar.ops import healthcheck
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_serve_flags_come_from_a_command_line():
+    line = b"/opt/kv-sidecar/bin/python\0/opt/kv-sidecar/bin/kv-sidecar\0serve\0--gpu\0001\0"
+    assert healthcheck.serve_argv(line) == ["serve", "--gpu", "1"]
+    with pytest.raises(ValueError, match="not a kv-sidecar serve command line"):
+        healthcheck.serve_argv(b"/pause\0")
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "want"),
+    [
+        (["serve", "--gpu", "1"], {}, "http://127.0.0.1:9465/healthz"),  # the default for GPU 1, not 9464
+        (["serve", "--gpu", "1"], {"KV_SIDECAR_METRICS_PORT": "19000"}, "http://127.0.0.1:19000/healthz"),
+        (["serve", "--metrics-port", "9600", "--metrics-host", "::"], {}, "http://[::1]:9600/healthz"),
+    ],
+)
+def test_the_url_is_the_daemons(monkeypatch, argv, env, want):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert healthcheck.health_url(argv) == want
+
+
+def test_a_free_or_disabled_port_cannot_be_checked():
+    for port in ("0", "-1"):
+        with pytest.raises(ValueError, match=f"metrics_port = {port}"):
+            healthcheck.health_url(["serve", "--metrics-port", port])
+
+
+def test_a_running_daemon_is_healthy_on_the_port_its_config_file_names(tmp_path, capsys):
+    port = _free_port()
+    config = tmp_path / "kv-sidecar.toml"
+    config.write_text(f"metrics_port = {port}\n")
+    endpoint = f"ipc://{tmp_path}/kv.sock"
+    with spawn_serve(["--socket", endpoint, "--config", str(config)]) as daemon:
+        assert healthcheck.main(pid=daemon.proc.pid) == 0
+        assert f"127.0.0.1:{port}/healthz: 200" in capsys.readouterr().out
+    assert healthcheck.main(pid=daemon.proc.pid) == 1  # gone: no /proc entry
+    assert "unhealthy" in capsys.readouterr().out
