@@ -125,6 +125,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._stopping = False
         self._switch_interval: float | None = None
+        self._watchdog: sdnotify.Watchdog | None = None  # under a unit with WatchdogSec=
         self._background: set[asyncio.Task] = set()
 
     # -- lifecycle
@@ -181,6 +182,9 @@ class Daemon:
         gc.freeze()  # startup objects (torch, NIXL) never need scanning again: shorter GC pauses per Done
         self.health.mark_started()
         sdnotify.ready(f"serving {cfg.socket_endpoint} ({cfg.device})")
+        period = sdnotify.watchdog_period_s()
+        if period is not None:
+            self._watchdog = sdnotify.Watchdog(period, self.health.healthy).start()
         log.info(
             "kv-sidecar %s serving %s on %s (pid %d)",
             __version__,
@@ -327,6 +331,9 @@ class Daemon:
         if self._switch_interval is not None:
             sys.setswitchinterval(self._switch_interval)
             self._switch_interval = None
+        if self._watchdog is not None:  # fed through the drain above: systemd's stop has its own timeout
+            self._watchdog.stop()
+            self._watchdog = None
         if self.metrics_server is not None:
             self.metrics_server.close()
         log.info("kv-sidecar stopped")

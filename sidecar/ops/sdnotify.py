@@ -1,7 +1,9 @@
 """systemd's sd_notify protocol without libsystemd: one datagram to $NOTIFY_SOCKET.
 
 The daemon calls ``ready()`` once it can accept caches (socket bound, NIXL agent up) and ``stopping()``
-when it begins to shut down. Outside systemd (no $NOTIFY_SOCKET) every call is a no-op returning False.
+when it begins to shut down; under a unit with ``WatchdogSec=``, a ``Watchdog`` thread sends ``WATCHDOG=1``
+while the daemon is healthy (as /healthz says), so systemd restarts a stuck one. Outside systemd (no
+$NOTIFY_SOCKET) every call is a no-op returning False.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
+from collections.abc import Callable, Mapping
 
 log = logging.getLogger("kv_sidecar.sdnotify")
 NOTIFY_SOCKET_ENV = "NOTIFY_SOCKET"
@@ -54,3 +58,54 @@ def stopping(status: str | None = None) -> bool:
 def status(text: str) -> bool:
     """Free-form status line shown by `systemctl status`."""
     return notify(f"STATUS={text}")
+
+
+def watchdog_period_s(environ: Mapping[str, str] | None = None) -> float | None:
+    """How often to send WATCHDOG=1: half of the unit's ``WatchdogSec=`` ($WATCHDOG_USEC), as
+    sd_watchdog_enabled(3) advises; None without a watchdog, or when $WATCHDOG_PID names another process."""
+    env = os.environ if environ is None else environ
+    try:
+        usec = int(env.get("WATCHDOG_USEC", "0"))
+        pid = int(env.get("WATCHDOG_PID", "0") or 0)
+    except ValueError:
+        log.warning("WATCHDOG_USEC / WATCHDOG_PID not integers: systemd's watchdog not fed")
+        return None
+    if usec <= 0 or (pid and pid != os.getpid()):
+        return None
+    return usec / 2e6
+
+
+class Watchdog:
+    """A thread that sends WATCHDOG=1 every ``period_s`` while ``healthy()`` says so. It holds back while the
+    daemon is unhealthy (a stalled loop, a NIXL call stuck past ``poster_stall_s``, a loop ended): systemd
+    then restarts the unit once ``WatchdogSec=`` passes without one. A thread, so it reads the same verdict
+    as /healthz whatever the event loop is doing."""
+
+    def __init__(self, period_s: float, healthy: Callable[[], tuple[bool, str]]) -> None:
+        self.period_s = period_s
+        self._healthy = healthy
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-sidecar-watchdog", daemon=True)
+        self.sent = 0
+        self.withheld = 0
+
+    def start(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        fed = True
+        while not self._stop.wait(self.period_s):
+            ok, why = self._healthy()
+            if ok:
+                self.sent += notify("WATCHDOG=1")
+            else:
+                self.withheld += 1
+                if fed:
+                    log.error("systemd watchdog not fed while unhealthy (%s): the unit restarts once "
+                              "WatchdogSec passes", why)
+            fed = ok

@@ -340,3 +340,37 @@ def test_daemon_sends_ready_only_with_its_socket_bound_then_stopping(tmp_path):
             proc.kill()
             proc.wait()
         notify.close()
+
+
+@pytest.mark.e2e
+def test_daemon_feeds_systemds_watchdog_while_healthy(tmp_path):
+    """With the unit's WatchdogSec= (WATCHDOG_USEC), the serving daemon sends WATCHDOG=1 every half period
+    (a stuck one stops, and systemd restarts it: tests/sidecar/ops/test_sdnotify.py)."""
+    unit = (SYSTEMD / "kv-sidecar@.service").read_text()
+    assert "\nWatchdogSec=" in unit
+    notify_path = tmp_path / "notify.sock"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(notify_path))
+    env = {
+        **os.environ,
+        "NOTIFY_SOCKET": str(notify_path),
+        "WATCHDOG_USEC": "200000",
+        "KV_SIDECAR_SOCKET": f"ipc://{tmp_path}/cpu.sock",
+        "KV_SIDECAR_METRICS_PORT": "-1",
+    }
+    log = tmp_path / "daemon.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([_venv_binary(), "serve"], env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        while "READY=1" not in _next_notification(notify, proc, log, timeout_s=90).split("\n"):
+            pass
+        start = time.monotonic()
+        fed = [_next_notification(notify, proc, log, timeout_s=5) for _ in range(5)]
+        assert fed == ["WATCHDOG=1"] * 5 and time.monotonic() - start < 2.0
+        proc.terminate()
+        assert proc.wait(30) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        notify.close()

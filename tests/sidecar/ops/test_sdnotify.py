@@ -1,7 +1,9 @@
 """sd_notify datagrams reach a real AF_UNIX socket, by path and in the abstract namespace."""
 
+import contextlib
 import os
 import socket
+import time
 import uuid
 
 import pytest
@@ -67,3 +69,51 @@ def test_an_unreachable_notify_socket_is_logged_not_raised(monkeypatch, caplog, 
     monkeypatch.setenv("NOTIFY_SOCKET", value)
     assert sdnotify.ready() is False and sdnotify.stopping("draining") is False
     assert "sd_notify READY=1 not sent" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("env", "want"),
+    [
+        ({}, None),  # no WatchdogSec=
+        ({"WATCHDOG_USEC": "60000000"}, 30.0),  # half of it, as sd_watchdog_enabled advises
+        ({"WATCHDOG_USEC": "60000000", "WATCHDOG_PID": str(os.getpid())}, 30.0),
+        ({"WATCHDOG_USEC": "60000000", "WATCHDOG_PID": "1"}, None),  # another process's
+        ({"WATCHDOG_USEC": "0"}, None),
+        ({"WATCHDOG_USEC": "sixty"}, None),
+    ],
+)
+def test_the_watchdog_period_is_half_the_units(env, want):
+    assert sdnotify.watchdog_period_s(env) == want
+
+
+def test_the_watchdog_is_fed_only_while_healthy(tmp_path, monkeypatch, caplog):
+    """WATCHDOG=1 goes out every period while healthy, none while not (systemd then restarts the unit), and
+    again once healthy; each turn to unhealthy is logged once, with its reason."""
+    path = str(tmp_path / "notify.sock")
+    verdict = [(True, "ok")]
+    with _receiver(path) as rx:
+        monkeypatch.setenv("NOTIFY_SOCKET", path)
+        dog = sdnotify.Watchdog(0.02, lambda: verdict[0]).start()
+        try:
+            assert rx.recv(4096) == b"WATCHDOG=1"
+            with caplog.at_level("ERROR", logger="kv_sidecar.sdnotify"):
+                verdict[0] = (False, "event loop stalled: no tick for 6.0 s")
+                while dog.withheld == 0:
+                    time.sleep(0.005)
+                rx.setblocking(False)
+                with contextlib.suppress(BlockingIOError):  # what was sent before it saw the new verdict
+                    while True:
+                        rx.recv(4096)
+                seen = dog.withheld
+                rx.settimeout(0.3)
+                with contextlib.suppress(TimeoutError):
+                    rx.recv(4096)
+                    pytest.fail("fed while unhealthy")
+                assert dog.withheld > seen + 5  # it kept checking meanwhile
+                assert caplog.text.count("not fed while unhealthy (event loop stalled") == 1
+                rx.settimeout(5)
+                verdict[0] = (True, "ok")
+                assert rx.recv(4096) == b"WATCHDOG=1"
+        finally:
+            dog.stop()
+    assert dog.sent >= 2
