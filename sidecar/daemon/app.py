@@ -262,11 +262,23 @@ class Daemon:
         r = self.router
         r.on(p.Hello, self._on_hello)
         r.on(p.Ping, lambda env, _s, msg, _t: r.send(env, p.Pong(nonce=msg.nonce, sent_at_ns=_now_ns())))
+        r.on(p.Status, lambda env, _s, msg, _t: r.send(env, self._status(msg.nonce)))
         r.on(p.RegisterCaches, lambda env, s, msg, _t: self._spawn(regs.on_register(env, s, msg)))
         r.on(p.Unregister, lambda env, s, _m, _t: self._spawn(regs.on_unregister(env, s)))
         r.on(p.Pull, self.pipeline.on_pull)
         r.on(p.Abort, self.pipeline.on_abort)
         r.on(p.Heartbeat, self.heartbeats.on_heartbeat)
+
+    def _status(self, nonce: int) -> p.StatusReply:
+        """``Status``'s answer: the current caches and the prefill ranks admitted against them."""
+        caches = self.caches.current if self.caches is not None else None
+        peers = [p.PeerStatus(address=peer.address, engine_id=peer.engine_id, tp_rank=peer.tp_rank)
+                 for peer in (self.peers.admitted_peers() if self.peers is not None else [])]
+        if caches is None:
+            return p.StatusReply(nonce=nonce, registered=False, peers=peers)
+        return p.StatusReply(nonce=nonce, registered=True, registered_bytes=caches.nbytes,
+                             num_layers=len(caches.layers), page_format=caches.page_format,
+                             compat_factors=caches.compat_factors, peers=peers)
 
     def _admitted(self, key: tuple[str, int], peer: Any) -> None:
         if self.heartbeats is not None:

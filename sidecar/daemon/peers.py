@@ -85,6 +85,10 @@ class Peers:
         entry = self._entries.get(key)
         return entry.peer if entry is not None else None
 
+    def admitted_peers(self) -> list[Any]:
+        """Every prefill rank admitted now (its handshake done), in no particular order."""
+        return [peer for entry in self._entries.values() if (peer := entry.peer) is not None]
+
     def known(self, key: Key) -> bool:
         return key in self._entries
 

@@ -308,6 +308,12 @@ class Ping(_Msg):
     sent_at_ns: int = 0
 
 
+class Status(_Msg):
+    """What the daemon serves now (``kv-sidecar doctor`` asks; no Hello needed): answered with StatusReply."""
+
+    nonce: int = 0
+
+
 class BindCompletions(_Msg):
     """The only message on the completion socket, shim → daemon: "send my replies here". ``routing_id`` is the
     shim's ZMQ DEALER routing id, which must have said Hello on the main socket."""
@@ -390,6 +396,27 @@ class Pong(_Msg):
     sent_at_ns: int = 0
 
 
+class PeerStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One prefill rank the daemon has admitted: its side channel and identity."""
+
+    address: str  # host:port of its NIXL side channel
+    engine_id: str
+    tp_rank: int
+
+
+class StatusReply(_Msg):
+    """The caches registered now (``registered`` False: none; the rest empty then) and the prefill ranks
+    admitted against them."""
+
+    nonce: int
+    registered: bool
+    registered_bytes: int = 0
+    num_layers: int = 0
+    page_format: PageFormat | None = None
+    compat_factors: dict[str, Any] = {}
+    peers: list[PeerStatus] = []
+
+
 class Error(_Msg):
     """A message was rejected. ``in_reply_to`` is its type (None when it could not be decoded)."""
 
@@ -398,8 +425,10 @@ class Error(_Msg):
     req_id: str | None = None
 
 
-ToDaemon = Union[Hello, RegisterCaches, Unregister, Heartbeat, Pull, Abort, Ping]  # noqa: UP007
-ToShim = Union[Welcome, Registered, Unregistered, Done, Aborted, Pong, Error, CompletionsBound]  # noqa: UP007
+ToDaemon = Union[Hello, RegisterCaches, Unregister, Heartbeat, Pull, Abort, Ping, Status]  # noqa: UP007
+ToShim = Union[  # noqa: UP007
+    Welcome, Registered, Unregistered, Done, Aborted, Pong, Error, CompletionsBound, StatusReply
+]
 Message = Union[ToDaemon, ToShim]  # noqa: UP007
 
 _DAEMON_TYPES = frozenset(t.__name__ for t in ToDaemon.__args__)

@@ -491,9 +491,22 @@ def test_unregister_then_pull_fails_cleanly_then_register_again(shared, emulator
     assert not done.ok and done.reason.startswith("caches: no caches registered")
     assert http(d.proc.metrics_url + "/readyz")[0] == 503
     assert d.metric("kv_sidecar_registered_bytes") == 0
-    d.ready(emulator)
-    r = emulator.client.new_request(num_tokens=N)
-    assert d.shim.ask(pull_of(r.kv_transfer_params, "again", [1])).ok
+    doctor = Shim(d.endpoint)  # Status needs no Hello: kv-sidecar doctor asks it
+    try:
+        assert doctor.ask(p.Status(nonce=5)) == p.StatusReply(nonce=5, registered=False)
+        d.ready(emulator)
+        r = emulator.client.new_request(num_tokens=N)
+        assert d.shim.ask(pull_of(r.kv_transfer_params, "again", [1])).ok
+        status = doctor.ask(p.Status(nonce=6))
+        assert (status.nonce, status.registered, status.num_layers) == (6, True, L)
+        assert status.page_format == SHUFFLED
+        assert status.registered_bytes == d.decoder.shm.description.nbytes
+        assert status.compat_factors == dict(emulator.ready.compat_factors)
+        kv = r.kv_transfer_params
+        assert p.PeerStatus(address=f"{kv['remote_host']}:{kv['remote_port']}",
+                            engine_id=kv["remote_engine_id"], tp_rank=0) in status.peers
+    finally:
+        doctor.close()
 
 
 @pytest.mark.e2e

@@ -408,16 +408,9 @@ def _by_name(report: dict) -> dict[str, dict]:
     return {c["name"]: c for c in report["checks"]}
 
 
-def _local_format_args() -> list[str]:
-    """Until the daemon reports its page format (protocol Status), doctor is told it."""
-    if hasattr(p, "Status"):
-        return []
-    return ["--local-format", msgspec.json.encode(SHUFFLED).decode()]
-
-
 @pytest.mark.e2e
 def test_doctor_passes_on_a_healthy_node(node):
-    rc, report = _doctor(node, "--emulator-control", node["emulator"].ready.control, *_local_format_args())
+    rc, report = _doctor(node, "--emulator-control", node["emulator"].ready.control)
     checks = _by_name(report)
     assert rc == 0 and report["ok"], json.dumps(report, indent=1)
     for name in (
@@ -434,6 +427,9 @@ def test_doctor_passes_on_a_healthy_node(node):
     ):
         assert checks[name]["status"] in ("pass", "warn"), (name, checks[name])
     assert checks["daemon"]["status"] == "pass" and checks["caches"]["status"] == "pass"
+    # from the daemon's Status: its registered caches' format and hash factors, no --local-format needed
+    assert checks["caches"]["data"]["page_format"] == msgspec.to_builtins(SHUFFLED), checks["caches"]
+    assert "model identity not checked" not in checks[f"negotiation {node['prefill']}"]["detail"]
     # the CPU twin reads direct, and its descriptors are cheap: no warning
     read_path = checks["read path"]
     assert (read_path["status"], read_path["detail"]) == ("pass", "pull_mode 'auto', no staging pool")
@@ -458,7 +454,7 @@ def test_doctor_fails_with_reasons_when_the_emulator_is_stopped(own_node):
     node = own_node
     control = node["emulator"].ready.control
     node["emulator"].stop()
-    rc, report = _doctor(node, "--emulator-control", control, *_local_format_args())
+    rc, report = _doctor(node, "--emulator-control", control)
     checks = _by_name(report)
     assert rc == 1 and not report["ok"]
     prefill = checks[f"prefill {node['prefill']}"]
@@ -477,7 +473,7 @@ def test_doctor_refusal_names_the_field(node, tmp_path):
     cfg = Path(node["config"]).read_text().replace("block_size = 16", "block_size = 32")
     other = tmp_path / "other.toml"
     other.write_text(cfg)
-    rc, report = _doctor({**node, "config": str(other)}, "--no-pull", *_local_format_args())
+    rc, report = _doctor({**node, "config": str(other)}, "--no-pull")
     neg = _by_name(report)[f"negotiation {node['prefill']}"]
     assert rc == 1 and neg["status"] == "fail"
     assert neg["detail"].startswith("refused on block_size:")
@@ -485,7 +481,7 @@ def test_doctor_refusal_names_the_field(node, tmp_path):
 
 @pytest.mark.e2e
 def test_doctor_starts_its_own_emulator_and_checks_every_byte(node):
-    rc, report = _doctor(node, *_local_format_args())
+    rc, report = _doctor(node)
     pull = _by_name(report)["test pull"]
     assert pull["status"] == "pass" and "emulator started by doctor" in pull["detail"]
     assert pull["data"]["verified"] is True and pull["data"]["bytes"] > 0

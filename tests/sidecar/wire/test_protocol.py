@@ -49,6 +49,7 @@ TO_DAEMON = [
     pull(timeout_s=None),
     p.Abort(req_id="r1"),
     p.Ping(nonce=7, sent_at_ns=1),
+    p.Status(nonce=9),
 ]
 TO_SHIM = [
     p.Welcome(protocol_version=1, package_version="0.1.0", device="cuda:3", gpu=3, pid=9),
@@ -59,6 +60,10 @@ TO_SHIM = [
     p.Aborted(req_id="r1", safe=True),
     p.Pong(nonce=7, sent_at_ns=2),
     p.Error(reason="bad", in_reply_to="Pull", req_id="r1"),
+    p.StatusReply(nonce=9, registered=False),
+    p.StatusReply(nonce=9, registered=True, registered_bytes=4096, num_layers=1, page_format=FMT,
+                  compat_factors={"model": "m"},
+                  peers=[p.PeerStatus(address="10.0.0.5:5600", engine_id="e", tp_rank=1)]),
 ]
 
 
