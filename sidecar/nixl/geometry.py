@@ -672,6 +672,9 @@ class PairGeometry:
             )
             if remote_num_tokens is not None:
                 _, rk = trim_padding(np.empty(0, _I64), rk, remote_num_tokens, self.remote.block_size, 1)
+            if slots.shape[1] > rk.size:  # no local ids to blame: the slots ask for more than there is
+                raise GeometryError("slots", f"{slots.shape[1]} slots per layer for the prefill's {rk.size} "
+                                             "blocks")
             _, rk = pair_blocks(np.empty(slots.shape[1], _I64), rk)
             check_range(rk, self.remote_limit, "remote_block_ids")
         else:

@@ -124,8 +124,8 @@ def oracle_pairs(
         rk = rk[:used]
     if local is None:
         assert slots_n is not None
-        if slots_n > len(rk):
-            raise Refused(must | may | {"slots", "local_block_ids"})
+        if slots_n > len(rk):  # more slots than the prefill's blocks: the slots are the culprit
+            raise Refused(must | may | {"slots"})
         lk: list[int | None] = [None] * slots_n
         first = len(rk) - slots_n
     else:
@@ -446,7 +446,7 @@ def test_staged_descs_from_a_slot_matrix_move_exactly_the_oracle_s_bytes(data):
     c = data.draw(pair_cases("staged"))
     with_local = data.draw(st.booleans())
     # the blocks a read of the request's local ids stages, or as many as the slots without them
-    n = data.draw(st.integers(min(1, len(c["rids"])), len(c["rids"]) * c["rr"]))
+    n = data.draw(st.integers(min(1, len(c["rids"])), len(c["rids"]) * c["rr"] + 1))
     try:
         if with_local:
             pairs, may = _oracle(c)
@@ -578,6 +578,26 @@ def test_a_tampered_span_is_refused_naming_the_slots(case, data):
     if how == "layers" or m.min() < 0 or m.max() >= pool.num_slots or np.unique(m).size < m.size:
         refused(lambda: geo.staged_descs(c["rids"], np.asarray(slots),
                                          gaps=GapRead(span.gap_ids, np.asarray(gaps.slots))), fields)
+
+
+def test_more_slots_than_the_prefill_s_blocks_are_refused_naming_the_slots():
+    """Without local ids a staged read takes as many of the remote's last blocks as it has slots; more
+    slots than blocks is the slots' fault (no local ids were given to blame)."""
+    plan = negotiate(fmt(STANDARD, "LBHNC", 1, 16, 64), fmt(AITER_SHUFFLED, "LHBNC", 1, 16, 64))
+    page = plan.remote.page_bytes
+    remote = RemoteRegions.from_metadata(SimpleNamespace(
+        kv_caches_base_addr=[1 << 20], block_lens=[page], block_strides=[page],
+        physical_blocks_per_logical_kv_block=1, num_blocks=4, device_id=0, block_size=16,
+        kv_cache_layout="LBHNC"))
+    local = LocalRegions.planes([1 << 32], [1 << 33], page // 2, 4)
+    geo = PairGeometry(plan, remote, local, "staged", pool=StagingPool(1 << 40, page, 8))
+    for ids, tokens in (([0], None), ([0, 1], 16)):  # one block; two, of which the tokens fill one
+        try:
+            geo.staged_descs(ids, np.array([[0, 1]]), remote_num_tokens=tokens)
+        except GeometryError as e:
+            assert e.field == "slots", e
+        else:
+            raise AssertionError("two slots for one block accepted")
 
 
 # -- heterogeneous TP: head slices -------------------------------------------------------------------------
