@@ -3,6 +3,7 @@ the ExecStart wrapper, and the daemon's sd_notify handshake under a real notify 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -291,6 +292,33 @@ def _next_notification(notify: socket.socket, proc: subprocess.Popen, log: Path,
     )
 
 
+@contextlib.contextmanager
+def _under_systemd(tmp_path: Path, env: dict[str, str]):
+    """`kv-sidecar serve` (CPU twin) started as systemd would, with a real notify socket: (process, notify
+    socket, log file); the process is killed on the way out if it still runs."""
+    notify_path = tmp_path / "notify.sock"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(notify_path))
+    log = tmp_path / "daemon.log"
+    try:
+        with open(log, "wb") as out:
+            env = {**os.environ, "NOTIFY_SOCKET": str(notify_path), **env}
+            proc = subprocess.Popen([_venv_binary(), "serve"], env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            yield proc, notify, log
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    finally:
+        notify.close()
+
+
+def _until_ready(notify: socket.socket, proc: subprocess.Popen, log: Path) -> None:
+    while "READY=1" not in _next_notification(notify, proc, log, timeout_s=90).split("\n"):
+        pass  # STATUS= lines may come first
+
+
 @pytest.mark.e2e
 def test_daemon_sends_ready_only_with_its_socket_bound_then_stopping(tmp_path):
     """Run `kv-sidecar serve` (CPU twin) as systemd would, with a real notify socket: READY=1 arrives once the
@@ -298,25 +326,12 @@ def test_daemon_sends_ready_only_with_its_socket_bound_then_stopping(tmp_path):
     from sidecar.wire import protocol
 
     zmq = pytest.importorskip("zmq")
-    notify_path = tmp_path / "notify.sock"
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(notify_path))
     sock_path = tmp_path / "run" / "cpu.sock"
     sock_path.parent.mkdir(mode=0o700)
     port = _free_port()
-    env = {
-        **os.environ,
-        "NOTIFY_SOCKET": str(notify_path),
-        "KV_SIDECAR_SOCKET": f"ipc://{sock_path}",
-        "KV_SIDECAR_METRICS_PORT": str(port),
-    }
-    log = tmp_path / "daemon.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([_venv_binary(), "serve"], env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        first = _next_notification(notify, proc, log, timeout_s=90)
-        while "READY=1" not in first.split("\n"):  # STATUS= lines may come first
-            first = _next_notification(notify, proc, log, timeout_s=90)
+    env = {"KV_SIDECAR_SOCKET": f"ipc://{sock_path}", "KV_SIDECAR_METRICS_PORT": str(port)}
+    with _under_systemd(tmp_path, env) as (proc, notify, log):
+        _until_ready(notify, proc, log)
         assert sock_path.exists(), "READY=1 was sent before the daemon's socket was bound"
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
             assert r.status == 200
@@ -335,11 +350,6 @@ def test_daemon_sends_ready_only_with_its_socket_bound_then_stopping(tmp_path):
         while "STOPPING=1" not in messages[-1].split("\n"):
             messages.append(_next_notification(notify, proc, log, timeout_s=30))
         assert proc.wait(30) == 0, log.read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        notify.close()
 
 
 @pytest.mark.e2e
@@ -348,29 +358,12 @@ def test_daemon_feeds_systemds_watchdog_while_healthy(tmp_path):
     (a stuck one stops, and systemd restarts it: tests/sidecar/ops/test_sdnotify.py)."""
     unit = (SYSTEMD / "kv-sidecar@.service").read_text()
     assert "\nWatchdogSec=" in unit
-    notify_path = tmp_path / "notify.sock"
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(notify_path))
-    env = {
-        **os.environ,
-        "NOTIFY_SOCKET": str(notify_path),
-        "WATCHDOG_USEC": "200000",
-        "KV_SIDECAR_SOCKET": f"ipc://{tmp_path}/cpu.sock",
-        "KV_SIDECAR_METRICS_PORT": "-1",
-    }
-    log = tmp_path / "daemon.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([_venv_binary(), "serve"], env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        while "READY=1" not in _next_notification(notify, proc, log, timeout_s=90).split("\n"):
-            pass
+    env = {"WATCHDOG_USEC": "200000", "KV_SIDECAR_SOCKET": f"ipc://{tmp_path}/cpu.sock",
+           "KV_SIDECAR_METRICS_PORT": "-1"}
+    with _under_systemd(tmp_path, env) as (proc, notify, log):
+        _until_ready(notify, proc, log)
         start = time.monotonic()
         fed = [_next_notification(notify, proc, log, timeout_s=5) for _ in range(5)]
         assert fed == ["WATCHDOG=1"] * 5 and time.monotonic() - start < 2.0
         proc.terminate()
         assert proc.wait(30) == 0, log.read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        notify.close()
