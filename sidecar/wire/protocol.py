@@ -405,8 +405,8 @@ class PeerStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class StatusReply(_Msg):
-    """The caches registered now (``registered`` False: none; the rest empty then) and the prefill ranks
-    admitted against them."""
+    """The caches registered now (``registered`` False: none; their fields empty then) and the prefill ranks
+    the daemon holds admitted (re-admitted against new caches at their next pull)."""
 
     nonce: int
     registered: bool
