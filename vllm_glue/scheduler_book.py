@@ -93,7 +93,19 @@ class SchedulerBook:
         # The lease has been running at least since the request reached this decoder's API server (its
         # arrival_time, wall clock): tokenizing and queueing before the scheduler sees it count against it.
         age = max(0.0, self._wall() - getattr(request, "arrival_time", self._wall()))
-        self._first_seen_ns.setdefault(request.request_id, int((self._clock() - age) * 1e9))
+        now = self._clock()
+        if age > now:
+            # Older than the monotonic clock reaches (a stepped wall clock, a bogus arrival_time): a negative
+            # start would fail the Pull's own check, so count the lease from now, as for an unknown arrival.
+            log.warning(
+                "request %s: arrival_time is %.0f s ago by the wall clock, past the monotonic clock "
+                "(%.0f s); its prefill lease is counted from now",
+                request.request_id,
+                age,
+                now,
+            )
+            age = 0.0
+        self._first_seen_ns.setdefault(request.request_id, int((now - age) * 1e9))
         log.debug(
             "request %s: remote prefill %s at %s:%d, lease running (arrived %.3f s ago)",
             request.request_id,

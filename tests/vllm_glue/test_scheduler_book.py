@@ -284,3 +284,28 @@ def test_params_computed_locally_still_free_the_prefills_blocks(change) -> None:
     unusable = FakeRequest("r3", params(**change, remote_port=0))  # not even an address: the lease frees them
     book.update_state_after_alloc(unusable, FakeBlocks(([5],)), 0)
     assert book.build_step().pulls == []
+
+
+def test_an_arrival_older_than_the_monotonic_clock_still_gives_a_pull_the_daemon_accepts() -> None:
+    """The lease start is the monotonic clock less the request's wall-clock age. An age past what the
+    monotonic clock holds (a wall clock stepped forward, a host booted minutes ago, an ``arrival_time``
+    given by an offline caller) made it negative: the worker's Pull then failed its own check
+    ("lease_started_at_ns must be >= 0"), so a healthy load failed and vLLM's failure policy applied."""
+    from sidecar.wire import protocol as p
+
+    clock = FakeClock()
+    clock.t = 120.0  # monotonic: the host booted two minutes ago
+    book = SchedulerBook(clock=clock, wall=lambda: 5000.0)
+    req = FakeRequest("r1", params())
+    req.arrival_time = 4000.0  # 1000 s ago by the wall clock
+    book.on_new_request(req)
+    book.update_state_after_alloc(req, FakeBlocks(([1, 2],)), 60)
+    (pull,) = book.build_step().pulls
+    assert 0 <= pull.lease_started_at_ns <= int(clock.t * 1e9)
+    r = pull.remote
+    p.Pull(  # as WorkerHalf.start_step builds it: raised ValueError on main
+        req_id=pull.req_id, remote_engine_id=r.engine_id, remote_host=r.host, remote_port=r.port,
+        remote_request_id=r.request_id, remote_block_ids=p.pack_block_ids(r.block_ids),
+        local_block_ids=p.pack_block_ids(pull.local_block_ids), timeout_s=60.0,
+        lease_started_at_ns=pull.lease_started_at_ns,
+    )
