@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sidecar.daemon.conversion import Conversions
+from sidecar.daemon.errors import Failed
 from sidecar.daemon.jobs import Job
 from sidecar.daemon.port import TransferPort
 from sidecar.nixl.errors import MappingUnavailable
@@ -122,7 +123,16 @@ class MappedReads:
 
     async def convert(self, job: Job, source: Any, layers: int) -> None:
         """Convert the job's blocks (``job.pairs``) out of ``source`` in one launch on the daemon's stream and
-        wait until it has ended; raises ``Failed`` unless every layer was converted."""
+        wait until it has ended; raises ``Failed`` unless every layer was converted, and before launching
+        anything when NIXL let the prefill rank go (``unloaded``: a newer registration or a restarted
+        prefill replaced it): its mapping stays open only for conversions launched before, and its old
+        regions may now hold the newer registration's pages (a read through it is refused alike)."""
+        peer = job.peer.peers[0]
+        if getattr(peer, "unloaded", False):
+            raise Failed(
+                f"prefill {peer.engine_id} rank {peer.tp_rank} re-registered or restarted since this pull's "
+                "handshake: its old pages are not converted"
+            )
         pairs = job.pairs
         self._conversions.begin(job, source, job.peer.plan, pairs.remote)
         self._conversions.convert_group(job, 0, layers)

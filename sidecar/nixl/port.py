@@ -210,6 +210,13 @@ class NixlPort:
         self.agent.remove_peer(peer)
 
     def map_pages(self, peer: Peer, dtype: Any, fence: Callable[[], Any] | None = None) -> Any:
+        if peer.unloaded:  # NIXL let it go: its old regions may now be a newer registration's (not kept:
+            # a mapping made before stays in ``peer.mapping``, for ``remove_peer`` to close)
+            raise MappingUnavailable(
+                f"prefill {peer.engine_id} rank {peer.tp_rank} re-registered or restarted since it was "
+                "admitted: its old regions are not mapped",
+                "remote_registration_generation",
+            )
         if isinstance(peer.mapping, MappingUnavailable):
             raise peer.mapping
         if peer.mapping is None:

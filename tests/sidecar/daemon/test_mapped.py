@@ -231,3 +231,46 @@ def test_a_pull_from_an_admitted_prefill_starts_its_conversion_in_its_first_step
             assert (await h.reply(p.Done, "b")).ok
 
     run(main())
+
+
+def test_a_mapped_pull_through_a_prefill_nixl_let_go_fails_and_writes_nothing():
+    """A newer registration (or a restarted prefill at the same address) unloads the peer on the poster
+    thread; until the loop forgets its entry a Pull may still get it. Its mapping stays open for conversions
+    launched before, but a new one must not read through it: the old regions may now hold the newer
+    registration's pages (a direct read through it is refused alike). Before, it was converted from."""
+
+    async def main():
+        async with mapped_started() as h:
+            h.pull("a", [1], remote=[2])
+            assert (await h.reply(p.Done, "a")).ok
+            _planes(h).fill_(CANARY)
+            h.port.peers[0].unloaded = True  # as NixlTransfer.add_peer of the newer admission does
+            h.pull("b", [3, 4], remote=[5, 6])
+            done = await h.reply(p.Done, "b")
+            assert not done.ok and "re-registered or restarted" in done.reason, done
+            assert (_planes(h) == CANARY).all()
+            await until(lambda: h.port.notified == ["r-a", "r-b"])  # still told to free the blocks
+
+    run(main())
+
+
+def test_a_prefill_let_go_while_it_was_being_mapped_is_not_converted_from():
+    """The newer admission's load ran on the poster thread while this pull waited for the first mapping."""
+
+    async def main():
+        async with mapped_started() as h:
+            real = h.port.map_pages
+
+            def map_then_unload(peer, dtype, fence=None):
+                got = real(peer, dtype, fence)
+                peer.unloaded = True
+                return got
+
+            h.port.map_pages = map_then_unload
+            h.pull("a", [1, 2], remote=[3, 4])
+            done = await h.reply(p.Done, "a")
+            assert not done.ok and "re-registered or restarted" in done.reason, done
+            assert (_planes(h) == CANARY).all()
+            await until(lambda: h.port.notified == ["r-a"])
+
+    run(main())

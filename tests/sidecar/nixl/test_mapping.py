@@ -130,7 +130,8 @@ def _port_and_peer(**peer_fields):
         kind=STANDARD, layout="LBHNC", dtype="bfloat16", num_heads=2, block_size=16, head_size=64
     )
     bases = [(1 << 20) + i * 64 * fmt.page_bytes for i in range(3)]
-    fields = dict(plan=types.SimpleNamespace(remote=fmt), source=None, mapping=None, agent_metadata=b"x")
+    fields = dict(plan=types.SimpleNamespace(remote=fmt), source=None, mapping=None, agent_metadata=b"x",
+                  unloaded=False, engine_id="prefill-0", tp_rank=0)
     fields.update(peer_fields)
     peer = types.SimpleNamespace(
         regions=_regions(bases, lens=fmt.page_bytes, strides=fmt.page_bytes), **fields
@@ -186,3 +187,23 @@ def test_the_port_passes_a_layout_refusal_on_and_remembers_it():
     assert info.value.field == "kv_caches_base_addr" and peer.mapping is info.value
     port.unmap_pages(peer)  # a refusal is not a mapping: nothing closed, and it is forgotten
     assert peer.mapping is None
+
+
+def test_the_port_maps_no_peer_nixl_let_go_and_keeps_the_mapping_it_had(monkeypatch):
+    """A peer unloaded by a newer registration or a restarted prefill: its old regions may now hold the newer
+    registration's pages, so nothing is mapped for it; a mapping made before stays for ``remove_peer`` (a
+    conversion launched before may still read it) and is not replaced by the refusal."""
+    import sidecar.nixl.port as port_mod
+
+    calls = []
+    monkeypatch.setattr(port_mod, "map_pages", lambda *a, **kw: calls.append(a))
+    port, peer = _port_and_peer(unloaded=True)
+    with pytest.raises(MappingUnavailable) as info:
+        port.map_pages(peer, "bf16")
+    assert info.value.field == "remote_registration_generation" and calls == [] and peer.mapping is None
+    held = _Closable()
+    monkeypatch.setattr(port_mod, "MappedPages", _Closable)
+    port, peer = _port_and_peer(unloaded=True, mapping=held)
+    with pytest.raises(MappingUnavailable):
+        port.map_pages(peer, "bf16")
+    assert peer.mapping is held and held.closed == 0
