@@ -58,6 +58,9 @@ class MappedReads:
         # do not map; a replaced peer (a restarted prefill) is a new object, so it is asked again
         self._sources: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self._last_used: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+        # peer -> pulls waiting for its mapping: they launch a loop turn or two after it ends (not let go
+        # meanwhile, however long the mapping took)
+        self._waiting: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
     async def source(self, job: Job) -> Any | None:
         """The job's prefill pages, mapped, in the caches' dtype; None when they do not map (then the job
@@ -70,7 +73,16 @@ class MappedReads:
         found = self._sources.get(peer)
         if found is None:
             found = self._sources[peer] = asyncio.ensure_future(self._map(peer, job.caches.k_planes[0].dtype))
-        return found.result() if found.done() else await asyncio.shield(found)
+        if found.done():
+            return found.result()
+        self._waiting[peer] = self._waiting.get(peer, 0) + 1
+        try:
+            return await asyncio.shield(found)
+        finally:
+            self._last_used[peer] = time.monotonic()
+            left = self._waiting.pop(peer) - 1
+            if left:
+                self._waiting[peer] = left
 
     async def _map(self, peer: Any, dtype: Any) -> Any | None:
         try:
@@ -97,11 +109,12 @@ class MappedReads:
         """Let go the mappings of prefill ranks without a pull for ``mapping_idle_s``; how many. Forgotten
         here first, on the loop, so no pull can take one after this; a pull that took one before has
         launched its kernel already (no await between the two), and the port unmaps only once this
-        process's kernels have finished."""
+        process's kernels have finished. A pull that waited for the mapping takes it only once it resumes,
+        a loop turn or two after the mapping ended: kept until then."""
         idle, released = self._idle_s(), 0
         for peer, last in list(self._last_used.items()):
             found = self._sources.get(peer)
-            if now - last <= idle or found is None or not _mapped(found):
+            if now - last <= idle or found is None or not _mapped(found) or peer in self._waiting:
                 continue  # in use, being mapped, or not mappable (kept: the same peer never maps later)
             del self._sources[peer], self._last_used[peer]
             released += 1

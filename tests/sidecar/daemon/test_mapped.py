@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 
 import numpy as np
@@ -272,5 +273,36 @@ def test_a_prefill_let_go_while_it_was_being_mapped_is_not_converted_from():
             assert not done.ok and "re-registered or restarted" in done.reason, done
             assert (_planes(h) == CANARY).all()
             await until(lambda: h.port.notified == ["r-a"])
+
+    run(main())
+
+
+def test_a_mapping_is_not_let_go_before_the_pull_that_waited_for_it_has_launched():
+    """The first pull to a prefill waits for its mapping, stamped used when it asked. A mapping that took
+    longer than mapping_idle_s (the poster thread busy with long posts) ends idle by that stamp, and the
+    pull resumes a loop turn or two after it ended: a release pass between the two let it go, its unmap
+    queued, while that pull went on to convert through it. Now it is kept until the pull has launched."""
+
+    async def main():
+        async with mapped_started(mapping_idle_s=30.0) as h:
+            gate, real, released = threading.Event(), h.port.map_pages, []
+
+            def slow_map(peer, dtype, fence=None):
+                gate.wait(5)
+                return real(peer, dtype, fence)
+
+            h.port.map_pages = slow_map
+            h.pull("a", [1, 2], remote=[3, 4])
+            mapped = h.daemon.mapped
+            await until(lambda: len(mapped._sources) == 1)
+            found = next(iter(mapped._sources.values()))
+            # a release pass right after the mapping ended, once it is idle by the pull's stamp
+            found.add_done_callback(lambda _f: released.append(mapped.release_idle(time.monotonic() + 31)))
+            gate.set()
+            done = await h.reply(p.Done, "a")
+            assert done.ok, done
+            assert released == [0] and h.port.unmapped == []
+            assert h.daemon.metrics.mapped_peers._value.get() == 1
+            assert mapped.release_idle(time.monotonic() + 31) == 1  # idle afterwards: let go as before
 
     run(main())
