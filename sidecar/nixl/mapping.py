@@ -212,4 +212,8 @@ def map_pages(
         with contextlib.suppress(Exception):
             worker.close()
         raise MappingUnavailable(str(exc), getattr(exc, "field", None) or "ucp_rkey_ptr") from None
+    except Exception:  # torch refusing the pointer, say: what is open must not outlive the failure
+        with contextlib.suppress(Exception):
+            worker.close()
+        raise
     return MappedPages(worker, memory, layout, device, fence)

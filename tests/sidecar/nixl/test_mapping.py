@@ -207,3 +207,47 @@ def test_the_port_maps_no_peer_nixl_let_go_and_keeps_the_mapping_it_had(monkeypa
     with pytest.raises(MappingUnavailable):
         port.map_pages(peer, "bf16")
     assert peer.mapping is held and held.closed == 0
+
+
+def test_a_mapping_that_fails_after_the_keys_are_unpacked_closes_them(monkeypatch):
+    """The keys are unpacked (on a GPU cuda_ipc has opened the prefill's memory), then the view of it fails
+    with neither UCX's error nor the metadata's (torch refusing the pointer, say). Before, the worker, its
+    endpoint and keys stayed open for good: nobody held them to close, and the prefill's memory stayed
+    mapped (allocated) after it exited. Now they are closed and the failure passed on."""
+    import sidecar.nixl.mapping as mapping_mod
+    import sidecar.nixl.ucx as ucx_mod
+    from sidecar.wire import nixl_metadata
+
+    closed = []
+
+    class Key:
+        def ptr(self, addr):
+            return addr
+
+    class Endpoint:
+        def unpack(self, key):
+            return Key()
+
+    class Worker:
+        def __init__(self, ucp=None):
+            pass
+
+        def connect(self, address):
+            return Endpoint()
+
+        def close(self):
+            closed.append(True)
+
+    region = types.SimpleNamespace(key=b"key")
+    agent = types.SimpleNamespace(connections={"UCX": b"worker"}, region_at=lambda addr, n: ("VRAM", region))
+    monkeypatch.setattr(ucx_mod, "UcpWorker", Worker)
+    monkeypatch.setattr(nixl_metadata, "read_agent_metadata", lambda _b: agent)
+
+    def refuse(ptr, nbytes, device):
+        raise RuntimeError("the pointer is not device memory")
+
+    monkeypatch.setattr(mapping_mod, "memory_view", refuse)
+    regions = _regions([1 << 20, (1 << 20) + 50 * PAGE])
+    with pytest.raises(RuntimeError, match="not device memory"):
+        map_pages(b"metadata", regions, mapping_layout(regions, 2, PAGE, 2), 0)
+    assert closed == [True]
