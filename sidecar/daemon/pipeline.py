@@ -202,6 +202,15 @@ class Pipeline:
             job.peer_entries.append(entry)
             handshakes.append(handshake)
         job.peer = PeerSet(_admitted(handshakes) or await self._handshakes(handshakes))
+        for target, peer in zip(targets, job.peer.peers, strict=True):
+            if 0 < target.generation < peer.generation:
+                # The prefill registered its cache again (sleep/wake) after this request's prefill: its
+                # blocks were in the older registration, and the same ids now name other bytes.
+                raise Failed(
+                    f"remote_registration_generation: the pull names the prefill's registration "
+                    f"{target.generation}, but {peer.engine_id} rank {peer.tp_rank} has registered again "
+                    f"({peer.generation}) since; its blocks are gone, not read"
+                )
         if not self._leases.check(msg.remote_request_id, time.monotonic(), _ranks(job)):
             raise Failed(
                 f"lease: cannot vouch for {msg.remote_request_id!r} any more (lease {cfg.lease_s:g} s, "

@@ -1650,6 +1650,25 @@ def test_a_pull_for_a_restarted_prefill_handshakes_anew_while_old_pulls_still_re
     run(main())
 
 
+def test_a_pull_of_an_older_registration_than_the_admitted_one_reads_nothing():
+    """A prefill that registered again (sleep/wake) holds other bytes under the same block ids: a Pull that
+    names the older registration fails without a read instead of reading the newer one's blocks."""
+
+    async def main():
+        async with started() as h:
+            h.pull("new", remote_registration_generation=2)
+            assert (await h.reply(p.Done, "new")).ok
+            reads = len(h.port.reads)
+            h.pull("old", blocks=[4, 5], remote_registration_generation=1)
+            done = await h.reply(p.Done, "old")
+            assert not done.ok and done.reason.startswith("remote_registration_generation: "), done
+            assert len(h.port.reads) == reads and h.port.connects == 1
+            h.pull("unversioned", blocks=[6], remote_registration_generation=0)  # v14: no generation
+            assert (await h.reply(p.Done, "unversioned")).ok
+
+    run(main())
+
+
 @pytest.mark.parametrize("first_pull_failed", [False, True])
 def test_heartbeats_reach_the_prefill_after_a_handshake_that_failed_under_a_pull(first_pull_failed):
     """A failed handshake is forgotten even while a pull holds it: kept, it made the rank "known" without a
