@@ -8,8 +8,9 @@ Enable it with one flag on the decoder::
 
 ``kv_connector_extra_config`` keys: ``sidecar_socket`` (default ``ipc:///run/kv-sidecar/gpu{rank}.sock``;
 ``{rank}`` is replaced by the worker's TP rank),
-``sidecar_pull_timeout_s`` (60), ``sidecar_register_timeout_s`` (30), ``sidecar_grace_s`` (5), and vLLM's own
-``kv_lease_duration`` (30; heartbeats every lease // 6 s, as stock vLLM).
+``sidecar_pull_timeout_s`` (60), ``sidecar_register_timeout_s`` (30), ``sidecar_grace_s`` (5, at least 4), and
+vLLM's own ``kv_lease_duration`` (30; heartbeats every lease // 6 s, as stock vLLM); checked at start-up
+(``vllm_glue.settings``).
 
 This is the only module of the package that imports vLLM. The scheduler half is
 :class:`vllm_glue.scheduler_book.SchedulerBook`, the worker half :class:`vllm_glue.worker.WorkerHalf`.
@@ -31,8 +32,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm_glue.local_format import local_page_format, one_scale, required_layout
 from vllm_glue.orders import StepOrders
-from vllm_glue.scheduler_book import DEFAULT_LEASE_S, SchedulerBook
-from vllm_glue.worker import DEFAULT_GRACE_S, DEFAULT_SOCKET, WorkerHalf
+from vllm_glue.scheduler_book import SchedulerBook
+from vllm_glue.settings import ShimSettings
+from vllm_glue.worker import WorkerHalf
 
 try:  # vLLM >= 0.32
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -87,7 +89,7 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
     ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = vllm_config.kv_transfer_config
-        self._extra = dict(ktc.kv_connector_extra_config or {})
+        settings = ShimSettings.from_extra(ktc.kv_connector_extra_config)
         if ktc.kv_role != "kv_consumer":
             log.warning(
                 "SidecarConnector only loads (decoder side); kv_role %r: requests asking it to "
@@ -98,18 +100,17 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.book = SchedulerBook(
-                lease_s=int(self._extra.get("kv_lease_duration", DEFAULT_LEASE_S)),
+                lease_s=settings.kv_lease_duration,
                 backoff_tokens=_prefill_backoff(vllm_config, kv_cache_config),
                 kv_groups=len(getattr(kv_cache_config, "kv_cache_groups", None) or [None]),
             )
         else:
             rank, tp_size = _tp_rank_and_size(vllm_config)
-            socket = str(self._extra.get("sidecar_socket", DEFAULT_SOCKET)).replace("{rank}", str(rank))
             self.worker = WorkerHalf(
-                socket,
-                pull_timeout_s=float(self._extra.get("sidecar_pull_timeout_s", 60.0)),
-                register_timeout_s=float(self._extra.get("sidecar_register_timeout_s", 30.0)),
-                grace_s=float(self._extra.get("sidecar_grace_s", DEFAULT_GRACE_S)),
+                settings.sidecar_socket.replace("{rank}", str(rank)),
+                pull_timeout_s=settings.sidecar_pull_timeout_s,
+                register_timeout_s=settings.sidecar_register_timeout_s,
+                grace_s=settings.sidecar_grace_s,
                 worker_rank=rank,
                 tp_size=tp_size,
                 engine_id=ktc.engine_id or "",
