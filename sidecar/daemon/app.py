@@ -270,7 +270,7 @@ class Daemon:
         r.on(p.Heartbeat, self.heartbeats.on_heartbeat)
 
     def _status(self, nonce: int) -> p.StatusReply:
-        """``Status``'s answer: the current caches and the prefill ranks admitted against them."""
+        """``Status``'s answer: the current caches and the prefill ranks the daemon holds admitted."""
         caches = self.caches.current if self.caches is not None else None
         peers = [p.PeerStatus(address=peer.address, engine_id=peer.engine_id, tp_rank=peer.tp_rank)
                  for peer in (self.peers.admitted_peers() if self.peers is not None else [])]
