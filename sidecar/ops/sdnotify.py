@@ -75,11 +75,14 @@ def watchdog_period_s(environ: Mapping[str, str] | None = None) -> float | None:
     return usec / 2e6
 
 
+RECHECKS_PER_PERIOD = 10  # how often per period the watchdog looks again at an unhealthy daemon
+
+
 class Watchdog:
     """A thread that sends WATCHDOG=1 every ``period_s`` while ``healthy()`` says so. It holds back while the
-    daemon is unhealthy (a stalled loop, a NIXL call stuck past ``poster_stall_s``, a loop ended): systemd
-    then restarts the unit once ``WatchdogSec=`` passes without one. A thread, so it reads the same verdict
-    as /healthz whatever the event loop is doing."""
+    daemon is unhealthy (a stalled loop, a NIXL call stuck past ``poster_stall_s``, a loop ended), looking
+    again every tenth of a period: systemd restarts the unit once ``WatchdogSec=`` passes without one. A
+    thread, so it reads the same verdict as /healthz whatever the event loop is doing."""
 
     def __init__(self, period_s: float, healthy: Callable[[], tuple[bool, str]]) -> None:
         self.period_s = period_s
@@ -99,7 +102,8 @@ class Watchdog:
 
     def _run(self) -> None:
         fed = True
-        while not self._stop.wait(self.period_s):
+        wait = self.period_s
+        while not self._stop.wait(wait):
             ok, why = self._healthy()
             if ok:
                 self.sent += notify("WATCHDOG=1")
@@ -109,3 +113,6 @@ class Watchdog:
                     log.error("systemd watchdog not fed while unhealthy (%s): the unit restarts once "
                               "WatchdogSec passes", why)
             fed = ok
+            # Unhealthy: look again soon and feed as soon as it recovers. A full period later would be past
+            # WatchdogSec (two periods) since the last feed: one unlucky check would restart the unit.
+            wait = self.period_s if ok else self.period_s / RECHECKS_PER_PERIOD

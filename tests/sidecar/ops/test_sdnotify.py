@@ -117,3 +117,31 @@ def test_the_watchdog_is_fed_only_while_healthy(tmp_path, monkeypatch, caplog):
         finally:
             dog.stop()
     assert dog.sent >= 2
+
+
+def test_a_daemon_unhealthy_at_one_check_is_fed_again_before_watchdogsec_passes(tmp_path, monkeypatch):
+    """systemd restarts the unit once WatchdogSec (twice the period) passes without WATCHDOG=1. A daemon
+    unhealthy at one check only (a loop stall of a few seconds that happened to span it) and healthy right
+    after must be fed again within WatchdogSec, not a full period after the withheld check: that was always
+    later than WatchdogSec after the last feed, so one brief stall restarted a healthy daemon."""
+    path = str(tmp_path / "notify.sock")
+    period = 0.5
+    calls = []
+
+    def healthy() -> tuple[bool, str]:
+        calls.append(time.monotonic())
+        return (False, "event loop stalled: no tick for 5.1 s") if len(calls) == 2 else (True, "ok")
+
+    with _receiver(path) as rx:
+        monkeypatch.setenv("NOTIFY_SOCKET", path)
+        dog = sdnotify.Watchdog(period, healthy).start()
+        try:
+            fed = []
+            while len(fed) < 2:
+                assert rx.recv(4096) == b"WATCHDOG=1"
+                fed.append(time.monotonic())
+        finally:
+            dog.stop()
+    assert dog.withheld >= 1
+    gap = fed[1] - fed[0]
+    assert gap < 2 * period, f"{gap:.2f} s between feeds: past WatchdogSec ({2 * period} s)"
