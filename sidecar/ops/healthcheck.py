@@ -37,7 +37,9 @@ def main(pid: int = 1, timeout_s: float = 2.0) -> int:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             url = health_url(serve_argv(f.read()))
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        # never through $http_proxy (Docker passes a client's proxy settings in): the endpoint is local
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(url, timeout=timeout_s) as r:
             print(f"{url}: {r.status}")
         return 0
     except urllib.error.HTTPError as exc:

@@ -51,3 +51,19 @@ def test_a_running_daemon_is_healthy_on_the_port_its_config_file_names(tmp_path,
         assert f"127.0.0.1:{port}/healthz: 200" in capsys.readouterr().out
     assert healthcheck.main(pid=daemon.proc.pid) == 1  # gone: no /proc entry
     assert "unhealthy" in capsys.readouterr().out
+
+
+def test_a_proxy_in_the_environment_is_not_asked_for_the_local_endpoint(tmp_path, capsys, monkeypatch):
+    """Docker passes the client's proxy settings (HTTP_PROXY, ...) into containers; urllib sends every
+    request through them unless NO_PROXY names the host, 127.0.0.1 included, so a healthy daemon was
+    reported unhealthy (the proxy cannot reach the container's loopback)."""
+    port, proxy = _free_port(), _free_port()  # nothing listens on the proxy's port
+    config = tmp_path / "kv-sidecar.toml"
+    config.write_text(f"metrics_port = {port}\n")
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(name, f"http://127.0.0.1:{proxy}")
+    with spawn_serve(["--socket", f"ipc://{tmp_path}/kv.sock", "--config", str(config)]) as daemon:
+        assert healthcheck.main(pid=daemon.proc.pid) == 0, capsys.readouterr().out
+        assert f"127.0.0.1:{port}/healthz: 200" in capsys.readouterr().out
