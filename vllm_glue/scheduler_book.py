@@ -43,7 +43,7 @@ class SchedulerBook:
     def __init__(
         self,
         *,
-        lease_s: int = DEFAULT_LEASE_S,
+        lease_s: float = DEFAULT_LEASE_S,
         backoff_tokens: int = 0,
         kv_groups: int = 1,
         clock: Callable[[], float] = time.monotonic,

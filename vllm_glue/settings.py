@@ -30,7 +30,8 @@ class ShimSettings(msgspec.Struct, frozen=True):
     sidecar_pull_timeout_s: Seconds = 60.0
     sidecar_register_timeout_s: Seconds = 30.0
     sidecar_grace_s: Annotated[float, msgspec.Meta(ge=MIN_GRACE_S, le=MAX_SECONDS)] = DEFAULT_GRACE_S
-    kv_lease_duration: Annotated[int, msgspec.Meta(ge=1, le=24 * 3600)] = DEFAULT_LEASE_S  # vLLM's own key
+    # vLLM's own key, which it reads raw (``lease // 6``): a fractional lease is one it runs with
+    kv_lease_duration: Annotated[float, msgspec.Meta(ge=1, le=24 * 3600)] = DEFAULT_LEASE_S
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ShimSettings:

@@ -5,6 +5,7 @@ import math
 import pytest
 
 from sidecar.daemon.reads import RELEASE_GIVE_UP_S
+from vllm_glue.scheduler_book import SchedulerBook
 from vllm_glue.settings import MIN_GRACE_S, ShimSettings
 from vllm_glue.worker import DEFAULT_GRACE_S, DEFAULT_SOCKET
 
@@ -20,6 +21,16 @@ def test_values_as_json_or_strings():
     extra = {"sidecar_pull_timeout_s": "90", "sidecar_grace_s": 6, "kv_lease_duration": 60}
     s = ShimSettings.from_extra(extra)
     assert (s.sidecar_pull_timeout_s, s.sidecar_grace_s, s.kv_lease_duration) == (90.0, 6.0, 60)
+
+
+@pytest.mark.parametrize("lease", [7.5, 45.5])
+def test_a_fractional_lease_is_one_stock_vllm_runs_with(lease):
+    """vLLM reads kv_lease_duration raw from kv_connector_extra_config (``lease * 2 // 3``, ``lease // 6``):
+    a fractional lease works there, and one kv-transfer-config is often shared by prefill and decoder. The
+    shim used to int() it; ShimSettings refused it as "Expected `int`, got `float`", stopping vLLM."""
+    s = ShimSettings.from_extra({"kv_lease_duration": lease})
+    book = SchedulerBook(lease_s=s.kv_lease_duration)
+    assert book.heartbeat_interval_s == lease // 6  # stock vLLM's heartbeat period
 
 
 @pytest.mark.parametrize(
