@@ -290,22 +290,27 @@ class NixlPort:
                         pool=pool, slots=slots, gaps=gaps, table=tables[i], pairs=pairs,
                     ))
                 except Exception as exc:
-                    self._fail_ranks(exc, ops, members, members[i + 1 :], remote_request_id)
+                    # a TransferError's pull told its rank; any other error's did not
+                    told = isinstance(exc, TransferError) or isinstance(getattr(exc, "read", None), ReadOp)
+                    rest = members[i + 1 :] if told else members[i:]
+                    self._fail_ranks(exc, ops, members, rest, remote_request_id)
                     raise
             return ops[0] if len(ops) == 1 else ReadGroup(ops)
 
     def _fail_ranks(
         self, exc: Exception, ops: list[ReadOp], members: Sequence[Any], rest: Sequence[Any], request_id: str
     ) -> None:
-        """A rank's post failed (its pull notified it): stop the posted ranks' reads, which notifies them,
-        and notify the ranks not posted, every rank exactly once. The posted reads ride on ``exc`` for the
-        caller's stop; a notification that cannot be sent (the prefill is often gone by now) is logged, never
-        raised over ``exc``, which would lose them."""
+        """A rank's post failed (its pull notified it if it raised a TransferError; else it is in ``rest``):
+        stop the posted ranks' reads, which notifies them, and notify ``rest``, every rank exactly once. The
+        posted reads ride on ``exc``, whatever its type, for the caller's stop; a notification that cannot be
+        sent (the prefill is often gone by now) is logged, never raised over ``exc``, which would lose them.
+        """
         for op in ops:
             self.agent.abort(op)
-        if isinstance(exc, TransferError) and ops:
-            failed = [exc.read] if isinstance(exc.read, ReadOp) else []
-            exc.read = ReadGroup(ops + failed)  # every rank's handles, for the caller's stop
+        if ops:  # whatever ``exc`` is: without them the caller would stop nothing while a READ may write
+            failed = getattr(exc, "read", None)
+            group = ReadGroup(ops + ([failed] if isinstance(failed, ReadOp) else []))
+            exc.read = group  # type: ignore[attr-defined]  # every rank's handles: the caller stops them
         for m in members:  # before the sends: whatever they do, the daemon's own notify skips every rank
             self._spent[(m.agent_name, request_id)] = None
         while len(self._spent) > 4096:

@@ -173,3 +173,33 @@ def test_a_layer_range_lands_once_every_rank_has_it():
     for op, t in zip(ops, (3.0, 5.0), strict=True):
         op.finished, op.done_at, op.nbytes = True, t, 10
     assert group.finished and group.done_at == 5.0 and group.nbytes == 20
+
+
+@dataclass
+class CrashingRank(UnreachableRank):
+    """Rank 1's post raises something other than a TransferError (a bug, MemoryError) before NIXL told it;
+    rank 0's read is still in flight."""
+
+    def notify_agent(self, agent, rid, n):
+        StubAgent.notify_agent(self, agent, rid, n)
+
+    def pull(self, peer, dest, mode, local_ids, remote_ids, rid, *, readers, **kw):
+        if peer.tp_rank == 1:
+            raise MemoryError("building the descriptors")
+        return super().pull(peer, dest, mode, local_ids, remote_ids, rid, readers=readers, **kw)
+
+
+def test_a_rank_failing_with_any_error_keeps_the_posted_reads_and_tells_every_rank_once():
+    """The error the caller sees carries rank 0's read still in flight, whatever the error's type: without
+    it the daemon stops nothing and answers (giving the blocks back) while that READ may still write. The
+    failing rank, which its own pull did not tell, is told too, and nobody twice by the daemon's stop."""
+    agent = CrashingRank()
+    port = port_with(agent)
+    with pytest.raises(MemoryError) as raised:
+        read(port)
+    group = getattr(raised.value, "read", None)
+    assert isinstance(group, ReadGroup)
+    assert [op.peer.tp_rank for op in group.ops] == [0]
+    assert not port.abort(group)  # the daemon's stop: still in flight, so its blocks are not safe yet
+    port.notify(PEERS, "req")
+    assert sorted(agent.sent) == [(f"agent-{r}", "req", 1) for r in range(3)]
