@@ -322,6 +322,8 @@ class Daemon:
         )
         if self.registrations is not None:
             await self.registrations.release()
+        if self.peers is not None:  # a pull stopped in its handshake tells its prefill once it is through
+            await self.peers.told(self.config.handshake_timeout_s)
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)

@@ -75,6 +75,7 @@ class Peers:
         self._entries: dict[Key, PeerEntry] = {}
         self._retiring: set[PeerEntry] = set()  # replaced entries whose peer goes once no pull holds it
         self._generation = 0  # bumped when what peers were admitted under changes
+        self._telling: set[asyncio.Task] = set()  # notifications waiting for their handshake (``told``)
 
     def invalidate(self) -> None:
         """Re-admit every cached prefill once idle (new caches, or a reload changed the rules)."""
@@ -249,7 +250,15 @@ class Peers:
             if peer is not None:
                 self.notify(peer, remote_request_id)
 
-        self._spawn(later())
+        task = self._spawn(later())
+        self._telling.add(task)
+        task.add_done_callback(self._telling.discard)
+
+    async def told(self, timeout_s: float) -> None:
+        """Wait, at most ``timeout_s``, for the notifications still waiting for their handshake: at shutdown,
+        before those handshakes are cancelled (the prefill would otherwise hold the blocks for its lease)."""
+        if self._telling:
+            await asyncio.wait(list(self._telling), timeout=timeout_s)
 
     def notify_unread(self, target: PeerTarget, caches: Any, remote_request_id: str) -> None:
         """A request stopped before its handshake began: notify through the cached handshake, or (when there

@@ -399,11 +399,12 @@ class Pipeline:
             # stopped during the handshakes, or after they ended but before this job resumed from them
             for entry in job.peer_entries:
                 self._peers.notify_when_admitted(entry.task, rid)
-        elif not self._stopping():
+        else:
             # stopped or refused before its handshake began: the prefill holds the blocks for its lease, so
-            # tell it through a cached handshake, or one made just for this
+            # tell it through a cached handshake, or (unless shutting down) one made just for this
+            caches = None if self._stopping() else self._caches.current
             for target in _targets(job, refuse=False):
-                self._peers.notify_unread(target, self._caches.current, rid)
+                self._peers.notify_unread(target, caches, rid)
         return safe
 
     def _answer(self, job: Job, ending: Ending) -> None:

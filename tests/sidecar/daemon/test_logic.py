@@ -1769,3 +1769,42 @@ def test_a_reload_whose_live_keys_do_not_fit_the_running_ones_applies_nothing(ca
             assert (await h.reply(p.Done, "a")).ok
 
     run(main())
+
+
+def test_a_pull_stopped_in_its_handshake_at_shutdown_still_tells_the_prefill():
+    """Shutdown answers a pull whose handshake is still running; the handshake comes through a moment
+    later, while the daemon is still stopping: the prefill is told then, not left to its lease."""
+
+    async def main():
+        h = Harness()
+        await h.start()
+        try:
+            await _hold_in(h, "handshake")
+            stopping = asyncio.ensure_future(h.daemon.shutdown(0))
+            done = await h.reply(p.Done, "x")
+            assert not done.ok and done.reason.startswith("shutting down"), done
+            await asyncio.sleep(0.05)
+            h.port.handshake_gate.set()
+            await asyncio.wait_for(stopping, 5)
+            assert h.port.notified == ["r-x"]
+        finally:
+            h.port.handshake_gate = None
+            await h.stop()
+
+    run(main())
+
+
+def test_a_queued_pull_answered_at_shutdown_tells_the_prefill_through_its_cached_handshake():
+    async def main():
+        h = Harness(max_inflight=1)
+        await h.start()
+        try:
+            await _hold_in(h, "queue")
+            await h.daemon.shutdown(0)
+            (done,) = h.answers("x")
+            assert not done.ok and done.reason.startswith("shutting down"), done
+            assert sorted(h.port.notified) == ["r-blocker", "r-x"]
+        finally:
+            await h.stop()
+
+    run(main())
