@@ -41,6 +41,9 @@ class Caches:
     reencode_sets: dict[tuple, Any] = field(default_factory=dict)  # fp8 re-encode PlaneSets, by scales
     graphs: Any = None  # sidecar.convert.graphs.GraphLaunches over plane_set (GPU, made at first use)
     users: int = 0
+    # a READ into them was answered unsafe and its handles were not released: it may still write, so they are
+    # never deregistered nor unmapped (a late write would land in whatever is mapped at that address next)
+    written_late: bool = False
 
     owner_session: Any = None  # the jobs.Session that registered them
 
@@ -176,6 +179,10 @@ class CacheRegistry:
             return None
         while caches.users:  # a job still finishing (it holds views into the buffers)
             await asyncio.sleep(0.001)
+        if caches.written_late:
+            log.error("cache generation %d stays registered and mapped: a transfer into it could not be "
+                      "stopped", caches.generation)
+            return caches
         with contextlib.suppress(Exception):
             self._port.deregister(caches.registration)
         close_caches(caches)

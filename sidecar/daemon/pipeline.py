@@ -421,12 +421,14 @@ class Pipeline:
                 log.error("pull %s: staging slots %s kept out of use (a transfer could not be stopped)",
                           job.req_id, job.slots)
             job.slots = None
-        caches, entries = job.caches, job.peer_entries
+        caches, entries, read = job.caches, job.peer_entries, job.read
         job.caches, job.peer_entries = None, []
 
         def let_go() -> None:
             """After the read's handles are released: only then may its caches or peers go."""
             if caches is not None:
+                if read is not None and read.handles:  # NIXL kept some: they may still write
+                    caches.written_late = True
                 caches.users -= 1
             for entry in entries:
                 self._peers.release(entry)

@@ -1808,3 +1808,29 @@ def test_a_queued_pull_answered_at_shutdown_tells_the_prefill_through_its_cached
             await h.stop()
 
     run(main())
+
+
+def test_caches_a_read_could_not_be_stopped_in_stay_registered_and_mapped(monkeypatch):
+    """A read NIXL neither ends nor releases (its handle still in progress, as NixlTransfer.release keeps
+    one): the pull is answered unsafe, and when the shim then unregisters, the caches stay registered and
+    mapped. Deregistered and unmapped, a late reply of that READ would land in whatever the daemon maps at
+    that address next (the shim's next registration, other blocks than the request's)."""
+    from sidecar.daemon import reads
+
+    monkeypatch.setattr(reads, "RELEASE_GIVE_UP_S", 0.2)
+
+    async def main():
+        async with started() as h:
+            h.port.auto_land = False
+            h.port.stuck_abort = 10**9
+            monkeypatch.setattr(h.port, "release", lambda read: False)
+            closed = []
+            monkeypatch.setattr("sidecar.daemon.caches.close_caches", closed.append)
+            h.pull("a", timeout_s=0.3)
+            done = await h.reply(p.Done, "a", timeout=3.0)
+            assert not done.ok and not done.safe, done
+            h.send(p.Unregister())
+            await h.reply(p.Unregistered)
+            assert h.port.registrations == 1 and closed == []
+
+    run(main())
