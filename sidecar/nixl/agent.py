@@ -610,8 +610,8 @@ class NixlTransfer:
             raise pull.error from exc  # type: ignore[misc]
         try:
             self._post_groups(pull, geo, table, dest, mode, pool, layer_groups)
-        except TransferError as exc:
-            exc.read = pull  # failed midway: what it posted may still hold handles
+        except Exception as exc:  # whatever the error: what it posted may still hold handles, untold
+            exc.read = pull  # type: ignore[attr-defined]  # failed midway: the caller stops it
             raise
         self.seal(pull)
         return pull

@@ -1016,3 +1016,30 @@ def test_a_pairing_refused_at_pull_time_still_tells_the_prefill(emu, tx, planes)
                 pool=pool, slots=slots)
     assert e.value.field
     assert emu.client.wait_state(params.remote_request_id, "freed_by_notif", 10).notif_counts == [1]
+
+
+def test_a_post_failing_midway_with_any_error_keeps_what_it_posted(emu, tx, planes, monkeypatch):
+    """The second layer group's post raises something other than a TransferError (a bug, MemoryError)
+    after the first group's READ was posted: the error still carries the pull, so the caller stops it
+    (releases its handle, tells the prefill) before the request's memory is reused."""
+    peer = connect(tx, emu)
+    reply, params = new_request(emu, 4)
+    planes.reset()
+    calls = []
+    real = NixlTransfer._index_bytes
+
+    def second_fails(geo, count):
+        calls.append(count)
+        if len(calls) == 2:
+            raise MemoryError("the second layer group's descriptors")
+        return real(geo, count)
+
+    monkeypatch.setattr(NixlTransfer, "_index_bytes", staticmethod(second_fails))
+    with pytest.raises(MemoryError) as raised:
+        tx.pull(peer, planes.dest, "direct", [0, 1, 2, 3], params.remote_block_ids[0],
+                params.remote_request_id, layer_groups=2)
+    pull = getattr(raised.value, "read", None)
+    assert pull is not None and len(pull.handles) == 1  # the first group's READ, posted
+    wait_until(lambda: tx.abort(pull), "the posted READ released")
+    st = emu.client.wait_state(params.remote_request_id, "freed_by_notif", 10)
+    assert st.notif_counts == [1]
