@@ -440,8 +440,9 @@ class Pipeline:
             timings["delivery"] = max(0.0, job.received - job.msg.sent_at_ns / 1e9)
         if job.abort_envelope is not None:
             ending.outcome = Outcome.ABORTED
-        # Counted before the answer goes out, so whoever holds the answer sees it counted.
-        if ending.field:
+        # Counted before the answer goes out, so whoever holds the answer sees it counted. Only refusals: a
+        # failure's error may name a field too (the NIXL layer's do), and an aborted pull was not refused.
+        if ending.outcome is Outcome.REFUSED and ending.field:
             self._metrics.refused(ending.field)
         if ending.outcome is Outcome.REFUSED:
             self._ratelog.log(

@@ -1126,6 +1126,28 @@ def test_a_pull_larger_than_the_whole_pool_is_refused_naming_staging_bytes():
     run(main())
 
 
+def test_a_failed_pull_whose_error_names_a_field_is_not_counted_as_a_refusal():
+    """kv_sidecar_refusals_total counts refusals: a pull that failed on an error naming a field (the NIXL
+    layer's TransferErrors name one) is counted failed, and nowhere among the refusals."""
+    from sidecar.nixl.errors import TransferFailed
+
+    async def main():
+        async with started() as h:
+            def blocks(*args, **kw):
+                raise TransferFailed("NIXL rejected the descriptor arrays", "descs")
+
+            h.port.blocks = blocks
+            h.pull("a")
+            done = await h.reply(p.Done, "a")
+            assert not done.ok and "descs" in done.reason, done
+            sample = h.daemon.metrics.registry.get_sample_value
+            assert sample("kv_sidecar_requests_total", {"outcome": "failed"}) == 1
+            assert sample("kv_sidecar_requests_total", {"outcome": "refused"}) == 0
+            assert sample("kv_sidecar_refusals_total", {"field": "descs"}) is None
+
+    run(main())
+
+
 @pytest.mark.parametrize("mode", ["auto", "staged"])
 def test_a_pull_of_no_blocks_is_answered_at_once_even_while_the_pool_is_held_whole(mode):
     """The shim's notify-only Pull (and a full local prefix hit) has no block to read: it is answered ok and
