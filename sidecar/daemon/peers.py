@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -177,7 +176,6 @@ class Peers:
         )
 
     async def _handshake(self, target: PeerTarget, caches: Any) -> Any:
-        t0 = time.monotonic()
         try:
             peer = await self._port.connect(target, self._admission(target.address, caches), self._on_poster)
         except RemoteRefused as exc:
@@ -192,7 +190,7 @@ class Peers:
         except Exception as exc:
             self._metrics.handshake(False)
             raise Failed(f"handshake with {target.address}: {reason_of(exc)}") from None
-        self._metrics.handshake(True, time.monotonic() - t0)
+        self._metrics.handshake(True)
         log.info(
             "prefill %s rank %d at %s admitted: %s",
             target.engine_id,

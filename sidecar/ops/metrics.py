@@ -229,10 +229,10 @@ class Metrics:
     def refused(self, field: str) -> None:
         self.refusals.labels(field=field or "unknown").inc()
 
-    def handshake(self, ok: bool, seconds: float | None = None) -> None:
+    def handshake(self, ok: bool) -> None:
+        """One side-channel handshake, by outcome. Its time is the handshake stage of the pulls that waited
+        for it (``observe``): observed here too, a pull that handshook would count twice in that stage."""
         self.handshakes.labels(outcome="ok" if ok else "failed").inc()
-        if seconds is not None:
-            self._stages["handshake"].observe(seconds)
 
     def expose(self) -> bytes:
         return generate_latest(self.registry)

@@ -1126,6 +1126,26 @@ def test_a_pull_larger_than_the_whole_pool_is_refused_naming_staging_bytes():
     run(main())
 
 
+def test_each_pull_is_observed_once_per_stage():
+    """kv_sidecar_stage_seconds is seconds per stage of a pull: a pull that makes a new handshake is one
+    observation of stage "handshake", as of every other stage, not one for the pull and one for the
+    handshake."""
+
+    async def main():
+        async with started() as h:
+            h.pull("a")
+            assert (await h.reply(p.Done, "a")).ok
+            h.pull("b")  # the handshake is cached
+            assert (await h.reply(p.Done, "b")).ok
+            sample = h.daemon.metrics.registry.get_sample_value
+            assert sample("kv_sidecar_handshakes_total", {"outcome": "ok"}) == 1
+            counts = {s: sample("kv_sidecar_stage_seconds_count", {"stage": s})
+                      for s in ("queue", "handshake", "transfer", "end_to_end")}
+            assert counts == dict.fromkeys(counts, 2), counts
+
+    run(main())
+
+
 def test_a_failed_pull_whose_error_names_a_field_is_not_counted_as_a_refusal():
     """kv_sidecar_refusals_total counts refusals: a pull that failed on an error naming a field (the NIXL
     layer's TransferErrors name one) is counted failed, and nowhere among the refusals."""
