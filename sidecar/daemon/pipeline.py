@@ -103,8 +103,9 @@ class Pipeline:
             reason = f"req_id {msg.req_id!r} is already in flight"
             self._send(envelope, p.Error(reason=reason, in_reply_to="Pull", req_id=msg.req_id))
             return
-        if self._stopping():
-            self._answer_now(envelope, msg, Outcome.FAILED, f"{SHUTTING_DOWN}: not accepting pulls")
+        if self._stopping():  # told through a cached or running handshake only: none is made now
+            reason = f"{SHUTTING_DOWN}: not accepting pulls"
+            self._not_taken(envelope, session, msg, Outcome.FAILED, reason, handshake=False)
             return
         full = self._jobs.full()
         if full is not None:
@@ -165,17 +166,24 @@ class Pipeline:
         self._jobs.cancel(job, Ending(Outcome.ABORTED, "aborted by the shim"))
 
     def _not_taken(
-        self, envelope: list[bytes], session: Session, msg: p.Pull, outcome: Outcome, reason: str
+        self,
+        envelope: list[bytes],
+        session: Session,
+        msg: p.Pull,
+        outcome: Outcome,
+        reason: str,
+        handshake: bool = True,
     ) -> None:
-        """Answer a Pull of the caches' owner that will not be read (overloaded, expired, aborted first), and
-        tell its prefill ranks to free the blocks now rather than hold them for the rest of their lease: the
-        shim sends no notification of its own for a load that failed."""
+        """Answer a Pull of the caches' owner that will not be read (overloaded, expired, aborted first, or
+        shutting down), and tell its prefill ranks to free the blocks now rather than hold them for the rest
+        of their lease: the shim sends no notification of its own for a load that failed. Told through a
+        cached or running handshake, or (``handshake``) one made just for this."""
         self._answer_now(envelope, msg, outcome, reason)
         caches = self._caches.current
         if caches is None:
             return
         for target in _read_targets(msg, session, refuse=False):
-            self._peers.notify_unread(target, caches, msg.remote_request_id)
+            self._peers.notify_unread(target, caches if handshake else None, msg.remote_request_id)
 
     def _answer_now(self, envelope: list[bytes], msg: p.Pull, outcome: Outcome, reason: str) -> None:
         self._metrics.answered(outcome.value)

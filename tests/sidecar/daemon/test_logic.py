@@ -1876,3 +1876,47 @@ def test_caches_a_read_could_not_be_stopped_in_stay_registered_and_mapped(monkey
             assert h.port.registrations == 1 and closed == []
 
     run(main())
+
+
+def test_a_pull_arriving_during_shutdown_tells_the_prefill_through_its_cached_handshake():
+    """A Pull that arrives while the daemon drains is refused; the prefill is told through the handshake
+    cached for its rank, and no handshake is made for a rank that has none."""
+
+    async def main():
+        h = Harness()
+        await h.start()
+        try:
+            h.pull("a")
+            assert (await h.reply(p.Done, "a")).ok
+            h.port.auto_land = False
+            h.pull("held", timeout_s=5.0)  # keeps the daemon draining
+            await h.until_stage("held", "transfer")
+            stopping = asyncio.ensure_future(h.daemon.shutdown(5))
+            await asyncio.sleep(0.01)
+            h.pull("late")
+            done = await h.reply(p.Done, "late")
+            assert not done.ok and done.reason.endswith("not accepting pulls"), done
+            connects = h.port.connects
+            h.send(
+                p.Pull(
+                    req_id="elsewhere",
+                    remote_engine_id="prefill-1",
+                    remote_host="127.0.0.1",
+                    remote_port=5601,
+                    remote_request_id="r-elsewhere",
+                    remote_block_ids=p.pack_block_ids([1]),
+                    local_block_ids=p.pack_block_ids([1]),
+                )
+            )
+            assert not (await h.reply(p.Done, "elsewhere")).ok
+            await h.until_notified("r-late")
+            while h.port.reads[-1].groups:
+                h.port.land(h.port.reads[-1])
+            await asyncio.wait_for(stopping, 5)
+            assert (await h.reply(p.Done, "held")).ok
+            assert h.port.connects == connects and "r-elsewhere" not in h.port.notified
+            assert sorted(h.port.notified) == ["r-a", "r-held", "r-late"]
+        finally:
+            await h.stop()
+
+    run(main())
