@@ -7,7 +7,9 @@ Enable it with one flag on the decoder::
                            "kv_connector_extra_config":{"sidecar_socket":"ipc:///run/kv-sidecar/gpu{rank}.sock"}}'
 
 ``kv_connector_extra_config`` keys: ``sidecar_socket`` (default ``ipc:///run/kv-sidecar/gpu{rank}.sock``;
-``{rank}`` is replaced by the worker's TP rank),
+``{rank}`` is replaced by the worker's TP rank, ``{gpu}`` by the physical index of its GPU, the N of
+``kv-sidecar serve --gpu N``: use ``gpu{gpu}.sock`` with data parallelism or ``CUDA_VISIBLE_DEVICES``;
+``vllm_glue.gpu_index``),
 ``sidecar_pull_timeout_s`` (60), ``sidecar_register_timeout_s`` (30), ``sidecar_grace_s`` (5, at least 4), and
 vLLM's own ``kv_lease_duration`` (30; heartbeats every lease // 6 s, as stock vLLM); checked at start-up
 (``vllm_glue.settings``).
@@ -30,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from vllm_glue.gpu_index import fill_socket, physical_gpu
 from vllm_glue.local_format import local_page_format, one_scale, required_layout
 from vllm_glue.orders import StepOrders
 from vllm_glue.scheduler_book import SchedulerBook
@@ -107,7 +110,7 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             rank, tp_size = _tp_rank_and_size(vllm_config)
             self.worker = WorkerHalf(
-                settings.sidecar_socket.replace("{rank}", str(rank)),
+                fill_socket(settings.sidecar_socket, rank=rank, gpu=_worker_gpu),
                 pull_timeout_s=settings.sidecar_pull_timeout_s,
                 register_timeout_s=settings.sidecar_register_timeout_s,
                 grace_s=settings.sidecar_grace_s,
@@ -320,6 +323,22 @@ def _prefill_backoff(vllm_config: VllmConfig, kv_cache_config: Any) -> int:
     )
     lookahead = int(getattr(vllm_config, "num_prefill_lookahead_tokens", 1) or 1)
     return max(1 if has_mamba or bounded_replay else 0, lookahead - 1)
+
+
+def _worker_gpu() -> int:
+    """The physical index of this worker's GPU (GpuUnresolved when it has none or it cannot be mapped).
+
+    Called while vLLM builds the worker's connector, after ``init_device`` made the worker's device current.
+    """
+    from vllm.platforms import current_platform
+
+    runtime = "rocm" if current_platform.is_rocm() else "cuda" if current_platform.is_cuda() else None
+    device = None
+    if runtime is not None:
+        import torch
+
+        device = torch.cuda.current_device()
+    return physical_gpu(os.environ, device, runtime or str(current_platform.device_type))
 
 
 def _tp_rank_and_size(vllm_config: VllmConfig) -> tuple[int, int]:

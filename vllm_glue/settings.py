@@ -26,7 +26,7 @@ Seconds = Annotated[float, msgspec.Meta(gt=0, le=MAX_SECONDS)]
 class ShimSettings(msgspec.Struct, frozen=True):
     """The ``kv_connector_extra_config`` keys the shim reads (others are ignored)."""
 
-    sidecar_socket: str = DEFAULT_SOCKET  # ``{rank}``: the worker's TP rank
+    sidecar_socket: str = DEFAULT_SOCKET  # ``{rank}``: the worker's TP rank, ``{gpu}``: its physical GPU
     sidecar_pull_timeout_s: Seconds = 60.0
     sidecar_register_timeout_s: Seconds = 30.0
     sidecar_grace_s: Annotated[float, msgspec.Meta(ge=MIN_GRACE_S, le=MAX_SECONDS)] = DEFAULT_GRACE_S

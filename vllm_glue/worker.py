@@ -26,7 +26,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-# {rank} becomes the worker's TP rank: worker N talks to the daemon of GPU N (kv-sidecar@N).
+# {rank} becomes the worker's TP rank: worker N talks to the daemon of GPU N (kv-sidecar@N). Where rank N is
+# not on GPU N (data parallelism, CUDA_VISIBLE_DEVICES), gpu{gpu}.sock names its GPU (vllm_glue.gpu_index).
 DEFAULT_SOCKET = "ipc:///run/kv-sidecar/gpu{rank}.sock"
 # How long past a load's deadline to wait for the daemon's answer before failing the load ("no answer"). The
 # daemon answers by the deadline, or up to its 4 s give-up later when a read will not stop (reads.py).
@@ -50,6 +51,8 @@ class WorkerHalf:
         engine_id: str = "",
     ) -> None:
         self.socket = socket.replace("{rank}", str(worker_rank))
+        if "{gpu}" in self.socket:  # only the worker's process knows its GPU: the connector fills it in
+            raise ValueError(f"socket {socket!r}: {{gpu}} must be resolved first (vllm_glue.gpu_index)")
         self.pull_timeout_s = pull_timeout_s
         self.register_timeout_s = register_timeout_s
         self.tracker = LoadTracker(grace_s=grace_s)
