@@ -23,7 +23,6 @@ import re
 import sys
 import time
 import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
@@ -353,8 +352,10 @@ def _recv(sock: Any, protocol: Any, timeout_s: float) -> Any:
 
 
 def _get(url: str, timeout_s: float) -> tuple[int, str]:
+    from sidecar.ops.healthcheck import open_local  # the daemon's own endpoint: never through a proxy
+
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        with open_local(url, timeout_s) as r:
             return r.status, r.read().decode(errors="replace")
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode(errors="replace")

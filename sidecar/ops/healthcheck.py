@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import urllib.error
 import urllib.request
+from typing import Any
 
 
 def serve_argv(cmdline: bytes) -> list[str]:
@@ -33,13 +34,18 @@ def health_url(argv: list[str]) -> str:
     return url + "/healthz"
 
 
+def open_local(url: str, timeout_s: float) -> Any:
+    """``urlopen`` for the daemon's own HTTP endpoint, never through ``$http_proxy``: urllib sends every
+    request through it unless ``NO_PROXY`` names the host (127.0.0.1 included), and a proxy cannot reach
+    this host's loopback (Docker passes a client's proxy settings into containers). Also ``doctor``'s."""
+    return urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url, timeout=timeout_s)
+
+
 def main(pid: int = 1, timeout_s: float = 2.0) -> int:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             url = health_url(serve_argv(f.read()))
-        # never through $http_proxy (Docker passes a client's proxy settings in): the endpoint is local
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        with opener.open(url, timeout=timeout_s) as r:
+        with open_local(url, timeout_s) as r:
             print(f"{url}: {r.status}")
         return 0
     except urllib.error.HTTPError as exc:

@@ -443,6 +443,25 @@ def test_doctor_passes_on_a_healthy_node(node):
 
 
 @pytest.mark.e2e
+def test_a_proxy_in_the_environment_is_not_asked_for_the_local_endpoints(node, monkeypatch):
+    """/healthz, /readyz and /metrics are the daemon's own, on this host: asked through $http_proxy (which
+    urllib honours unless NO_PROXY names the host), a healthy daemon failed both rows and its gauges were
+    lost. The container's HEALTHCHECK had the same bug (test_healthcheck.py)."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: the proxy
+        s.bind(("127.0.0.1", 0))
+        proxy = s.getsockname()[1]
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(name, f"http://127.0.0.1:{proxy}")
+    checks, gauges = doctor.check_health(node["metrics"], 2.0)
+    assert [(c.name, c.status) for c in checks] == [("/healthz", "pass"), ("/readyz", "pass")], checks
+    assert gauges.get("kv_sidecar_registered_bytes", 0) > 0, gauges
+
+
+@pytest.mark.e2e
 def test_a_missing_completion_socket_is_a_warning_not_a_failure(own_node):
     os.unlink(own_node["socket"].removeprefix("ipc://") + ".done")  # shims fall back to ZMQ
     check = doctor.check_completion_socket(own_node["socket"], 2.0)
