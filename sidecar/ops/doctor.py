@@ -442,10 +442,11 @@ def check_prefill(
     cfg: Any,
     local: PageFormat | None,
     layers: int,
-    factors: Mapping[str, Any],
+    factors: Mapping[str, Any] | None,
     timeout_s: float,
 ) -> list[DoctorCheck]:
-    """vLLM's handshake with one prefill, then the admission the daemon would make (sidecar.nixl.agent)."""
+    """vLLM's handshake with one prefill, then the admission the daemon would make (sidecar.nixl.agent).
+    ``factors``: the decoder's registered hash factors, None when unknown (no status from the daemon)."""
     from sidecar.nixl import admission, errors
     from sidecar.nixl import agent as tr
     from sidecar.wire import prefill as vllm_wire
@@ -490,7 +491,9 @@ def check_prefill(
         allow_lossy_fp8=rule.fp8_lossy_reencode if rule else False,
         remote_mem_type="DRAM" if cfg.gpu is None else "VRAM",
     )
-    check_identity = cfg.verify_model_identity and bool(factors)
+    # As the daemon admits (sidecar.daemon.peers, sidecar.nixl.port): verify_model_identity with no factors
+    # registered is its refusal ("no local model identity"); only factors unknown here go unchecked.
+    check_identity = cfg.verify_model_identity and factors is not None
     try:
         plan, _ = admission.admit_remote(
             meta,
@@ -499,7 +502,7 @@ def check_prefill(
             layers=layers or meta.num_regions,
             settings=settings,
             remote_hash=reply.compatibility_hash,
-            local_factors=dict(factors) or None,
+            local_factors=dict(factors or {}) or None,
             check_identity=check_identity,
         )
     except errors.RemoteRefused as exc:
@@ -517,7 +520,11 @@ def check_prefill(
         if plan.convert
         else f"plain read of {plan.remote.kind} {plan.remote.layout} pages"
     )
-    note = "" if check_identity else " (model identity not checked: no local hash factors)"
+    note = ""
+    if not cfg.verify_model_identity:
+        note = " (model identity not checked: verify_model_identity = false)"
+    elif not check_identity:
+        note = " (model identity not checked: the decoder's hash factors are unknown)"
     return [
         *checks,
         DoctorCheck(
@@ -604,7 +611,7 @@ def diagnose(args: argparse.Namespace, environ: Mapping[str, str] | None = None)
     if args.local_format:
         local = msgspec.json.decode(args.local_format, type=PageFormat)
     layers = status.num_layers if status is not None else 0
-    factors = getattr(status, "compat_factors", {}) if status is not None else {}
+    factors = status.compat_factors if status is not None else None
     peers = [p.address for p in getattr(status, "peers", [])] if status is not None else []
     addresses = prefill_addresses(args.prefill or [], target.config.remotes, peers)
     if not addresses:

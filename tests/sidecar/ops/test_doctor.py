@@ -308,8 +308,9 @@ class DoctorDecoder:
         self.shm.close()
 
 
-def _node(tmp_path: Path):
-    """A prefill emulator, a CPU-twin daemon declaring it, and a decoder that registered its caches."""
+def _node(tmp_path: Path, factors: dict | None = None):
+    """A prefill emulator, a CPU-twin daemon declaring it, and a decoder that registered its caches (with
+    ``factors`` as its hash factors when given)."""
     from sidecar.cli import spawn_serve
     from sidecar.standins.emulator_control import spawn_emulator
 
@@ -346,7 +347,9 @@ def _node(tmp_path: Path):
         emu.stop()  # a daemon that failed to start must not leave the emulator running
         raise
     # The decoder's hash factors: the prefill's, with the decoder's own backend name.
-    decoder = DoctorDecoder(sock, {**emu.ready.compat_factors, "attn_backend_name": "ROCM_AITER_FA"})
+    if factors is None:
+        factors = {**emu.ready.compat_factors, "attn_backend_name": "ROCM_AITER_FA"}
+    decoder = DoctorDecoder(sock, factors)
     info = {
         "emulator": emu,
         "daemon": daemon,
@@ -496,6 +499,31 @@ def test_doctor_refusal_names_the_field(node, tmp_path):
     neg = _by_name(report)[f"negotiation {node['prefill']}"]
     assert rc == 1 and neg["status"] == "fail"
     assert neg["detail"].startswith("refused on block_size:")
+
+
+@pytest.mark.e2e
+def test_no_local_hash_factors_fail_as_the_daemon_refuses(tmp_path):
+    """verify_model_identity = true and a registration without hash factors: the daemon refuses every
+    prefill ("no local model identity"), so doctor must fail the negotiation too, not pass it with a
+    warning and exit 0 on a node that serves no pull."""
+    for node in _node(tmp_path, factors={}):
+        rc, report = _doctor(node, "--no-pull")
+        neg = _by_name(report)[f"negotiation {node['prefill']}"]
+        assert rc == 1 and neg["status"] == "fail", neg
+        assert neg["detail"].startswith("refused on compatibility_hash: no local model identity"), neg
+
+
+def test_unknown_hash_factors_are_a_warning_not_a_refusal(monkeypatch):
+    """A daemon that reports no status (older than Status; --local-format gives the format): its hash
+    factors are unknown, not empty, so doctor cannot check the identity and says so."""
+    from sidecar.ops import config
+
+    _fake_prefill(monkeypatch, STANDARD.page_bytes)
+    rule = {"match": "10.0.0.1:5600", "page_format": msgspec.to_builtins(STANDARD)}
+    cfg = config.build({"verify_model_identity": True, "remotes": [rule]})
+    neg = {c.name: c for c in doctor.check_prefill("10.0.0.1:5600", cfg, STANDARD, 2, None, 1.0)}
+    neg = neg["negotiation 10.0.0.1:5600"]
+    assert neg.status == "warn" and "model identity not checked" in neg.detail, neg
 
 
 @pytest.mark.e2e
