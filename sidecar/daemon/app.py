@@ -270,12 +270,13 @@ class Daemon:
         r.on(p.Heartbeat, self.heartbeats.on_heartbeat)
 
     def _status(self, nonce: int) -> p.StatusReply:
-        """``Status``'s answer: the current caches and the prefill ranks the daemon holds admitted."""
+        """``Status``'s answer: the current caches and the prefill ranks the daemon holds admitted against
+        them (none without caches: no pull reads, and a new registration admits every prefill again)."""
         caches = self.caches.current if self.caches is not None else None
+        if caches is None:
+            return p.StatusReply(nonce=nonce, registered=False)
         peers = [p.PeerStatus(address=peer.address, engine_id=peer.engine_id, tp_rank=peer.tp_rank)
                  for peer in (self.peers.admitted_peers() if self.peers is not None else [])]
-        if caches is None:
-            return p.StatusReply(nonce=nonce, registered=False, peers=peers)
         return p.StatusReply(nonce=nonce, registered=True, registered_bytes=caches.nbytes,
                              num_layers=len(caches.layers), page_format=caches.page_format,
                              compat_factors=caches.compat_factors, peers=peers)

@@ -86,8 +86,16 @@ class Peers:
         return entry.peer if entry is not None else None
 
     def admitted_peers(self) -> list[Any]:
-        """Every prefill rank admitted now (its handshake done), in no particular order."""
-        return [peer for entry in self._entries.values() if (peer := entry.peer) is not None]
+        """Every prefill rank admitted now, in no particular order: those a new pull would read through
+        without handshaking again (``acquire``). A peer dropped, admitted against older caches or config, or
+        let go by the transport is not: the next pull naming it handshakes anew."""
+        return [
+            peer
+            for entry in self._entries.values()
+            if (peer := entry.peer) is not None
+            and entry.config_gen == self._generation
+            and not getattr(peer, "unloaded", False)
+        ]
 
     def known(self, key: Key) -> bool:
         return key in self._entries

@@ -406,7 +406,8 @@ class PeerStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class StatusReply(_Msg):
     """The caches registered now (``registered`` False: none; their fields empty then) and the prefill ranks
-    the daemon holds admitted (re-admitted against new caches at their next pull)."""
+    the daemon holds admitted: those its next pull would read without a handshake (not one dropped, or
+    admitted against older caches or config: the next pull naming it handshakes again)."""
 
     nonce: int
     registered: bool

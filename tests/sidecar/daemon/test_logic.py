@@ -1315,6 +1315,58 @@ def test_a_peer_lost_between_handshake_and_read_is_handshaken_again():
     run(main())
 
 
+async def _status_peers(h: Harness, nonce: int) -> list[tuple[str, str, int]]:
+    """The prefill ranks the daemon's StatusReply lists (what ``kv-sidecar doctor`` checks)."""
+    h.send(p.Status(nonce=nonce), who=b"doctor")
+    for _ in range(1000):
+        reply = next((m for _, m in h.sent if isinstance(m, p.StatusReply) and m.nonce == nonce), None)
+        if reply is not None:
+            return sorted((s.address, s.engine_id, s.tp_rank) for s in reply.peers)
+        await asyncio.sleep(0.002)
+    raise AssertionError(f"no StatusReply {nonce}")
+
+
+def test_status_lists_only_the_prefills_a_new_pull_would_read_without_a_handshake():
+    """Status lists what the daemon holds admitted now: a peer dropped (a read found it gone), or admitted
+    against older caches (or none now) or an older config, is handshaken again by the next pull, so it is
+    not listed (doctor probes every listed prefill: a scaled-away one would fail it) until a pull admits it
+    again."""
+    here = [("127.0.0.1:5600", "prefill-0", 0)]
+
+    async def main():
+        async with started() as h:
+            assert await _status_peers(h, 1) == []
+            h.pull("a")
+            assert (await h.reply(p.Done, "a")).ok
+            assert await _status_peers(h, 2) == here
+            h.port.disconnect_reads = True  # the prefill went away after its handshake
+            h.pull("b")
+            assert not (await h.reply(p.Done, "b")).ok
+            assert await _status_peers(h, 3) == []
+            h.port.disconnect_reads = False
+            h.pull("c")
+            assert (await h.reply(p.Done, "c")).ok
+            assert await _status_peers(h, 4) == here
+            h.sent.clear()
+            h.send(h.register_message())  # new caches: every prefill is admitted again at its next pull
+            assert isinstance(await h.reply(p.Registered), p.Registered)
+            assert await _status_peers(h, 5) == []
+            h.pull("d")
+            assert (await h.reply(p.Done, "d")).ok
+            assert await _status_peers(h, 6) == here
+            h.daemon.peers.invalidate()  # as a reload does
+            assert await _status_peers(h, 7) == []
+            h.pull("e")
+            assert (await h.reply(p.Done, "e")).ok
+            assert await _status_peers(h, 8) == here
+            h.send(p.Unregister())  # no caches: no pull reads through it, the next registration re-admits
+            assert isinstance(await h.reply(p.Unregistered), p.Unregistered)
+            assert await _status_peers(h, 9) == []
+            assert h.port.connects == 4
+
+    run(main())
+
+
 def test_a_refused_handshake_is_answered_naming_the_field_and_not_cached():
     async def main():
         async with started() as h:
