@@ -275,11 +275,15 @@ class Daemon:
         caches = self.caches.current if self.caches is not None else None
         if caches is None:
             return p.StatusReply(nonce=nonce, registered=False)
-        peers = [p.PeerStatus(address=peer.address, engine_id=peer.engine_id, tp_rank=peer.tp_rank)
-                 for peer in (self.peers.admitted_peers() if self.peers is not None else [])]
+        peers = [p.PeerStatus(address=target.address, engine_id=peer.engine_id, tp_rank=peer.tp_rank,
+                              tp_size=target.remote_tp)
+                 for target, peer in (self.peers.admitted_peers() if self.peers is not None else [])]
+        owner = caches.owner_session
         return p.StatusReply(nonce=nonce, registered=True, registered_bytes=caches.nbytes,
                              num_layers=len(caches.layers), page_format=caches.page_format,
-                             compat_factors=caches.compat_factors, peers=peers)
+                             compat_factors=caches.compat_factors, peers=peers,
+                             tp_size=owner.tp_size if owner is not None else 1,
+                             tp_rank=owner.rank if owner is not None else 0)
 
     def _admitted(self, key: tuple[str, int], peer: Any) -> None:
         if self.heartbeats is not None:

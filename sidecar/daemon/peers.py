@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ class PeerEntry:
     config_gen: int
     key: Key = ("", 0)  # (engine id, prefill rank)
     users: int = 0
+    target: PeerTarget | None = None  # what the handshake was for (the TP sizes and ranks among it)
 
     @property
     def peer(self) -> Any:
@@ -47,6 +48,30 @@ class PeerEntry:
     def failed(self) -> bool:
         t = self.task
         return t.done() and (t.cancelled() or t.exception() is not None)
+
+
+def admission_for(
+    cfg: Config, address: str, local_format: Any, layers: int, compat_factors: Mapping[str, Any]
+) -> Admission:
+    """What the prefill at ``address`` is admitted against: the decoder's caches (their page format, layer
+    count and hash factors) and the config's first [[remotes]] rule matching it. ``kv-sidecar doctor``
+    builds its negotiation from the same call."""
+    rule = next((r for r in cfg.remotes if fnmatch.fnmatchcase(address, r.match)), None)
+    rules = (
+        (RemoteFormatRule(address=rule.match, format=rule.page_format),)
+        if rule is not None and rule.page_format is not None
+        else ()
+    )
+    return Admission(
+        local_format=local_format,
+        layers=layers,
+        compat_factors=dict(compat_factors),
+        rules=rules,
+        conversion_enabled=rule.convert if rule else True,
+        allow_lossy_fp8=rule.fp8_lossy_reencode if rule else False,
+        check_identity=cfg.verify_model_identity,
+        timeout_s=cfg.handshake_timeout_s,
+    )
 
 
 class Peers:
@@ -85,14 +110,16 @@ class Peers:
         entry = self._entries.get(key)
         return entry.peer if entry is not None else None
 
-    def admitted_peers(self) -> list[Any]:
-        """Every prefill rank admitted now, in no particular order: those a new pull would read through
-        without handshaking again (``acquire``). A peer dropped, admitted against older caches or config, or
-        let go by the transport is not: the next pull naming it handshakes anew."""
+    def admitted_peers(self) -> list[tuple[PeerTarget, Any]]:
+        """Every prefill rank admitted now, with the target it was admitted for, in no particular order: those
+        a new pull would read through without handshaking again (``acquire``). A peer dropped, admitted
+        against older caches or config, or let go by the transport is not: the next pull naming it
+        handshakes anew."""
         return [
-            peer
+            (entry.target, peer)
             for entry in self._entries.values()
             if (peer := entry.peer) is not None
+            and entry.target is not None
             and entry.config_gen == self._generation
             and not getattr(peer, "unloaded", False)
         ]
@@ -147,7 +174,7 @@ class Peers:
         """Start a handshake with ``target`` (replacing any entry for its key)."""
         key = (target.engine_id, target.tp_rank)
         task = asyncio.ensure_future(self._handshake(target, caches))
-        entry = PeerEntry(task=task, config_gen=self._generation, key=key)
+        entry = PeerEntry(task=task, config_gen=self._generation, key=key, target=target)
         self._entries[key] = entry
 
         def forget_failure(t: asyncio.Task) -> None:
@@ -165,22 +192,8 @@ class Peers:
             entry.config_gen = -1
 
     def _admission(self, address: str, caches: Any) -> Admission:
-        cfg = self._config()
-        rule = next((r for r in cfg.remotes if fnmatch.fnmatchcase(address, r.match)), None)
-        rules = (
-            (RemoteFormatRule(address=rule.match, format=rule.page_format),)
-            if rule is not None and rule.page_format is not None
-            else ()
-        )
-        return Admission(
-            local_format=caches.page_format,
-            layers=len(caches.layers),
-            compat_factors=dict(caches.compat_factors),
-            rules=rules,
-            conversion_enabled=rule.convert if rule else True,
-            allow_lossy_fp8=rule.fp8_lossy_reencode if rule else False,
-            check_identity=cfg.verify_model_identity,
-            timeout_s=cfg.handshake_timeout_s,
+        return admission_for(
+            self._config(), address, caches.page_format, len(caches.layers), caches.compat_factors
         )
 
     async def _handshake(self, target: PeerTarget, caches: Any) -> Any:

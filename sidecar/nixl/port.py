@@ -92,6 +92,54 @@ def _members(peers: Any) -> tuple[Any, ...]:
     return tuple(getattr(peers, "peers", (peers,)))
 
 
+def admit_rank(
+    target: PeerTarget, admission: Admission, reply: Any, remote_mem_type: str
+) -> tuple[Any, Any, tp.SourceSlice | None]:
+    """Every check of one prefill rank's handshake reply, pure: at another TP the head slice this decoder
+    rank reads of it (``tp.rank_read``: the view it negotiates against), then ``admit_remote``. The plan,
+    the remote regions and the slice (None at the same TP); RemoteRefused naming the field. ``kv-sidecar
+    doctor`` makes the same call."""
+    source, view = None, None
+    if target.remote_tp != target.local_tp:
+        source, view = _slice(target, admission, reply)
+    settings = TransferSettings(
+        remote_formats=admission.rules,
+        conversion_enabled=admission.conversion_enabled,
+        allow_lossy_fp8=admission.allow_lossy_fp8,
+        remote_mem_type=remote_mem_type,
+    )
+    plan, regions = admit_remote(
+        reply.metadata,
+        address=target.address,
+        local_format=admission.local_format,
+        layers=admission.layers,
+        settings=settings,
+        remote_hash=reply.compatibility_hash,
+        local_factors=admission.compat_factors or None,
+        check_identity=admission.check_identity,
+        expected_engine_id=target.engine_id,
+        view=view,
+    )
+    return plan, regions, source
+
+
+def _slice(target: PeerTarget, admission: Admission, reply: Any) -> tuple[tp.SourceSlice, Any]:
+    """The head slice this decoder rank reads of a prefill rank at another TP, and its view format."""
+    tag = getattr(reply.metadata, "page_format", None)
+    declared = resolve_remote_format(target.address, admission.rules, tag)
+    read = tp.rank_read(
+        declared,
+        admission.local_format,
+        local_tp=target.local_tp,
+        local_rank=target.local_rank,
+        remote_tp=target.remote_tp,
+        remote_rank=target.tp_rank,
+    )
+    if not isinstance(read, tp.RankRead):
+        raise RemoteRefused(read.reason, read.field)
+    return read.source, read.view
+
+
 class NixlPort:
     """A thin adapter: one ``NixlTransfer`` (the agent) plus the handshake over the prefill's side channel."""
 
@@ -127,10 +175,7 @@ class NixlPort:
         source, count = None, tp.notif_count(local_tp=target.local_tp, remote_tp=target.remote_tp)
         metadata = reply.metadata.agent_metadata
         try:
-            view = None
-            if target.remote_tp != target.local_tp:
-                source, view = self._slice(target, admission, reply)
-            plan, regions = self._admit(target, admission, reply, view)
+            plan, regions, source = admit_rank(target, admission, reply, self.agent.settings.remote_mem_type)
         except RemoteRefused as exc:
             exc.peer = await _run(run, self._notify_only_peer, target, metadata, count)
             raise
@@ -154,43 +199,6 @@ class NixlPort:
             regions=regions,
             source=source,
             notif_count=count,
-        )
-
-    @staticmethod
-    def _slice(target: PeerTarget, admission: Admission, reply: Any) -> tuple[tp.SourceSlice, Any]:
-        """The head slice this decoder rank reads of a prefill rank at another TP, and its view format."""
-        tag = getattr(reply.metadata, "page_format", None)
-        declared = resolve_remote_format(target.address, admission.rules, tag)
-        read = tp.rank_read(
-            declared,
-            admission.local_format,
-            local_tp=target.local_tp,
-            local_rank=target.local_rank,
-            remote_tp=target.remote_tp,
-            remote_rank=target.tp_rank,
-        )
-        if not isinstance(read, tp.RankRead):
-            raise RemoteRefused(read.reason, read.field)
-        return read.source, read.view
-
-    def _admit(self, target: PeerTarget, admission: Admission, reply: Any, view: Any = None) -> Any:
-        settings = TransferSettings(
-            remote_formats=admission.rules,
-            conversion_enabled=admission.conversion_enabled,
-            allow_lossy_fp8=admission.allow_lossy_fp8,
-            remote_mem_type=self.agent.settings.remote_mem_type,
-        )
-        return admit_remote(
-            reply.metadata,
-            address=target.address,
-            local_format=admission.local_format,
-            layers=admission.layers,
-            settings=settings,
-            remote_hash=reply.compatibility_hash,
-            local_factors=admission.compat_factors or None,
-            check_identity=admission.check_identity,
-            expected_engine_id=target.engine_id,
-            view=view,
         )
 
     def _notify_only_peer(

@@ -16,7 +16,6 @@ test pull's NIXL probe and its subprocess live in ``sidecar.ops.doctor_pull``.
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import json
 import os
 import re
@@ -437,6 +436,32 @@ def _fmt(fmt: PageFormat | None) -> str:
     )
 
 
+class PrefillTP(msgspec.Struct, frozen=True):
+    """How this decoder rank reads one prefill, from the daemon's Status: the decoder's TP size and rank
+    (its shim's Hello), the prefill's TP size and the ranks of it the daemon has admitted (``ranks`` empty:
+    the prefill is not one the daemon lists; then it is checked as a prefill at the decoder's TP)."""
+
+    local_tp: int = 1
+    local_rank: int = 0
+    remote_tp: int | None = None
+    ranks: tuple[int, ...] = ()
+
+
+def prefill_tp(status: Any) -> tuple[PrefillTP, dict[str, PrefillTP]]:
+    """The decoder's TP (for any prefill) and, per address the daemon lists, that prefill's TP and ranks."""
+    if status is None:
+        return PrefillTP(), {}
+    mine = PrefillTP(local_tp=status.tp_size, local_rank=status.tp_rank)
+    out: dict[str, PrefillTP] = {}
+    for peer in status.peers:
+        seen = out.get(peer.address)
+        if seen is not None and seen.remote_tp != peer.tp_size:
+            continue  # two engines at one address at other TPs: the first listed is checked
+        ranks = tuple(sorted({*(seen.ranks if seen else ()), peer.tp_rank}))
+        out[peer.address] = msgspec.structs.replace(mine, remote_tp=peer.tp_size, ranks=ranks)
+    return mine, out
+
+
 def check_prefill(
     address: str,
     cfg: Any,
@@ -444,28 +469,43 @@ def check_prefill(
     layers: int,
     factors: Mapping[str, Any] | None,
     timeout_s: float,
+    tp: PrefillTP | None = None,
 ) -> list[DoctorCheck]:
-    """vLLM's handshake with one prefill, then the admission the daemon would make (sidecar.nixl.agent).
-    ``factors``: the decoder's registered hash factors, None when unknown (no status from the daemon)."""
-    from sidecar.nixl import admission, errors
-    from sidecar.nixl import agent as tr
+    """vLLM's handshake with one prefill, then the admission the daemon would make of each rank it reads
+    (``sidecar.nixl.port.admit_rank``: at another TP, against this decoder rank's head slice). ``factors``:
+    the decoder's registered hash factors, None when unknown (no status from the daemon)."""
+    from sidecar.daemon.peers import admission_for
+    from sidecar.daemon.port import PeerTarget
+    from sidecar.nixl import errors
+    from sidecar.nixl.port import admit_rank
     from sidecar.wire import prefill as vllm_wire
 
+    tp = tp or PrefillTP()
+    remote_tp = tp.local_tp if tp.remote_tp is None else tp.remote_tp
+    ranks = tp.ranks or (0,)
     name = f"prefill {address}"
     try:
         host, port = split_address(address)
-        reply = vllm_wire.fetch_handshake(host, port, [(0, 0)], timeout_s=timeout_s)[(0, 0)]
+        replies = vllm_wire.fetch_handshake(host, port, [(0, r) for r in ranks], timeout_s=timeout_s)
     except (vllm_wire.HandshakeTimeout, vllm_wire.HandshakeDropped, vllm_wire.WireError, ValueError) as exc:
         return [DoctorCheck(name, "fail", f"side channel: {exc}")]
     except Exception as exc:  # noqa: BLE001
         return [DoctorCheck(name, "fail", f"side channel: {type(exc).__name__}: {exc}")]
+    reply = replies[(0, ranks[0])]
     meta = reply.metadata
+    hetero = remote_tp != tp.local_tp
+    where = (
+        f", ranks {', '.join(map(str, ranks))} of TP {remote_tp} (decoder rank {tp.local_rank} of TP "
+        f"{tp.local_tp})"
+        if hetero or len(ranks) > 1
+        else ""
+    )
     checks = [
         DoctorCheck(
             name,
             "pass",
             f"engine {meta.engine_id}, {meta.attn_backend_name}, {meta.kv_cache_layout}, "
-            f"block {meta.block_size}, {meta.num_regions} regions, rtt {reply.rtt_s * 1e3:.1f} ms",
+            f"block {meta.block_size}, {meta.num_regions} regions, rtt {reply.rtt_s * 1e3:.1f} ms{where}",
         )
     ]
     neg = f"negotiation {address}"
@@ -479,57 +519,53 @@ def check_prefill(
                 "daemon reports no status; --local-format gives it)",
             ),
         ]
-    rule = next((r for r in cfg.remotes if fnmatch.fnmatchcase(address, r.match)), None)
-    # The same settings the daemon's handshake builds (sidecar.daemon.peers.Peers._admission).
-    settings = tr.TransferSettings(
-        remote_formats=tuple(
-            admission.RemoteFormatRule(address=r.match, format=r.page_format)
-            for r in cfg.remotes
-            if r.page_format is not None and r is rule
-        ),
-        conversion_enabled=rule.convert if rule else True,
-        allow_lossy_fp8=rule.fp8_lossy_reencode if rule else False,
-        remote_mem_type="DRAM" if cfg.gpu is None else "VRAM",
-    )
-    # As the daemon admits (sidecar.daemon.peers, sidecar.nixl.port): verify_model_identity with no factors
-    # registered is its refusal ("no local model identity"); only factors unknown here go unchecked.
-    check_identity = cfg.verify_model_identity and factors is not None
-    try:
-        plan, _ = admission.admit_remote(
-            meta,
-            address=address,
-            local_format=local,
-            layers=layers or meta.num_regions,
-            settings=settings,
-            remote_hash=reply.compatibility_hash,
-            local_factors=dict(factors or {}) or None,
-            check_identity=check_identity,
+    # The same admission the daemon's handshake makes (sidecar.daemon.peers, sidecar.nixl.port).
+    admission = admission_for(cfg, address, local, layers or meta.num_regions, factors or {})
+    if factors is None:  # unknown here, not empty: the identity cannot be checked
+        admission = msgspec.structs.replace(admission, check_identity=False)
+    mem_type = "DRAM" if cfg.gpu is None else "VRAM"
+    plan = None
+    for rank in ranks:
+        target = PeerTarget(
+            engine_id=replies[(0, rank)].metadata.engine_id,
+            tp_rank=rank,
+            host=host,
+            port=port,
+            remote_tp=remote_tp,
+            local_tp=tp.local_tp,
+            local_rank=tp.local_rank,
         )
-    except errors.RemoteRefused as exc:
-        return [
-            *checks,
-            DoctorCheck(
-                neg,
-                "fail",
-                f"refused on {exc.field}: {exc.reason}",
-                {"field": exc.field, "reason": exc.reason},
-            ),
-        ]
+        try:
+            plan, _, _ = admit_rank(target, admission, replies[(0, rank)], mem_type)
+        except errors.RemoteRefused as exc:
+            which = f" (prefill rank {rank})" if len(ranks) > 1 else ""
+            return [
+                *checks,
+                DoctorCheck(
+                    neg,
+                    "fail",
+                    f"refused on {exc.field}: {exc.reason}{which}",
+                    {"field": exc.field, "reason": exc.reason, "rank": rank},
+                ),
+            ]
+    assert plan is not None
     what = (
         f"convert {plan.remote.kind} {plan.remote.layout} -> {plan.local.kind} {plan.local.layout}"
         if plan.convert
         else f"plain read of {plan.remote.kind} {plan.remote.layout} pages"
     )
+    if hetero:
+        what += f" (heads of prefill TP {remote_tp} read by decoder rank {tp.local_rank} of TP {tp.local_tp})"
     note = ""
     if not cfg.verify_model_identity:
         note = " (model identity not checked: verify_model_identity = false)"
-    elif not check_identity:
+    elif not admission.check_identity:
         note = " (model identity not checked: the decoder's hash factors are unknown)"
     return [
         *checks,
         DoctorCheck(
             neg,
-            "pass" if check_identity or not cfg.verify_model_identity else "warn",
+            "pass" if admission.check_identity or not cfg.verify_model_identity else "warn",
             what + note,
             {"convert": plan.convert},
         ),
@@ -612,7 +648,8 @@ def diagnose(args: argparse.Namespace, environ: Mapping[str, str] | None = None)
         local = msgspec.json.decode(args.local_format, type=PageFormat)
     layers = status.num_layers if status is not None else 0
     factors = status.compat_factors if status is not None else None
-    peers = [p.address for p in getattr(status, "peers", [])] if status is not None else []
+    peers = [p.address for p in status.peers] if status is not None else []
+    mine, listed = prefill_tp(status)
     addresses = prefill_addresses(args.prefill or [], target.config.remotes, peers)
     if not addresses:
         checks.append(
@@ -621,7 +658,9 @@ def diagnose(args: argparse.Namespace, environ: Mapping[str, str] | None = None)
             )
         )
     for address in addresses:
-        checks += check_prefill(address, target.config, local, layers, factors, args.timeout)
+        checks += check_prefill(
+            address, target.config, local, layers, factors, args.timeout, listed.get(address, mine)
+        )
     checks += check_test_pull(args, env)
     return DoctorReport(checks)
 

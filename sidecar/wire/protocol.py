@@ -397,11 +397,13 @@ class Pong(_Msg):
 
 
 class PeerStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One prefill rank the daemon has admitted: its side channel and identity."""
+    """One prefill rank the daemon has admitted: its side channel and identity, and its engine's TP size
+    (the pulls' ``remote_tp_size``; a daemon older than the field: 1)."""
 
     address: str  # host:port of its NIXL side channel
     engine_id: str
     tp_rank: int
+    tp_size: int = 1
 
 
 class StatusReply(_Msg):
@@ -416,6 +418,10 @@ class StatusReply(_Msg):
     page_format: PageFormat | None = None
     compat_factors: dict[str, Any] = {}
     peers: list[PeerStatus] = []
+    # the decoder's TP size and rank, from the Hello of the shim that registered the caches: with a peer's
+    # tp_size, which head slice of a prefill at another TP this daemon reads (a daemon older than them: 1, 0)
+    tp_size: int = 1
+    tp_rank: int = 0
 
 
 class Error(_Msg):

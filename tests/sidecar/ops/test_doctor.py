@@ -269,16 +269,19 @@ def test_a_socket_doctor_may_not_open_is_not_called_stale():
 class DoctorDecoder:
     """A decoder's K/V planes in /dev/shm and the shim's DEALER that registers them with the daemon."""
 
-    def __init__(self, endpoint: str, factors: dict) -> None:
-        plane = N * H * D
-        self.shm = ipc.create_shm_buffer(L * B * SHUFFLED.page_bytes)
+    def __init__(
+        self, endpoint: str, factors: dict, fmt: PageFormat = SHUFFLED, tp: tuple[int, int] = (0, 1)
+    ) -> None:
+        heads = fmt.num_heads
+        plane = N * heads * D
+        self.shm = ipc.create_shm_buffer(L * B * fmt.page_bytes)
         layers = [
             ipc.LayerView(
                 name=f"model.layers.{i}.self_attn.attn",
                 buffer_index=0,
-                offset_bytes=i * B * SHUFFLED.page_bytes,
-                shape=[B, 2, N, H * D],
-                strides=[plane, B * plane, H * D, 1],
+                offset_bytes=i * B * fmt.page_bytes,
+                shape=[B, 2, N, heads * D],
+                strides=[plane, B * plane, heads * D, 1],
                 dtype="bfloat16",
             )
             for i in range(L)
@@ -287,15 +290,26 @@ class DoctorDecoder:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
-        assert isinstance(
-            self._ask(p.Hello(protocol_version=p.PROTOCOL_VERSION, package_version="test")), p.Welcome
-        )
+        hello = p.Hello(protocol_version=p.PROTOCOL_VERSION, package_version="test", worker_rank=tp[0],
+                        tp_size=tp[1])
+        assert isinstance(self._ask(hello), p.Welcome)
         reply = self._ask(
             p.RegisterCaches(
-                buffers=[self.shm.description], layers=layers, page_format=SHUFFLED, compat_factors=factors
+                buffers=[self.shm.description], layers=layers, page_format=fmt, compat_factors=factors
             )
         )
         assert isinstance(reply, p.Registered), reply
+
+    def pull(self, kv: dict, remote_tp: int) -> p.Done:
+        """One block of the prefill, as vLLM's shim asks it (the prefill's TP from kv_transfer_params)."""
+        return self._ask(
+            p.Pull(req_id=kv["remote_request_id"], remote_engine_id=kv["remote_engine_id"],
+                   remote_host=kv["remote_host"], remote_port=kv["remote_port"],
+                   remote_request_id=kv["remote_request_id"],
+                   remote_block_ids=p.pack_block_ids(kv["remote_block_ids"][0]),
+                   local_block_ids=p.pack_block_ids([1]), timeout_s=20.0, remote_tp_size=remote_tp,
+                   remote_registration_generation=kv.get("remote_registration_generation", 0))
+        )
 
     def _ask(self, msg):
         self.sock.send(p.encode(msg))
@@ -308,9 +322,12 @@ class DoctorDecoder:
         self.shm.close()
 
 
-def _node(tmp_path: Path, factors: dict | None = None):
+def _node(
+    tmp_path: Path, factors: dict | None = None, prefill_tp: int = 1, decoder: tuple[int, int] = (0, 1)
+):
     """A prefill emulator, a CPU-twin daemon declaring it, and a decoder that registered its caches (with
-    ``factors`` as its hash factors when given)."""
+    ``factors`` as its hash factors when given). The model has H KV heads, split over the prefill's
+    ``prefill_tp`` ranks and the decoder's TP (``decoder``: its rank and TP size)."""
     from sidecar.cli import spawn_serve
     from sidecar.standins.emulator_control import spawn_emulator
 
@@ -319,7 +336,9 @@ def _node(tmp_path: Path, factors: dict | None = None):
             "--layers",
             str(L),
             "--heads",
-            str(H),
+            str(H // prefill_tp),
+            "--tp",
+            str(prefill_tp),
             "--head-size",
             str(D),
             "--block-size",
@@ -330,7 +349,8 @@ def _node(tmp_path: Path, factors: dict | None = None):
         ]
     )
     cfg = tmp_path / "kv-sidecar.toml"
-    rule = {"match": "127.0.0.1:*", "convert": True, "page_format": msgspec.to_builtins(STANDARD)}
+    declared = msgspec.structs.replace(STANDARD, num_heads=H // prefill_tp)
+    rule = {"match": "127.0.0.1:*", "convert": True, "page_format": msgspec.to_builtins(declared)}
     cfg.write_text(
         "verify_model_identity = true\n[[remotes]]\n"
         + "".join(
@@ -349,8 +369,10 @@ def _node(tmp_path: Path, factors: dict | None = None):
     # The decoder's hash factors: the prefill's, with the decoder's own backend name.
     if factors is None:
         factors = {**emu.ready.compat_factors, "attn_backend_name": "ROCM_AITER_FA"}
-    decoder = DoctorDecoder(sock, factors)
+    local = msgspec.structs.replace(SHUFFLED, num_heads=H // decoder[1])
+    decoder = DoctorDecoder(sock, factors, local, decoder)
     info = {
+        "decoder": decoder,
         "emulator": emu,
         "daemon": daemon,
         "config": str(cfg),
@@ -524,6 +546,31 @@ def test_unknown_hash_factors_are_a_warning_not_a_refusal(monkeypatch):
     neg = {c.name: c for c in doctor.check_prefill("10.0.0.1:5600", cfg, STANDARD, 2, None, 1.0)}
     neg = neg["negotiation 10.0.0.1:5600"]
     assert neg.status == "warn" and "model identity not checked" in neg.detail, neg
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("prefill_tp", "decoder", "ranks"),
+    [(2, (0, 1), "0, 1"), (1, (1, 2), "0")],
+    ids=["prefill-tp2", "decoder-rank1-of-tp2"],
+)
+def test_a_prefill_at_another_tp_is_negotiated_as_the_daemon_reads_it(tmp_path, prefill_tp, decoder, ranks):
+    """Heterogeneous TP: the daemon reads this decoder rank's head slice of one prefill rank (decoder TP
+    larger) or gathers heads from several (prefill TP larger), and serves the pull; doctor negotiated the
+    prefill rank's whole pages against the decoder's and failed "refused on num_heads ... heterogeneous
+    TP is not supported" on a working node. It must apply the daemon's slicing (the TPs from Status)."""
+    for node in _node(tmp_path, prefill_tp=prefill_tp, decoder=decoder):
+        kv = node["emulator"].client.new_request(num_tokens=N).kv_transfer_params
+        done = node["decoder"].pull(kv, prefill_tp)
+        assert done.ok, done  # the daemon serves this pairing
+        rc, report = _doctor(node, "--no-pull")
+        checks = _by_name(report)
+        neg = checks[f"negotiation {node['prefill']}"]
+        assert rc == 0 and neg["status"] == "pass", json.dumps(report, indent=1)
+        assert neg["detail"].startswith("convert standard LBHNC -> aiter_shuffled LHBNC"), neg
+        prefill = checks[f"prefill {node['prefill']}"]["detail"]
+        assert prefill.endswith(f"ranks {ranks} of TP {prefill_tp} (decoder rank {decoder[0]} of TP "
+                                f"{decoder[1]})"), prefill
 
 
 @pytest.mark.e2e

@@ -64,6 +64,8 @@ TO_SHIM = [
     p.StatusReply(nonce=9, registered=True, registered_bytes=4096, num_layers=1, page_format=FMT,
                   compat_factors={"model": "m"},
                   peers=[p.PeerStatus(address="10.0.0.5:5600", engine_id="e", tp_rank=1)]),
+    p.StatusReply(nonce=9, registered=True, page_format=FMT, tp_size=2, tp_rank=1,
+                  peers=[p.PeerStatus(address="10.0.0.5:5600", engine_id="e", tp_rank=3, tp_size=4)]),
 ]
 
 
@@ -80,6 +82,14 @@ def test_to_shim_round_trip(msg):
     data = p.encode(msg)
     assert p.decode_to_shim(data) == msg
     assert p.decode_any(data) == msg
+
+
+def test_an_older_daemons_status_reply_decodes_as_equal_tp():
+    """A daemon older than the TP fields: doctor reads its reply as a decoder and prefills at one TP."""
+    old = {"type": "StatusReply", "nonce": 1, "registered": True,
+           "peers": [{"address": "10.0.0.5:5600", "engine_id": "e", "tp_rank": 0}]}
+    reply = p.decode_to_shim(enc(old))
+    assert (reply.tp_size, reply.tp_rank, reply.peers[0].tp_size) == (1, 0, 1)
 
 
 def test_directions_are_not_mixed():
