@@ -131,7 +131,12 @@ class Peers:
         """The admitted peer for a request (handshaking if needed); the entry is held until ``release``."""
         key = (target.engine_id, target.tp_rank)
         entry = self._entries.get(key)
-        if entry is not None and entry.task.done():
+        if entry is not None and not entry.task.done() and entry.config_gen != self._generation:
+            # still running, but admitting against what was replaced (other caches: another page format,
+            # dtype or model identity of the same page size; other rules): not joined, let go once through
+            self._retire_running(entry)
+            entry = None
+        elif entry is not None and entry.task.done():
             peer = entry.peer
             stale = (
                 peer is None
@@ -155,9 +160,24 @@ class Peers:
 
     def release(self, entry: PeerEntry) -> None:
         entry.users -= 1
-        if entry.users == 0 and entry in self._retiring:
+        if entry.users == 0 and entry in self._retiring and entry.task.done():
             self._retiring.discard(entry)
             self._remove(entry.peer)
+
+    def _retire_running(self, entry: PeerEntry) -> None:
+        """A running handshake replaced: its peer, if it comes, goes once no pull holds it (``release``)."""
+        self._retiring.add(entry)
+
+        def through(t: asyncio.Task) -> None:
+            if entry not in self._retiring:
+                return  # closed
+            peer = entry.peer
+            if peer is None or entry.users == 0:
+                self._retiring.discard(entry)
+                if peer is not None:
+                    self._remove(peer)
+
+        entry.task.add_done_callback(through)
 
     def _remove(self, peer: Any) -> None:
         """Let a peer no pull reads through go: on the poster thread, after the post in progress (NIXL's
@@ -291,7 +311,7 @@ class Peers:
         self.notify_when_admitted(entry.task, remote_request_id)
 
     def close(self) -> None:
-        for entry in self._entries.values():
+        for entry in [*self._entries.values(), *self._retiring]:
             entry.task.cancel()
         self._entries.clear()
         self._retiring.clear()

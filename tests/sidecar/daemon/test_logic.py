@@ -1763,6 +1763,57 @@ def test_a_pull_of_an_older_registration_than_the_admitted_one_reads_nothing():
     run(main())
 
 
+@pytest.mark.parametrize("owner", ["same", "new"])
+def test_a_pull_for_new_caches_does_not_join_a_handshake_admitted_against_the_old(owner):
+    """Caches registered again with another dtype of the same width (same page size, so no geometry check
+    sees it) while a handshake made against the old ones still runs: a Pull into the new caches must be
+    admitted against them (bf16 standard pages are refused for fp16 caches), not join that handshake and
+    convert bf16 bytes into fp16 caches. The owner registers again, or a new shim after the old one went."""
+
+    async def main():
+        async with started(owner_grace_s=0.05) as h:
+            h.port.remote_format = msgspec.structs.replace(FMT, kind="standard", layout="LBHNC")  # bf16
+            h.port.handshake_gate = asyncio.Event()
+            h.pull("old")
+            await h.until_stage("old", "handshake")
+            fp16 = msgspec.structs.replace(FMT, dtype="float16")
+            msg = h.register_message()
+            layers = [msgspec.structs.replace(v, dtype="float16") for v in msg.layers]
+            msg = msgspec.structs.replace(msg, page_format=fp16, layers=layers)
+            who = b"shim"
+            if owner == "new":
+                h.daemon.registrations.shim_gone(b"shim")
+                while h.daemon.caches.current is not None:
+                    await asyncio.sleep(0.005)
+                who = b"shim2"
+                h.send(p.Hello(protocol_version=p.PROTOCOL_VERSION, package_version="test"), who=who)
+            h.send(msg, who=who)
+            while h.daemon.caches.current is None or h.daemon.caches.current.page_format != fp16:
+                await asyncio.sleep(0.005)
+            assert not (await h.reply(p.Done, "old")).ok
+            h.send(
+                p.Pull(
+                    req_id="new",
+                    remote_engine_id="prefill-0",
+                    remote_host="127.0.0.1",
+                    remote_port=5600,
+                    remote_request_id="r-new",
+                    remote_block_ids=p.pack_block_ids([1, 2, 3]),
+                    local_block_ids=p.pack_block_ids([1, 2, 3]),
+                ),
+                who=who,
+            )
+            await h.until_stage("new", "handshake")
+            h.port.handshake_gate.set()
+            done = await h.reply(p.Done, "new")
+            assert not done.ok and done.reason.startswith("dtype"), done
+            assert h.port.reads == []  # nothing read into the fp16 caches
+            while not h.port.peers[0].removed:  # the old caches' admission let go once through
+                await asyncio.sleep(0.005)
+
+    run(main())
+
+
 @pytest.mark.parametrize("first_pull_failed", [False, True])
 def test_heartbeats_reach_the_prefill_after_a_handshake_that_failed_under_a_pull(first_pull_failed):
     """A failed handshake is forgotten even while a pull holds it: kept, it made the rank "known" without a
