@@ -47,6 +47,10 @@ from sidecar.ops.socket_files import refuse_if_served, resolve_group, secure_soc
 from sidecar.wire import protocol as p
 
 log = logging.getLogger("kv_sidecar.daemon")
+# At shutdown, how long the notifications of pulls stopped in their handshake may wait for it to come through.
+# A prefill left untold frees the blocks at its lease's end anyway: this must not stretch a short
+# shutdown_grace_s by a long handshake_timeout_s.
+TELL_AT_SHUTDOWN_S = 2.0
 
 
 def nixl_port(config: Config) -> TransferPort:
@@ -328,7 +332,7 @@ class Daemon:
         if self.registrations is not None:
             await self.registrations.release()
         if self.peers is not None:  # a pull stopped in its handshake tells its prefill once it is through
-            await self.peers.told(self.config.handshake_timeout_s)
+            await self.peers.told(min(self.config.handshake_timeout_s, TELL_AT_SHUTDOWN_S))
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
