@@ -70,11 +70,16 @@ class HeartbeatOrder(msgspec.Struct, frozen=True):
 
 
 class StepOrders(msgspec.Struct, frozen=True):
-    """One step's work for the worker half; pulls are applied before aborts."""
+    """One step's work for the worker half; pulls are applied before aborts.
+
+    ``scheduler_clock_ns``: the scheduler's ``time.monotonic_ns()`` when it built them (0: unknown), so a
+    worker on another node (another monotonic clock) can carry each pull's lease start over to its own.
+    """
 
     pulls: list[PullOrder] = []
     aborts: list[str] = []
     heartbeats: list[HeartbeatOrder] = []
+    scheduler_clock_ns: int = 0
 
     def is_empty(self) -> bool:
         return not (self.pulls or self.aborts or self.heartbeats)

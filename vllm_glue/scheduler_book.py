@@ -177,7 +177,13 @@ class SchedulerBook:
             if now - self._last_heartbeat >= self.heartbeat_interval_s:
                 self._last_heartbeat = now
                 heartbeats = self.heartbeat_targets()
-        orders = StepOrders(pulls=self._pending_pulls, aborts=self._pending_aborts, heartbeats=heartbeats)
+        clock_ns = int(self._clock() * 1e9) if self._pending_pulls else 0
+        orders = StepOrders(
+            pulls=self._pending_pulls,
+            aborts=self._pending_aborts,
+            heartbeats=heartbeats,
+            scheduler_clock_ns=clock_ns,
+        )
         self._pending_pulls, self._pending_aborts = [], []
         return orders
 

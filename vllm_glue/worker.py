@@ -128,7 +128,7 @@ class WorkerHalf:
 
     def start_step(self, orders: StepOrders) -> None:
         """Send this step's pulls, aborts and heartbeats; failures become failed loads, never exceptions."""
-        now = time.monotonic()
+        now, now_ns = time.monotonic(), time.monotonic_ns()
         for order in orders.pulls:
             if self.tracker.is_outstanding(order.req_id):
                 log.error("request %s: a load is already in flight; ignoring a second pull", order.req_id)
@@ -150,7 +150,9 @@ class WorkerHalf:
                     remote_tp_size=r.tp_size,
                     remote_registration_generation=r.registration_generation,
                     remote_num_tokens=r.num_tokens,
-                    lease_started_at_ns=order.lease_started_at_ns,
+                    lease_started_at_ns=local_lease_start(
+                        order.lease_started_at_ns, orders.scheduler_clock_ns, now_ns
+                    ),
                     sent_at_ns=time.monotonic_ns(),
                 )
                 self.tracker.sent(order.req_id, self._send(msg))
@@ -281,3 +283,14 @@ class WorkerHalf:
                 self.tracker.fail(msg.req_id, f"kv-sidecar refused the pull: {msg.reason}", at)
             else:
                 log.error("kv-sidecar error (in reply to %s): %s", msg.in_reply_to, msg.reason)
+
+
+def local_lease_start(started_ns: int, scheduler_clock_ns: int, now_ns: int) -> int:
+    """A lease start the scheduler stamped with its monotonic clock, in this process's: its age there,
+    counted back from ``now_ns``. The scheduler may run on another node, whose monotonic clock has another
+    origin (stock NixlConnector rebases its deadlines the same way). The time the orders took to get here is
+    added to the start (well inside the daemon's margin); 0 stays 0 (unknown), and a start from before this
+    clock's origin is 1."""
+    if not started_ns or not scheduler_clock_ns:
+        return started_ns
+    return max(1, now_ns - max(0, scheduler_clock_ns - started_ns))

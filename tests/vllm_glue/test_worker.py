@@ -9,7 +9,9 @@ import time
 from sidecar.wire import protocol as p
 from tests.vllm_glue.test_client import register_msg
 from tests.vllm_glue.test_reconnect import order, session, wait_until
+from tests.vllm_glue.test_scheduler_book import FakeBlocks, FakeRequest, params
 from vllm_glue.orders import HeartbeatOrder, StepOrders
+from vllm_glue.scheduler_book import SchedulerBook
 
 
 def test_a_pull_that_cannot_be_encoded_fails_its_load_and_the_step_goes_on(address: str) -> None:
@@ -97,3 +99,27 @@ def test_an_abort_the_client_was_not_ready_for_goes_out_at_a_later_step(address:
 
         wait_until(released)
         assert failed == set() and w.load_errors() == set()  # vLLM's own abort: released, not failed
+
+
+def test_a_pull_from_a_scheduler_on_another_host_carries_its_lease_start_in_this_hosts_clock(
+    address: str,
+) -> None:
+    """The scheduler stamped the lease start with its own monotonic clock and the worker sent it on as is, so
+    a worker on another node (multi-node TP: another boot, another clock) told its daemon a time from another
+    clock: one far in the past, so the daemon could not vouch for the lease and refused every pull of that
+    rank. The start goes out in the worker's clock: its age at the scheduler, counted back from now here."""
+    sched_t = [5.0]  # the scheduler's node booted 5 s ago; this one long before
+    book = SchedulerBook(clock=lambda: sched_t[0], wall=lambda: 5000.0)
+    req = FakeRequest("r", params())
+    req.arrival_time = 4998.5  # reached the API server 1.5 s before the scheduler saw it
+    book.on_new_request(req)
+    sched_t[0] += 3.0  # waited for decoder blocks meanwhile: the lease is 4.5 s old
+    book.update_state_after_alloc(req, FakeBlocks(([3, 4],)), 60)
+    orders = book.build_step()
+    with session(address) as (peer, w):
+        before = time.monotonic_ns()
+        w.start_step(orders)
+        after = time.monotonic_ns()
+        got = peer.recv()
+        assert isinstance(got, p.Pull) and got.req_id == "r"
+        assert before - 4_500_000_000 <= got.lease_started_at_ns <= after - 4_500_000_000
