@@ -187,8 +187,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lines = [f"kv-sidecar serve needs {', '.join(missing)}, which cannot be imported:"]
         lines += [f"  {name}: {SERVE_NEEDS[name]}" for name in missing]
         raise CliError("\n".join(lines))
+    import signal
+
     from sidecar.ops import config as config_mod
 
+    # Until the daemon's loop takes SIGHUP over, its default action would kill the daemon (the imports and the
+    # NIXL agent's start take seconds): remember it, and reload once serving.
+    hups: list[int] = []
+    signal.signal(signal.SIGHUP, lambda _sig, _frame: hups.append(_sig))
     try:  # a flag's bad value is a configuration error like any other: one line, exit 2
         overrides = config_overrides(args)
         cfg = config_mod.load(args.config, overrides=overrides)
@@ -215,6 +221,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port = daemon.metrics_server.port if daemon.metrics_server is not None else None
         print(json.dumps({"event": "ready", "pid": os.getpid(), "socket": cfg.socket_endpoint,
                           "device": cfg.device, "metrics_port": port}), flush=True)
+        if hups:  # a SIGHUP came during start-up
+            daemon.reload()
 
     from sidecar.ops.errors import StartupError
 

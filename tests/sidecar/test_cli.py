@@ -97,6 +97,68 @@ def test_serve_starts_and_stops_on_sigterm(tmp_path):
     assert logs[-1]["msg"] == "kv-sidecar stopped"
 
 
+class _Lines:
+    """A subprocess stream read on a thread, so a wait for a line has a bound."""
+
+    def __init__(self, stream) -> None:
+        import queue
+        import threading
+
+        self.lines: queue.Queue = queue.Queue()
+
+        def read() -> None:
+            for line in stream:
+                self.lines.put(line.decode())
+            self.lines.put(None)  # the process closed it: exited
+
+        threading.Thread(target=read, daemon=True).start()
+
+    def until(self, needle: str, timeout_s: float = 60.0) -> str:
+        import queue
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no line with {needle!r} within {timeout_s} s") from None
+            if line is None:
+                raise AssertionError(f"the process exited before a line with {needle!r}")
+            if needle in line:
+                return line
+
+
+@pytest.mark.e2e
+def test_a_sighup_during_start_up_is_applied_once_serving_not_fatal(tmp_path):
+    """A SIGHUP before the loop's handler was in place (the imports, the NIXL agent's seconds-long start)
+    took its default action: the daemon died, rc -1. A pod's ConfigMap reload (pkill -HUP) or a
+    `systemctl reload` racing a restart hits that window."""
+    import signal
+
+    toml = tmp_path / "kv.toml"
+    toml.write_text("default_timeout_s = 30.0\n")
+    proc = subprocess.Popen([sys.executable, "-m", "sidecar.cli", "serve", "--config", str(toml), "--socket",
+                             f"ipc://{tmp_path}/s/cpu.sock", "--metrics-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        err, out = _Lines(proc.stderr), _Lines(proc.stdout)
+        err.until("metrics on")  # inside the daemon's start, before the socket is bound
+        toml.write_text("default_timeout_s = 20.0\n")
+        proc.send_signal(signal.SIGHUP)
+        try:
+            out.until('"event": "ready"')
+        except AssertionError:
+            raise AssertionError(f"serve exited, rc {proc.wait(10)}") from None
+        assert "default_timeout_s" in err.until("SIGHUP: applied")
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_every_command_says_what_it_is_for(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
