@@ -504,5 +504,9 @@ async def run(
     try:
         await daemon.serve()
     finally:
+        # Stopping: nothing left to reload, and the loop's close gives SIGHUP its default action back, which
+        # would kill the process on its way out (exit by signal, not 0).
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         await daemon.shutdown()
     return 0

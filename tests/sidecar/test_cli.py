@@ -159,6 +159,26 @@ def test_a_sighup_during_start_up_is_applied_once_serving_not_fatal(tmp_path):
         proc.wait()
 
 
+@pytest.mark.e2e
+def test_sighups_during_shutdown_do_not_kill_the_daemon(tmp_path):
+    """Once the loop closed, SIGHUP had its default action again: a SIGHUP in the last moments of a stop
+    killed the daemon by signal (rc -1) instead of its clean exit 0."""
+    import signal
+    import time
+
+    proc = cli.spawn_serve(["--socket", f"ipc://{tmp_path}/s/cpu.sock", "--metrics-port", "0"],
+                           stderr=subprocess.DEVNULL)
+    proc.signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while proc.proc.poll() is None and time.monotonic() < deadline:
+        try:
+            proc.signal(signal.SIGHUP)
+        except ProcessLookupError:
+            break
+        time.sleep(0.005)
+    assert proc.stop() == 0
+
+
 def test_every_command_says_what_it_is_for(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
