@@ -42,6 +42,7 @@ from sidecar.daemon.router import Router
 from sidecar.daemon.staging import Staging
 from sidecar.ops import sdnotify
 from sidecar.ops.config import Config, reload_changes, startup_warnings
+from sidecar.ops.errors import StartupError
 from sidecar.ops.metrics import Health, Metrics, MetricsServer, start_http_server
 from sidecar.ops.socket_files import refuse_if_served, resolve_group, secure_socket_dir
 from sidecar.wire import protocol as p
@@ -156,9 +157,15 @@ class Daemon:
         log.info("%s", mode_line(self.conversions.limits, gpu=cfg.gpu, platform=_gpu_platform(cfg.gpu)))
         if cfg.staging_bytes:
             dev = 0 if cfg.gpu is None else cfg.gpu
-            self.staging = await asyncio.to_thread(
-                Staging, port, cfg.staging_bytes, cfg.device, dev, self.metrics
-            )
+            try:
+                self.staging = await asyncio.to_thread(
+                    Staging, port, cfg.staging_bytes, cfg.device, dev, self.metrics
+                )
+            except Exception as exc:  # torch's allocator (OutOfMemoryError too) or the NIXL registration
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise StartupError(
+                    "staging_bytes", f"no pool of {cfg.staging_bytes} bytes on {cfg.device}: {first}"
+                ) from None
         self._assemble(port)
         if self._bind_socket:
             _raise_fd_limit()

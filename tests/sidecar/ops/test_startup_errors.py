@@ -200,9 +200,10 @@ def serve(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("case", ["long path", "file in the way", "busy metrics port"])
+@pytest.mark.parametrize("case", ["long path", "file in the way", "busy metrics port", "staging too large"])
 def test_serve_start_failures_are_one_line(tmp_path, case) -> None:
-    """Main: the long path hangs in ctx.term() (this times out); the other two end in a traceback."""
+    """Main: the long path hangs in ctx.term() (this times out); the others end in a traceback (a pool that
+    cannot be allocated: torch's allocator error, naming no key)."""
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
@@ -212,14 +213,15 @@ def test_serve_start_failures_are_one_line(tmp_path, case) -> None:
         elif case == "file in the way":
             (tmp_path / "f").write_text("x")
             sock = f"{tmp_path}/f/cpu.sock"
-        else:
+        elif case == "busy metrics port":
             port = str(busy.getsockname()[1])
-        r = serve("--socket", f"ipc://{sock}", "--metrics-port", port)
+        pool = str(2**60) if case == "staging too large" else "0"  # beyond any host's address space
+        r = serve("--socket", f"ipc://{sock}", "--metrics-port", port, "--staging-bytes", pool)
     assert r.returncode != 0
     assert "Traceback" not in r.stderr, r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("kv-sidecar: ")]
     assert len(errors) == 1, r.stderr
-    key = "metrics_port" if case == "busy metrics port" else "socket"
+    key = {"busy metrics port": "metrics_port", "staging too large": "staging_bytes"}.get(case, "socket")
     assert key in errors[0]
 
 
