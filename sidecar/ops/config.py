@@ -624,6 +624,8 @@ def file_values(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path}: invalid TOML: {e}") from None
+    except UnicodeDecodeError as e:  # tomllib decodes the bytes itself, before any TOMLDecodeError
+        raise ConfigError(f"config file {path}: not UTF-8 (TOML is): {e.reason} at byte {e.start}") from None
 
 
 def build(values: Mapping[str, Any], source: str = "config") -> Config:

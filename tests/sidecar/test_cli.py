@@ -51,6 +51,16 @@ def test_serve_reports_bad_config_naming_the_key():
     assert "configuration:" in out.stderr and "key max_inflight" in out.stderr
 
 
+def test_serve_reports_a_config_file_that_is_not_utf8_in_one_line(tmp_path):
+    """Main: a Latin-1 comment (an editor's 'café') ended serve in a UnicodeDecodeError traceback; TOML is
+    UTF-8, and the file is the operator's to fix like any other config error."""
+    toml = tmp_path / "kv.toml"
+    toml.write_bytes('log_level = "INFO"  # café\n'.encode("latin-1"))
+    out = run("serve", "--config", str(toml), "--metrics-port", "-1", "--socket", f"ipc://{tmp_path}/s.sock")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith(f"kv-sidecar: configuration: config file {toml}: not UTF-8"), out.stderr
+
+
 def test_missing_dependencies_are_found_without_importing():
     needs = {"numpy": "x", "kv_sidecar_no_such_module": "pip install nothing"}
     assert cli.missing_dependencies(needs) == ["kv_sidecar_no_such_module"]
