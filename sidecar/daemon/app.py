@@ -59,21 +59,27 @@ def nixl_port(config: Config) -> TransferPort:
     import torch
 
     from sidecar.nixl.agent import TransferSettings
+    from sidecar.nixl.errors import TransferFailed
     from sidecar.nixl.port import NixlPort
 
     if config.gpu is None:
         # The CPU twin converts in one worker thread; torch's intra-op threads would take every core
         # from the loop, the zmq I/O threads and NIXL's progress thread.
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    return NixlPort(
-        TransferSettings(
-            backends=tuple(config.nixl_backends),
-            progress_thread=config.nixl_progress_thread,
-            num_threads=config.nixl_num_threads,
-            remote_mem_type="DRAM" if config.gpu is None else "VRAM",
-            cuda_device=config.gpu,
+    try:
+        return NixlPort(
+            TransferSettings(
+                backends=tuple(config.nixl_backends),
+                progress_thread=config.nixl_progress_thread,
+                num_threads=config.nixl_num_threads,
+                remote_mem_type="DRAM" if config.gpu is None else "VRAM",
+                cuda_device=config.gpu,
+            )
         )
-    )
+    except TransferFailed as exc:
+        if exc.field != "nixl_backends":
+            raise
+        raise StartupError("nixl_backends", exc.reason) from None
 
 
 class Daemon:

@@ -242,7 +242,14 @@ class NixlTransfer:
             num_threads=self.settings.num_threads,
         )
         self.lock = threading.RLock()
-        self.agent = _Serialized(_nixl_call("create agent", nixl_agent, self.name, conf), self.lock)
+        agent = _nixl_call("create agent", nixl_agent, self.name, conf)
+        # NIXL skips a backend whose plugin it lacks with a warning; every registration naming it then fails
+        created = getattr(agent, "backends", self.settings.backends)
+        missing = [b for b in self.settings.backends if b not in created]
+        if missing:
+            raise TransferFailed(f"no NIXL plugin for {', '.join(missing)} here (plugins: "
+                                 f"{', '.join(agent.get_plugin_list()) or 'none'})", "nixl_backends")
+        self.agent = _Serialized(agent, self.lock)
         self._book = PeerBook()  # the loaded peers, and the current one of each (engine id, rank)
         self._registrations: list[Registration] = []
         self._dests: dict[int, Destination] = {}

@@ -256,3 +256,21 @@ def test_serve_in_a_shared_directory_leaves_it_alone(tmp_path) -> None:
     assert stat.S_IMODE(os.stat(shared / "cpu.sock").st_mode) == 0o600
     assert proc.stop() == 0
     assert stat.S_IMODE(os.stat(shared).st_mode) == 0o1777
+
+
+@pytest.mark.e2e
+def test_a_nixl_backend_without_its_plugin_is_refused_at_start(tmp_path) -> None:
+    """Main: NIXL only warns "Skipping backend registration UXC" and the daemon came up ready with an agent
+    of no backend; every RegisterCaches then failed (NIXL's KeyError on the missing handle), and /healthz
+    said ok."""
+    from sidecar import cli
+
+    try:
+        proc = cli.spawn_serve(["--socket", f"ipc://{tmp_path}/cpu.sock", "--metrics-port", "-1",
+                                "--nixl-backends", '["UXC"]'], stderr=subprocess.PIPE)
+    except cli.CliError as exc:
+        assert "exited before it was ready (rc=2)" in str(exc)
+        return
+    proc.stop()
+    errors = [line for line in proc.proc.stderr.read().decode().splitlines() if "UXC" in line]
+    raise AssertionError(f"serve became ready with nixl_backends ['UXC']: {errors}")
