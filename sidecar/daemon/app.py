@@ -384,8 +384,6 @@ class Daemon:
         except Exception as exc:  # noqa: BLE001 - a bad reload keeps the running config
             log.error("SIGHUP: configuration not reloaded: %s", exc)
             return
-        for warning in startup_warnings(new):
-            log.warning("SIGHUP: %s", warning)
         applied, restart = reload_changes(self.config, new)
         if restart:
             log.warning(
@@ -409,6 +407,8 @@ class Daemon:
         if {"remotes", "verify_model_identity", "pull_mode"} & set(applied) and self.peers is not None:
             self.peers.invalidate()  # cached prefills are re-admitted once idle
         log.info("SIGHUP: applied %s", ", ".join(applied))
+        for warning in startup_warnings(merged):  # the config that runs now, not the file's restart-only keys
+            log.warning("SIGHUP: %s", warning)
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()

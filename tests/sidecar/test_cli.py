@@ -249,3 +249,25 @@ def test_every_module_logs_under_kv_sidecar():
             if not (isinstance(name, ast.Constant) and str(name.value).split(".")[0] == "kv_sidecar"):
                 outside.append(f"{path.name}:{node.lineno}: {ast.unparse(name)}")
     assert outside == []
+
+
+@pytest.mark.parametrize("running, in_file", [(1 << 30, 0), (0, 1 << 30)])
+def test_a_reloads_warnings_are_about_the_config_that_runs(caplog, running, in_file):
+    """Main: SIGHUP warned about the file's values, restart-only ones included: a file with staging_bytes 0
+    made a GPU daemon that keeps its 1 GiB pool say every pull will now read direct, and a file with a pool
+    kept quiet about a daemon that still has none."""
+    import logging
+
+    from sidecar.daemon.app import Daemon
+    from sidecar.ops.config import RemoteRule
+
+    rules = [RemoteRule(match="*:5600", page_format=None)]
+    daemon = Daemon(Config(gpu=0, staging_bytes=running, remotes=rules), bind=False,
+                    reload=lambda: Config(gpu=0, staging_bytes=in_file, remotes=rules, default_timeout_s=20))
+    with caplog.at_level(logging.INFO, logger="kv_sidecar"):
+        daemon.reload()  # SIGHUP
+    lines = [r.getMessage() for r in caplog.records]
+    assert "SIGHUP: applied default_timeout_s" in lines
+    assert daemon.config.staging_bytes == running
+    direct = [line for line in lines if "will read direct" in line]
+    assert bool(direct) == (running == 0), lines
