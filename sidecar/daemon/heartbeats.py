@@ -82,13 +82,14 @@ class Heartbeats:
             await asyncio.sleep(min(1.0, self._interval_s() / 2))
             now = time.monotonic()
             held = {j.msg.remote_request_id: j for j in self._jobs.jobs()}
-            by_peer: dict[Key, list[str]] = {}
+            # through the handshake each pull reads through: one a reload replaced (and the new rules may
+            # refuse) is still the pull's until it lets go, and so is the prefill's lease
+            by_peer: dict[tuple[Key, int], tuple[Any, list[str]]] = {}
             for rid, job in held.items():
                 for entry in job.peer_entries:  # none yet while it queues
-                    if self._leases.due(rid, entry.key, now):
-                        by_peer.setdefault(entry.key, []).append(rid)
-            for key, ids in by_peer.items():
-                peer = self._peers.admitted(key)
-                if peer is not None:
-                    self._leases.send(key, peer, ids)
+                    peer = entry.peer
+                    if peer is not None and self._leases.due(rid, entry.key, now):
+                        by_peer.setdefault((entry.key, id(peer)), (peer, []))[1].append(rid)
+            for (key, _), (peer, ids) in by_peer.items():
+                self._leases.send(key, peer, ids)
             self._leases.forget_lapsed(set(held), now)

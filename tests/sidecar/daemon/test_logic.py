@@ -2023,3 +2023,30 @@ def test_a_pull_arriving_during_shutdown_tells_the_prefill_through_its_cached_ha
             await h.stop()
 
     run(main())
+
+
+def test_a_pull_admitted_before_a_reload_keeps_its_lease_when_the_new_rules_refuse_its_prefill():
+    """README: a reload that refuses a prefill lets its pulls in flight finish under their admission. Lease
+    renewals went through the prefill rank's *current* handshake: once the first pull under the new rules
+    was refused, that was gone, and the pull still reading got no renewal: it failed on its lease."""
+
+    async def main():
+        async with started(lease_s=3.0, lease_margin_s=0.5, heartbeat_interval_s=0.2) as h:
+            h.port.auto_land = False
+            h.pull("a", timeout_s=8.0)
+            await h.until_stage("a", "transfer")
+            h.reloaded = Config(**{**_values(h.config), "verify_model_identity": False})
+            h.daemon.reload()  # the rules changed: the next pull is admitted anew
+            h.port.refuse_handshake = "remote page format"  # ... and refused under them
+            h.pull("b", blocks=[4, 5])
+            assert not (await h.reply(p.Done, "b")).ok
+            renewed = len(h.port.heartbeats)
+            await asyncio.sleep(3.0)  # past the lease: only renewals vouch for "a" now
+            for read in list(h.port.reads):
+                while read.groups:
+                    h.port.land(read)
+            done = await h.reply(p.Done, "a")
+            assert done.ok, (done.reason, len(h.port.heartbeats) - renewed)
+            assert ["r-a"] in h.port.heartbeats[renewed:]
+
+    run(main())
