@@ -79,22 +79,26 @@ class Harness:
         self.daemon.router.dispatch([who], msg, time.monotonic())
 
     def pull(
-        self, req_id: str, blocks: list[int] | None = None, remote: list[int] | None = None, **kw
+        self,
+        req_id: str,
+        blocks: list[int] | None = None,
+        remote: list[int] | None = None,
+        who: bytes = b"shim",
+        **kw,
     ) -> None:
-        """A Pull of ``blocks`` (local ids) from ``remote`` (default: the same ids)."""
+        """A Pull of ``blocks`` (local ids) from ``remote`` (default: the same ids) of prefill-0 at :5600;
+        ``kw`` sets or overrides any other field."""
         blocks = [1, 2, 3] if blocks is None else blocks
-        self.send(
-            p.Pull(
-                req_id=req_id,
-                remote_engine_id="prefill-0",
-                remote_host="127.0.0.1",
-                remote_port=5600,
-                remote_request_id=f"r-{req_id}",
-                remote_block_ids=p.pack_block_ids(blocks if remote is None else remote),
-                local_block_ids=p.pack_block_ids(blocks),
-                **kw,
-            )
+        fields = dict(
+            req_id=req_id,
+            remote_engine_id="prefill-0",
+            remote_host="127.0.0.1",
+            remote_port=5600,
+            remote_request_id=f"r-{req_id}",
+            remote_block_ids=p.pack_block_ids(blocks if remote is None else remote),
+            local_block_ids=p.pack_block_ids(blocks),
         )
+        self.send(p.Pull(**{**fields, **kw}), who=who)
 
     async def reply(self, kind: type, req_id: str | None = None, timeout: float = 2.0):
         """The first reply of ``kind`` (for ``req_id``), waiting for it; fails the test if none comes."""
@@ -1791,18 +1795,7 @@ def test_a_pull_for_new_caches_does_not_join_a_handshake_admitted_against_the_ol
             while h.daemon.caches.current is None or h.daemon.caches.current.page_format != fp16:
                 await asyncio.sleep(0.005)
             assert not (await h.reply(p.Done, "old")).ok
-            h.send(
-                p.Pull(
-                    req_id="new",
-                    remote_engine_id="prefill-0",
-                    remote_host="127.0.0.1",
-                    remote_port=5600,
-                    remote_request_id="r-new",
-                    remote_block_ids=p.pack_block_ids([1, 2, 3]),
-                    local_block_ids=p.pack_block_ids([1, 2, 3]),
-                ),
-                who=who,
-            )
+            h.pull("new", who=who)
             await h.until_stage("new", "handshake")
             h.port.handshake_gate.set()
             done = await h.reply(p.Done, "new")
@@ -2000,17 +1993,7 @@ def test_a_pull_arriving_during_shutdown_tells_the_prefill_through_its_cached_ha
             done = await h.reply(p.Done, "late")
             assert not done.ok and done.reason.endswith("not accepting pulls"), done
             connects = h.port.connects
-            h.send(
-                p.Pull(
-                    req_id="elsewhere",
-                    remote_engine_id="prefill-1",
-                    remote_host="127.0.0.1",
-                    remote_port=5601,
-                    remote_request_id="r-elsewhere",
-                    remote_block_ids=p.pack_block_ids([1]),
-                    local_block_ids=p.pack_block_ids([1]),
-                )
-            )
+            h.pull("elsewhere", [1], remote_engine_id="prefill-1", remote_port=5601)
             assert not (await h.reply(p.Done, "elsewhere")).ok
             await h.until_notified("r-late")
             while h.port.reads[-1].groups:
