@@ -21,8 +21,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
 from sidecar import __version__
 from sidecar.convert.gpu_share import mode_line
 from sidecar.convert.launch import limits_for
@@ -41,7 +39,7 @@ from sidecar.daemon.registration import Registrations
 from sidecar.daemon.router import Router
 from sidecar.daemon.staging import Staging
 from sidecar.ops import sdnotify
-from sidecar.ops.config import Config, reload_changes, startup_warnings
+from sidecar.ops.config import Config, plan_reload, startup_warnings
 from sidecar.ops.errors import StartupError
 from sidecar.ops.metrics import Health, Metrics, MetricsServer, start_http_server
 from sidecar.ops.socket_files import refuse_if_served, resolve_group, secure_socket_dir
@@ -97,6 +95,7 @@ class Daemon:
     ) -> None:
         self.config = config
         self._reload_fn = reload
+        self.last_reload: p.ReloadStatus | None = None  # the latest SIGHUP's outcome (Status reports it)
         self._make_port = make_port
         self._bind_socket = bind
         self.metrics = Metrics()
@@ -291,7 +290,7 @@ class Daemon:
         them (none without caches: no pull reads, and a new registration admits every prefill again)."""
         caches = self.caches.current if self.caches is not None else None
         if caches is None:
-            return p.StatusReply(nonce=nonce, registered=False)
+            return p.StatusReply(nonce=nonce, registered=False, pid=os.getpid(), reload=self.last_reload)
         peers = [p.PeerStatus(address=target.address, engine_id=peer.engine_id, tp_rank=peer.tp_rank,
                               tp_size=target.remote_tp)
                  for target, peer in (self.peers.admitted_peers() if self.peers is not None else [])]
@@ -300,7 +299,8 @@ class Daemon:
                              num_layers=len(caches.layers), page_format=caches.page_format,
                              compat_factors=caches.compat_factors, peers=peers,
                              tp_size=owner.tp_size if owner is not None else 1,
-                             tp_rank=owner.rank if owner is not None else 0)
+                             tp_rank=owner.rank if owner is not None else 0,
+                             pid=os.getpid(), reload=self.last_reload)
 
     def _admitted(self, key: tuple[str, int], peer: Any) -> None:
         if self.heartbeats is not None:
@@ -375,40 +375,45 @@ class Daemon:
         log.info("kv-sidecar stopped")
 
     def reload(self) -> None:
-        """SIGHUP: re-read the configuration and apply what can change live."""
+        """SIGHUP: re-read the configuration and apply what can change live. Its outcome is kept for
+        ``Status`` (``kv-sidecar reload`` waits for it) and counted in the ``config_*`` metrics."""
         if self._reload_fn is None:
             log.warning("SIGHUP: no configuration source to reload")
             return
         try:
-            new = self._reload_fn()
+            plan = plan_reload(self.config, self._reload_fn())
         except Exception as exc:  # noqa: BLE001 - a bad reload keeps the running config
             log.error("SIGHUP: configuration not reloaded: %s", exc)
+            self._reloaded("refused", str(exc), [], [])
             return
-        applied, restart = reload_changes(self.config, new)
-        if restart:
-            log.warning(
-                "SIGHUP: %s changed but need a restart; keeping the running values", ", ".join(restart)
-            )
-        if not applied:
+        if plan.restart:
+            log.warning("SIGHUP: %s changed but need a restart; keeping the running values",
+                        ", ".join(plan.restart))
+        if plan.refused:
+            log.error("SIGHUP: configuration not reloaded: %s", plan.refused)
+            self._reloaded("refused", plan.refused, [], plan.restart)
+            return
+        if plan.config is None:
             log.info("SIGHUP: nothing to apply")
+            self._reloaded("unchanged", "", [], plan.restart)
             return
-        values = msgspec.structs.asdict(self.config)
-        values.update({k: getattr(new, k) for k in applied})
-        try:  # the new live keys beside the running restart-only ones may not hold together
-            merged = Config(**values)
-        except ValueError as exc:
-            log.error("SIGHUP: configuration not reloaded: with the running %s: %s", ", ".join(restart) or
-                      "values", exc)
-            return
-        self.config = merged
+        self.config = plan.config
         logging.getLogger("kv_sidecar").setLevel(self.config.log_level)
         if self.leases is not None:
             self.leases.tracker.heartbeat_interval_s = self.config.heartbeat_interval_s
-        if {"remotes", "verify_model_identity", "pull_mode"} & set(applied) and self.peers is not None:
+        if {"remotes", "verify_model_identity", "pull_mode"} & set(plan.applied) and self.peers is not None:
             self.peers.invalidate()  # cached prefills are re-admitted once idle
-        log.info("SIGHUP: applied %s", ", ".join(applied))
-        for warning in startup_warnings(merged):  # the config that runs now, not the file's restart-only keys
+        log.info("SIGHUP: applied %s", ", ".join(plan.applied))
+        for warning in startup_warnings(plan.config):  # the running config, not the file's restart-only keys
             log.warning("SIGHUP: %s", warning)
+        self._reloaded("applied", "", plan.applied, plan.restart)
+
+    def _reloaded(self, outcome: str, reason: str, applied: list[str], restart: list[str]) -> None:
+        """Keep a reload's outcome for ``Status`` and count it."""
+        count = self.last_reload.count + 1 if self.last_reload is not None else 1
+        self.last_reload = p.ReloadStatus(count=count, outcome=outcome, reason=reason, applied=applied,
+                                          restart_pending=restart)
+        self.metrics.reloaded(outcome, len(restart), time.time())
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()

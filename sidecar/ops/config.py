@@ -674,3 +674,30 @@ def reload_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
         if getattr(old, field.name) != getattr(new, field.name):
             (applied if field.name in RELOADABLE else restart).append(field.name)
     return applied, restart
+
+
+class ReloadPlan(msgspec.Struct, frozen=True):
+    """What a SIGHUP does with a newly read config: run ``config`` (None: keep the running one), having
+    applied ``applied``; ``restart``: keys that changed but only a restart applies; ``refused``: why the
+    running config is kept although live keys changed."""
+
+    config: Config | None
+    applied: list[str]
+    restart: list[str]
+    refused: str = ""
+
+
+def plan_reload(running: Config, new: Config) -> ReloadPlan:
+    """The running config with ``new``'s live keys: restart-only keys keep their running values, and a
+    merge that does not hold together (a new live value against a running restart-only one) is refused."""
+    applied, restart = reload_changes(running, new)
+    if not applied:
+        return ReloadPlan(None, [], restart)
+    values = msgspec.structs.asdict(running)
+    values.update({k: getattr(new, k) for k in applied})
+    try:
+        merged = Config(**values)
+    except ValueError as exc:
+        with_what = ", ".join(f"running {k}" for k in restart) or "the running values"
+        return ReloadPlan(None, [], restart, f"with {with_what}: {exc}")
+    return ReloadPlan(merged, applied, restart)

@@ -408,6 +408,24 @@ def check_caches(status: Any, gauges: dict[str, float]) -> DoctorCheck:
     )
 
 
+def check_reload(status: Any) -> DoctorCheck | None:
+    """The daemon's latest SIGHUP: a warning when it was refused (the daemon runs an older config than its
+    file, and a restart would meet the same file) or left keys that only a restart applies."""
+    if status is None or not status.pid:
+        return None  # no status, or a daemon older than reload reports
+    last = status.reload
+    if last is None:
+        return DoctorCheck("reload", "pass", f"no SIGHUP since PID {status.pid} started")
+    if last.outcome == "refused":
+        return DoctorCheck("reload", "warn", f"SIGHUP #{last.count} was refused, the daemon runs its older "
+                           f"config: {last.reason}")
+    if last.restart_pending:
+        return DoctorCheck("reload", "warn", f"{', '.join(last.restart_pending)} changed in the file; only a "
+                           "restart applies them")
+    done = f"applied {', '.join(last.applied)}" if last.applied else "nothing to apply"
+    return DoctorCheck("reload", "pass", f"SIGHUP #{last.count}: {done}")
+
+
 def check_read_path(cfg: Any) -> DoctorCheck:
     """How the daemon reads pulls with this config: a warning where they read direct on a GPU."""
     from sidecar.ops import config as config_mod
@@ -642,6 +660,9 @@ def diagnose(args: argparse.Namespace, environ: Mapping[str, str] | None = None)
     health, gauges = check_health(target.metrics_url, args.timeout, target.no_metrics)
     checks += health
     checks.append(check_caches(status, gauges))
+    reloaded = check_reload(status)
+    if reloaded is not None:
+        checks.append(reloaded)
     checks.append(check_read_path(target.config))
     local = status.page_format if status is not None else None
     if args.local_format:

@@ -28,6 +28,7 @@ LAUNCH_PATHS = ("gated", "graph", "ordinary")
 READ_MODES = ("direct", "staged", "mapped", "plain")  # how a Pull's pages came (daemon/port.py ReadMode)
 MAPPING_OUTCOMES = ("mapped", "unavailable")  # a prefill rank's pages mapped here, or not (daemon/mapped.py)
 GAP_SPAN_WAIT_OUTCOMES = ("taken", "gave_up")  # a staged pull that waited for its gap span (staging.py)
+RELOAD_OUTCOMES = ("applied", "unchanged", "refused")  # a SIGHUP's (daemon/app.py Daemon.reload)
 STAGES = ("handshake", "queue", "transfer", "convert", "signal", "end_to_end", "delivery")
 # 50 µs .. ~100 s, roughly x2.5 per bucket: signal latencies and multi-second pulls both resolve.
 BUCKETS = (
@@ -173,6 +174,30 @@ class Metrics:
             "failed",
             registry=r,
         )
+        self.config_reloads = Counter(
+            "kv_sidecar_config_reloads",
+            "SIGHUP reloads by outcome: applied (live keys changed), unchanged, or refused (the file could "
+            "not be read or did not hold together; the running config is kept, the log says why)",
+            ["outcome"],
+            registry=r,
+        )
+        self.config_last_reload_ok = Gauge(
+            "kv_sidecar_config_last_reload_successful",
+            "0 when the latest SIGHUP was refused and the daemon runs an older config than its file; else 1",
+            registry=r,
+        )
+        self.config_last_reload_ok.set(1)
+        self.config_last_reload_time = Gauge(
+            "kv_sidecar_config_last_reload_timestamp_seconds",
+            "When the latest SIGHUP was handled (Unix time; 0: none since start)",
+            registry=r,
+        )
+        self.config_restart_pending = Gauge(
+            "kv_sidecar_config_restart_pending",
+            "Keys the config file changed, as of the latest SIGHUP, that only a restart applies (the daemon "
+            "keeps their running values)",
+            registry=r,
+        )
         self.build_info = Gauge("kv_sidecar_build_info", "kv-sidecar version", ["version"], registry=r)
         self.build_info.labels(version=__version__).set(1)
         # Pre-create label sets so every series exists (at 0) from the start.
@@ -188,6 +213,8 @@ class Metrics:
         self._read_modes = {m: self.read_modes.labels(mode=m) for m in READ_MODES}
         for outcome in MAPPING_OUTCOMES:
             self.peer_mappings.labels(outcome=outcome)
+        for outcome in RELOAD_OUTCOMES:
+            self.config_reloads.labels(outcome=outcome)
 
     def answered(self, outcome: str, timings: dict[str, float] | None = None) -> None:
         """One Pull answered: count its outcome and observe its stage timings."""
@@ -225,6 +252,15 @@ class Metrics:
     def gap_span_waited(self, outcome: str) -> None:
         """A staged pull waited for its gap span's slots, by ``GAP_SPAN_WAIT_OUTCOMES`` outcome."""
         self._span_waits[outcome].inc()
+
+    def reloaded(self, outcome: str, restart_pending: int, at_unix: float) -> None:
+        """One SIGHUP handled, by ``RELOAD_OUTCOMES`` outcome."""
+        if outcome not in RELOAD_OUTCOMES:
+            raise ValueError(f"outcome {outcome!r} is not one of {RELOAD_OUTCOMES}")
+        self.config_reloads.labels(outcome=outcome).inc()
+        self.config_last_reload_ok.set(0 if outcome == "refused" else 1)
+        self.config_last_reload_time.set(at_unix)
+        self.config_restart_pending.set(restart_pending)
 
     def refused(self, field: str) -> None:
         self.refusals.labels(field=field or "unknown").inc()

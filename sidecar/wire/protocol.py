@@ -396,7 +396,10 @@ class Pong(_Msg):
     sent_at_ns: int = 0
 
 
-class PeerStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+# Status is asked by ``kv-sidecar doctor`` and ``kv-sidecar reload``, which may be older than the daemon they
+# ask (a package downgraded, or a doctor from another image): its replies take unknown fields, so a newer
+# daemon's additions are ignored rather than failing the check. No shim reads them.
+class PeerStatus(msgspec.Struct, frozen=True):
     """One prefill rank the daemon has admitted: its side channel and identity, and its engine's TP size
     (the pulls' ``remote_tp_size``; a daemon older than the field: 1)."""
 
@@ -406,10 +409,23 @@ class PeerStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tp_size: int = 1
 
 
-class StatusReply(_Msg):
+class ReloadStatus(msgspec.Struct, frozen=True):
+    """The outcome of the daemon's latest SIGHUP. ``outcome``: "applied" (``applied`` names the keys),
+    "unchanged" (nothing live changed) or "refused" (``reason``; the running config is kept).
+    ``restart_pending``: keys the file changes that only a restart applies."""
+
+    count: int  # SIGHUPs handled since the daemon started, this one included
+    outcome: str
+    reason: str = ""
+    applied: list[str] = []
+    restart_pending: list[str] = []
+
+
+class StatusReply(_Msg, forbid_unknown_fields=False):
     """The caches registered now (``registered`` False: none; their fields empty then) and the prefill ranks
     the daemon holds admitted: those its next pull would read without a handshake (not one dropped, or
-    admitted against older caches or config: the next pull naming it handshakes again)."""
+    admitted against older caches or config: the next pull naming it handshakes again). Also the daemon's
+    ``pid`` and its latest reload (None: no SIGHUP yet; a daemon older than the fields: 0 and None)."""
 
     nonce: int
     registered: bool
@@ -422,6 +438,8 @@ class StatusReply(_Msg):
     # tp_size, which head slice of a prefill at another TP this daemon reads (a daemon older than them: 1, 0)
     tp_size: int = 1
     tp_rank: int = 0
+    pid: int = 0
+    reload: ReloadStatus | None = None
 
 
 class Error(_Msg):

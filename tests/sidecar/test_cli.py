@@ -1,6 +1,7 @@
 """The command line: fast help, generated serve flags, dependency and config errors, version."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -271,3 +272,27 @@ def test_a_reloads_warnings_are_about_the_config_that_runs(caplog, running, in_f
     assert daemon.config.staging_bytes == running
     direct = [line for line in lines if "will read direct" in line]
     assert bool(direct) == (running == 0), lines
+
+
+def test_status_reports_the_latest_reload():
+    """``kv-sidecar reload`` waits for this: each SIGHUP's outcome, counted, with the keys and the reason."""
+    from sidecar.daemon.app import Daemon
+
+    files = iter([Config(default_timeout_s=20), ValueError("key x: bad"), Config(default_timeout_s=20)])
+
+    def read() -> Config:
+        got = next(files)
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    daemon = Daemon(Config(), reload=read, bind=False)
+    assert daemon._status(1).reload is None and daemon._status(1).pid == os.getpid()
+    outcomes = []
+    for _ in range(3):
+        daemon.reload()  # SIGHUP
+        r = daemon._status(1).reload
+        outcomes.append((r.count, r.outcome, r.applied, r.reason))
+    assert outcomes == [(1, "applied", ["default_timeout_s"], ""), (2, "refused", [], "key x: bad"),
+                        (3, "unchanged", [], "")]
+    assert daemon.metrics.config_last_reload_ok._value.get() == 1

@@ -122,6 +122,18 @@ def test_reload_splits_live_and_restart_keys():
     assert c.reload_changes(old, old) == ([], [])
 
 
+def test_a_reload_plan_keeps_restart_keys_and_refuses_what_does_not_hold_together():
+    running = c.Config(staging_bytes=0)
+    plan = c.plan_reload(running, c.Config(staging_bytes=0, default_timeout_s=20, gpu=1))
+    assert (plan.applied, plan.restart, plan.refused) == (["default_timeout_s"], ["gpu"], "")
+    assert plan.config.default_timeout_s == 20 and plan.config.gpu == running.gpu
+    assert c.plan_reload(running, c.Config(staging_bytes=0, gpu=1)) == c.ReloadPlan(None, [], ["gpu"])
+    # pull_mode is live but needs the pool only a restart makes: the file holds together, the merge does not
+    clash = c.plan_reload(running, c.Config(staging_bytes=1 << 20, pull_mode="staged"))
+    assert clash.config is None and clash.restart == ["staging_bytes"]
+    assert clash.refused.startswith("with running staging_bytes: pull_mode 'staged' needs staging_bytes")
+
+
 def test_poll_busy_window_defaults_by_device_and_can_be_set():
     Config, DEFAULT_POLL_BUSY_S = c.Config, c.DEFAULT_POLL_BUSY_S
 

@@ -668,3 +668,18 @@ def test_negotiation_honours_the_rules_fp8_lossy_reencode(monkeypatch, lossy_ok,
     assert neg.status == status, neg
     if not lossy_ok:
         assert neg.detail.startswith("refused on local.k_scale:"), neg
+
+
+@pytest.mark.parametrize("reload, status, detail", [
+    (None, "pass", "no SIGHUP since PID 7 started"),
+    (p.ReloadStatus(count=2, outcome="applied", applied=["remotes"]), "pass", "SIGHUP #2: applied remotes"),
+    (p.ReloadStatus(count=1, outcome="unchanged"), "pass", "SIGHUP #1: nothing to apply"),
+    (p.ReloadStatus(count=3, outcome="refused", reason="key x: bad"), "warn",
+     "SIGHUP #3 was refused, the daemon runs its older config: key x: bad"),
+    (p.ReloadStatus(count=1, outcome="applied", applied=["remotes"], restart_pending=["gpu"]), "warn",
+     "gpu changed in the file; only a restart applies them"),
+])
+def test_the_latest_reload_is_a_row(reload, status, detail):
+    reply = p.StatusReply(nonce=1, registered=False, pid=7, reload=reload)
+    assert doctor.check_reload(reply) == doctor.DoctorCheck("reload", status, detail)
+    assert doctor.check_reload(p.StatusReply(nonce=1, registered=False)) is None  # a daemon older than it
