@@ -1,4 +1,4 @@
-"""``kv-sidecar``: serve / bench / emulate-prefill / doctor / verify / demo / version.
+"""``kv-sidecar``: serve / bench / emulate-prefill / doctor / reload / verify / demo / version.
 
 Subcommand modules are imported only when their subcommand runs, so ``kv-sidecar --help`` is fast and a
 missing optional module is reported by name. Delegated subcommands get the rest of the command line and
@@ -29,6 +29,10 @@ DELEGATED = {
     "emulate-prefill": (
         "sidecar.standins.emulator",
         "a stand-in prefill that speaks stock vLLM's side channel and serves pages over NIXL",
+    ),
+    "reload": (
+        "sidecar.ops.reload",
+        "make a running daemon re-read its config (SIGHUP) and report whether it applied; exits 1 if refused",
     ),
     "verify": (
         "sidecar.verify.main",

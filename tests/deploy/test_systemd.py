@@ -76,8 +76,8 @@ def unit_dir(tmp_path: Path) -> Path:
     """The unit and the vLLM drop-in as they would be installed, with the daemon's path pointing at this
     environment's real console script (systemd-analyze verify insists that executables exist)."""
     text = UNIT.read_text()
-    assert text.count(INSTALLED_BINARY) == 1, (
-        f"ExecStart must run {INSTALLED_BINARY} (the documented install)"
+    assert text.count(INSTALLED_BINARY) == 2, (
+        f"ExecStart and ExecReload must run {INSTALLED_BINARY} (the documented install)"
     )
     (tmp_path / UNIT.name).write_text(text.replace(INSTALLED_BINARY, _venv_binary()))
     (tmp_path / "vllm.service.d").mkdir()
@@ -149,7 +149,7 @@ def test_unit_settings_the_gpu_path_needs():
     assert _value(unit, svc, "Type") == "notify"
     assert _value(unit, svc, "NotifyAccess") == "main"
     assert _value(unit, svc, "Restart") == "on-failure"
-    assert _value(unit, svc, "ExecReload") == "/bin/kill -HUP $MAINPID"
+    assert _value(unit, svc, "ExecReload") == "/opt/kv-sidecar/bin/kv-sidecar reload --gpu %i --pid $MAINPID"
     # The socket directory; shared by every instance, so it must survive one instance stopping.
     assert _value(unit, svc, "RuntimeDirectory") == "kv-sidecar"
     assert _value(unit, svc, "RuntimeDirectoryPreserve") == "yes"

@@ -1,0 +1,172 @@
+"""``kv-sidecar reload``: make a running daemon re-read its config (SIGHUP) and say whether it applied.
+
+A bare ``kill -HUP`` cannot fail: a refused reload (a typo in the TOML file, a value that does not hold
+together with the running ones) is only a line in the daemon's log while the daemon keeps its older config.
+This command asks the daemon's ``Status`` for its latest reload, sends SIGHUP, and waits until the daemon
+reports a newer one. It prints the outcome and exits 1 when the reload was refused, 2 when it could not be
+asked for or confirmed, so ``systemctl reload kv-sidecar@N`` (the unit's ``ExecReload=``) fails with why.
+
+The daemon is found as ``serve`` finds its socket: ``--gpu``, ``--config``/``$KV_SIDECAR_CONFIG``, the
+``KV_SIDECAR_*`` variables, ``--socket``. A config file that does not load is what a reload would refuse,
+so then the socket comes from the variables and flags alone, and the daemon's own answer says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+
+from sidecar.wire import protocol as p
+
+POLL_S = 0.02  # between Status asks while waiting for the reload (it runs on the daemon's loop: ms)
+
+
+class ReloadFailed(Exception):
+    """The reload could not be asked for or confirmed; the text says why (exit 2)."""
+
+
+def socket_of(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, str]:
+    """(the daemon's socket endpoint, a note when the config file did not load and was left out)."""
+    from sidecar.ops import config as config_mod
+
+    overrides: dict[str, Any] = {} if args.gpu is None else {"gpu": args.gpu}
+    if args.socket:
+        overrides["socket"] = args.socket
+    try:
+        return config_mod.load(args.config, environ=environ, overrides=overrides).socket_endpoint, ""
+    except config_mod.ConfigError as exc:
+        bare = {k: v for k, v in environ.items() if k != "KV_SIDECAR_CONFIG"}
+        try:
+            endpoint = config_mod.load(None, environ=bare, overrides=overrides).socket_endpoint
+        except config_mod.ConfigError as again:
+            raise ReloadFailed(f"configuration: {again}") from None
+        return endpoint, f"the config file does not load ({exc}); asked the daemon at {endpoint}"
+
+
+def ask_status(endpoint: str, timeout_s: float) -> p.StatusReply:
+    """One ``Status`` → ``StatusReply`` over the daemon's socket; ReloadFailed when none comes."""
+    import zmq
+
+    path = endpoint.removeprefix("ipc://")
+    if endpoint.startswith("ipc://") and not os.path.exists(path):
+        raise ReloadFailed(f"{path} does not exist: is kv-sidecar running for this GPU?")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        nonce = int.from_bytes(os.urandom(4), "little")
+        sock.send(p.encode(p.Status(nonce=nonce)))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise ReloadFailed(f"no reply from {endpoint} within {timeout_s:g} s (a stale socket, or the "
+                               "daemon is stuck)")
+        reply = p.decode_to_shim(sock.recv())
+    except p.DecodeError as exc:
+        raise ReloadFailed(f"{endpoint} answered with something that is not a StatusReply: {exc}") from None
+    except zmq.ZMQError as exc:
+        raise ReloadFailed(f"{endpoint}: {exc}") from None
+    finally:
+        sock.close(0)
+        ctx.term()
+    if isinstance(reply, p.Error):
+        raise ReloadFailed(f"the daemon does not answer Status (older than this command): {reply.reason}")
+    if not isinstance(reply, p.StatusReply) or reply.nonce != nonce:
+        raise ReloadFailed(f"{endpoint} answered Status with {type(reply).__name__}")
+    return reply
+
+
+def reload(
+    endpoint: str,
+    pid: int | None,
+    timeout_s: float,
+    *,
+    kill: Callable[[int, int], None] = os.kill,
+    ask: Callable[[str, float], p.StatusReply] = ask_status,
+) -> p.ReloadStatus:
+    """SIGHUP the daemon serving ``endpoint`` (which must be ``pid`` when given) and wait for its outcome."""
+    before = ask(endpoint, min(timeout_s, 5.0))
+    if before.pid == 0:
+        raise ReloadFailed("the daemon does not report reloads (older than this command): use kill -HUP and "
+                           "read its log")
+    if pid is not None and before.pid != pid:
+        raise ReloadFailed(f"{endpoint} is served by PID {before.pid}, not PID {pid}: not signalled")
+    seen = before.reload.count if before.reload is not None else 0
+    kill(before.pid, signal.SIGHUP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = ask(endpoint, max(0.1, deadline - time.monotonic()))
+        if now.pid != before.pid:
+            raise ReloadFailed(f"the daemon at {endpoint} restarted (PID {before.pid} → {now.pid}) before it "
+                               "reported the reload")
+        if now.reload is not None and now.reload.count > seen:
+            return now.reload
+        if time.monotonic() >= deadline:
+            raise ReloadFailed(f"PID {before.pid} got SIGHUP but reported no reload within {timeout_s:g} s "
+                               "(its loop is busy or stuck; see its log)")
+        time.sleep(POLL_S)
+
+
+def describe(outcome: p.ReloadStatus) -> list[str]:
+    """The lines to print for a reload's outcome."""
+    if outcome.outcome == "applied":
+        lines = [f"reload applied: {', '.join(outcome.applied)}"]
+    elif outcome.outcome == "unchanged":
+        lines = ["reload: nothing to apply (no live key changed)"]
+    else:
+        lines = [f"reload refused, the daemon keeps its running config: {outcome.reason}"]
+    if outcome.restart_pending:
+        pending = ", ".join(outcome.restart_pending)
+        lines.append(f"changed in the file but applied only by a restart: {pending}")
+    return lines
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--gpu", type=int, default=None, help="GPU whose daemon to reload (socket gpuN.sock)")
+    a("--config", default=None, help="the daemon's TOML file (default: $KV_SIDECAR_CONFIG)")
+    a("--socket", default="", help="the daemon's socket, e.g. ipc:///run/kv-sidecar/gpu0.sock")
+    a("--pid", type=int, default=None,
+      help="signal only if this PID serves the socket (systemd: --pid $MAINPID); default: the PID it reports")
+    a("--timeout", type=float, default=10.0, help="seconds to wait for the outcome (default %(default)s)")
+    a("--json", action="store_true", help="print the outcome as JSON")
+
+
+def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
+        out: Callable[[str], None] = print) -> int:
+    """0: applied or nothing to apply; 1: refused; 2: not asked for or not confirmed."""
+    env = os.environ if environ is None else environ
+    try:
+        endpoint, note = socket_of(args, env)
+        if note:
+            print(note, file=sys.stderr)
+        outcome = reload(endpoint, args.pid, args.timeout)
+    except ReloadFailed as exc:
+        if args.json:
+            out(json.dumps({"ok": False, "error": str(exc)}))
+        else:
+            print(f"kv-sidecar reload: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        out(json.dumps({"ok": outcome.outcome != "refused", **msgspec.to_builtins(outcome)}))
+    else:
+        for line in describe(outcome):
+            out(line)
+    return 1 if outcome.outcome == "refused" else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kv-sidecar reload", description=__doc__.split("\n\n")[1])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""``kv-sidecar reload``: the wait for a SIGHUP's outcome (fake daemon), and a real daemon end to end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from sidecar import cli
+from sidecar.ops import reload as rl
+from sidecar.wire import protocol as p
+
+
+class FakeDaemon:
+    """Answers Status like the daemon: its reload counter moves ``lag`` asks after a SIGHUP."""
+
+    def __init__(self, pid=41, outcome="applied", lag=2, reload=None):
+        self.pid, self.outcome, self.lag = pid, outcome, lag
+        self.reload = reload
+        self.signalled: list[tuple[int, int]] = []
+        self.asks = 0
+
+    def kill(self, pid, sig):
+        self.signalled.append((pid, sig))
+
+    def ask(self, endpoint, timeout_s):
+        self.asks += 1
+        if self.signalled and self.outcome is not None:  # the SIGHUP is handled once, after ``lag`` asks
+            if self.lag > 0:
+                self.lag -= 1
+            else:
+                count = (self.reload.count if self.reload else 0) + 1
+                self.reload = p.ReloadStatus(count=count, outcome=self.outcome)
+                self.outcome = None
+        return p.StatusReply(nonce=0, registered=False, pid=self.pid, reload=self.reload)
+
+
+def run_fake(fake, pid=None, timeout_s=5.0):
+    return rl.reload("ipc:///x", pid, timeout_s, kill=fake.kill, ask=fake.ask)
+
+
+@pytest.mark.parametrize("outcome", ["applied", "unchanged", "refused"])
+def test_waits_for_the_daemons_next_reload(outcome):
+    earlier = p.ReloadStatus(count=3, outcome="refused", reason="an older one")
+    fake = FakeDaemon(outcome=outcome, reload=earlier)
+    got = run_fake(fake)
+    assert fake.signalled == [(41, signal.SIGHUP)]
+    assert (got.count, got.outcome) == (4, outcome)  # not the earlier refusal still on record
+    assert fake.asks == 4  # before, two asks while it lags, the one that sees it
+
+
+def test_a_pid_other_than_the_sockets_is_not_signalled():
+    fake = FakeDaemon(pid=41)
+    with pytest.raises(rl.ReloadFailed, match="served by PID 41, not PID 7"):
+        run_fake(fake, pid=7)
+    assert fake.signalled == []
+
+
+def test_an_older_daemon_without_reloads_is_not_signalled():
+    fake = FakeDaemon(pid=0)
+    with pytest.raises(rl.ReloadFailed, match="does not report reloads"):
+        run_fake(fake)
+    assert fake.signalled == []
+
+
+def test_no_outcome_in_time_is_a_failure_not_a_hang():
+    fake = FakeDaemon(lag=10**9)
+    with pytest.raises(rl.ReloadFailed, match="reported no reload within 0.1 s"):
+        run_fake(fake, timeout_s=0.1)
+
+
+def test_a_restarted_daemon_is_not_taken_for_the_reload():
+    fake = FakeDaemon(lag=10**9)
+    asks = iter([41, 42])
+
+    def ask(endpoint, timeout_s):
+        return p.StatusReply(nonce=0, registered=False, pid=next(asks))
+
+    with pytest.raises(rl.ReloadFailed, match="restarted"):
+        rl.reload("ipc:///x", None, 1.0, kill=fake.kill, ask=ask)
+
+
+def test_describe_names_keys_and_reasons():
+    applied = p.ReloadStatus(count=1, outcome="applied", applied=["remotes"], restart_pending=["socket"])
+    assert rl.describe(applied) == ["reload applied: remotes",
+                                    "changed in the file but applied only by a restart: socket"]
+    refused = p.ReloadStatus(count=2, outcome="refused", reason="key x: bad")
+    assert rl.describe(refused) == ["reload refused, the daemon keeps its running config: key x: bad"]
+
+
+def test_a_config_file_that_does_not_load_still_finds_the_socket(tmp_path):
+    broken = tmp_path / "kv.toml"
+    broken.write_text("socket = [\n")
+    args = argparse.Namespace(gpu=3, config=None, socket="")
+    endpoint, note = rl.socket_of(args, {"KV_SIDECAR_CONFIG": str(broken)})
+    assert endpoint.endswith("gpu3.sock") and "does not load" in note
+
+
+def test_a_newer_daemons_status_fields_are_ignored():
+    """doctor and reload may be older than the daemon they ask: an unknown field is not a failed check."""
+    newer = {"type": "StatusReply", "nonce": 1, "registered": False, "pid": 5, "from_the_future": [1],
+             "reload": {"count": 1, "outcome": "applied", "also_new": True},
+             "peers": [{"address": "h:1", "engine_id": "e", "tp_rank": 0, "new_too": 1}]}
+    import msgspec
+
+    reply = p.decode_to_shim(msgspec.msgpack.encode(newer))
+    assert (reply.pid, reply.reload.outcome, reply.peers[0].address) == (5, "applied", "h:1")
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+
+
+def _metrics(url: str) -> dict[str, float]:
+    """Every sample, keyed ``name`` or ``name{label="value"}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def _reload(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sidecar.cli", "reload", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.mark.e2e
+def test_reload_reports_what_a_real_daemon_did(tmp_path):
+    """A typo in the file was a log line only: `kill -HUP` succeeded and the daemon ran the older config.
+    Now the command exits 1 with the daemon's reason, and the metrics say so until a good reload."""
+    cfg = tmp_path / "kv.toml"
+    cfg.write_text("default_timeout_s = 30\n")
+    sock = f"ipc://{tmp_path}/s/cpu.sock"
+    with cli.spawn_serve(["--config", str(cfg), "--socket", sock, "--metrics-port", "0"],
+                         stderr=subprocess.DEVNULL) as d:
+        where = ["--config", str(cfg), "--socket", sock]
+        m = _metrics(d.metrics_url)
+        assert m["kv_sidecar_config_last_reload_successful"] == 1
+        assert m['kv_sidecar_config_reloads_total{outcome="refused"}'] == 0
+
+        cfg.write_text("default_timeout_s = 20\n")
+        done = _reload(*where, "--pid", str(d.proc.pid))
+        assert (done.returncode, done.stdout) == (0, "reload applied: default_timeout_s\n"), done.stderr
+
+        cfg.write_text("default_timeout_s = 'twenty'\n")
+        done = _reload(*where, "--json")
+        out = json.loads(done.stdout)
+        assert done.returncode == 1 and not out["ok"] and out["outcome"] == "refused", done
+        assert "default_timeout_s" in out["reason"] and out["count"] == 2
+        m = _metrics(d.metrics_url)
+        assert m["kv_sidecar_config_last_reload_successful"] == 0
+        assert m['kv_sidecar_config_reloads_total{outcome="refused"}'] == 1
+        assert m['kv_sidecar_config_reloads_total{outcome="applied"}'] == 1
+
+        cfg.write_text("default_timeout_s = 20\nmax_inflight = 8\n")
+        done = _reload(*where)
+        assert done.returncode == 0, done
+        assert done.stdout.splitlines() == ["reload: nothing to apply (no live key changed)",
+                                            "changed in the file but applied only by a restart: max_inflight"]
+        m = _metrics(d.metrics_url)
+        assert m["kv_sidecar_config_last_reload_successful"] == 1
+        assert m["kv_sidecar_config_restart_pending"] == 1
+
+        done = _reload("--socket", sock, "--pid", "1")
+        assert done.returncode == 2 and f"served by PID {d.proc.pid}, not PID 1" in done.stderr
+        assert d.proc.poll() is None
