@@ -45,11 +45,11 @@ from sidecar.standins.emulator_control import (
     NewRequest,
     NewRequestReply,
     ReadyInfo,
+    RequestStatus,
+    RequestStatusReply,
     Shutdown,
     Stats,
     StatsReply,
-    Status,
-    StatusReply,
 )
 from sidecar.standins.emulator_pages import expected_pages, kernel_blocks
 from sidecar.wire import prefill as wire
@@ -481,7 +481,7 @@ class PrefillEmulator:
     def _handle(self, req: Any) -> ControlReply:
         if isinstance(req, NewRequest):
             return self._new_request(req)
-        if isinstance(req, Status):
+        if isinstance(req, RequestStatus):
             return self._status(req.request_id)
         if isinstance(req, Stats):
             self.stats.free_blocks = len(self.free)
@@ -569,7 +569,7 @@ class PrefillEmulator:
         if req is None:
             return ErrorReply("request_id", f"unknown request {request_id!r}")
         now = time.perf_counter()
-        return StatusReply(
+        return RequestStatusReply(
             request_id=request_id,
             state=req.state,
             notif_counts=list(req.counts),

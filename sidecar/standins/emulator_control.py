@@ -39,7 +39,7 @@ class NewRequest(msgspec.Struct, tag="new_request", kw_only=True, forbid_unknown
     lease_s: float | None = None
 
 
-class Status(msgspec.Struct, tag="status", forbid_unknown_fields=True):
+class RequestStatus(msgspec.Struct, tag="status", forbid_unknown_fields=True):
     request_id: str
 
 
@@ -51,7 +51,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", forbid_unknown_fields=True):
     pass
 
 
-ControlRequest = NewRequest | Status | Stats | Shutdown
+ControlRequest = NewRequest | RequestStatus | Stats | Shutdown
 
 
 # --- replies ---
@@ -65,7 +65,7 @@ class NewRequestReply(msgspec.Struct, tag="new_request_reply"):
     num_tokens: int
 
 
-class StatusReply(msgspec.Struct, tag="status_reply"):
+class RequestStatusReply(msgspec.Struct, tag="status_reply"):
     request_id: str
     state: RequestState
     # Per prefill TP rank: notifications counted so far, and the N they announced (0 before the first).
@@ -104,7 +104,7 @@ class ErrorReply(msgspec.Struct, tag="error"):
     reason: str
 
 
-ControlReply = NewRequestReply | StatusReply | StatsReply | Ack | ErrorReply
+ControlReply = NewRequestReply | RequestStatusReply | StatsReply | Ack | ErrorReply
 
 REQUEST_DECODER = msgspec.msgpack.Decoder(ControlRequest)
 REPLY_DECODER = msgspec.msgpack.Decoder(ControlReply)
@@ -173,8 +173,8 @@ class EmulatorClient:
     def new_request(self, num_tokens: int | None = None, **kw: Any) -> NewRequestReply:
         return self.call(NewRequest(num_tokens=num_tokens, **kw))
 
-    def status(self, request_id: str) -> StatusReply:
-        return self.call(Status(request_id))
+    def status(self, request_id: str) -> RequestStatusReply:
+        return self.call(RequestStatus(request_id))
 
     def stats(self) -> StatsReply:
         return self.call(Stats())
@@ -182,7 +182,7 @@ class EmulatorClient:
     def shutdown(self, timeout_s: float | None = None) -> None:
         self.call(Shutdown(), timeout_s)
 
-    def wait_state(self, request_id: str, state: RequestState, timeout_s: float) -> StatusReply:
+    def wait_state(self, request_id: str, state: RequestState, timeout_s: float) -> RequestStatusReply:
         """Poll status until ``state`` or the deadline (then ControlError with the last status)."""
         deadline = time.monotonic() + timeout_s
         while True:
