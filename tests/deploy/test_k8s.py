@@ -289,3 +289,27 @@ def test_the_connector_the_flag_names_exists():
     assert f"class {ktc['kv_connector']}(" in source
     for key in ktc["kv_connector_extra_config"]:
         assert f'"{key}"' in source, f"the connector reads no extra_config key {key!r}"
+
+
+def _image_env() -> dict[str, str]:
+    """The kv-sidecar image's ENV paths (Dockerfile): its containers' unless the pod sets them."""
+    text = (REPO / "Dockerfile").read_text()
+    return {k: v for k in ("HOME", "XDG_CACHE_HOME", "TRITON_CACHE_DIR")
+            for v in [text.split(f"{k}=", 1)[1].split()[0]]}
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_home_and_caches_are_writable_under_a_read_only_root(name):
+    """The daemon's HOME was the image's /var/lib/kv-sidecar on a read-only root: CUDA's JIT cache
+    (~/.nv) and anything else a library keeps in HOME could not be written."""
+    spec = _pod(name)["spec"]
+    for c in _sidecars(spec) + [_vllm(spec)]:
+        if not c.get("securityContext", {}).get("readOnlyRootFilesystem"):
+            continue
+        env = {**(_image_env() if c in _sidecars(spec) else {}), **_env(c)}
+        mounted = [m["mountPath"] for m in c.get("volumeMounts", []) if not m.get("readOnly")]
+        for key in ("HOME", "XDG_CACHE_HOME", "TRITON_CACHE_DIR"):
+            if key in env:
+                path = env[key]
+                under = any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounted)
+                assert under, (c["name"], key, path)
