@@ -93,6 +93,12 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         settings = ShimSettings.from_extra(ktc.kv_connector_extra_config)
+        pp_size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+        if pp_size != 1:
+            # A stage registers only its own layers, and the daemon pairs the prefill's layers with the
+            # registered ones from the first: every pull would be refused on the region count.
+            raise ValueError(f"SidecarConnector: pipeline_parallel_size {pp_size}: a decoder with pipeline "
+                             "parallelism is not supported (use tensor parallelism)")
         if ktc.kv_role != "kv_consumer":
             log.warning(
                 "SidecarConnector only loads (decoder side); kv_role %r: requests asking it to "

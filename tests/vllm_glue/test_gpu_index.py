@@ -175,12 +175,12 @@ def connector(monkeypatch):
     sys.modules.pop("vllm_glue.connector", None)
     import vllm_glue.connector as module
 
-    def make(socket: str):
+    def make(socket: str, pp: int = 1, role: str = "WORKER"):
         extra = {"sidecar_socket": socket}
         ktc = types.SimpleNamespace(kv_connector_extra_config=extra, kv_role="kv_consumer", engine_id="e")
-        cfg = types.SimpleNamespace(kv_transfer_config=ktc,
-                                    parallel_config=types.SimpleNamespace(tensor_parallel_size=2))
-        return module.SidecarConnector(cfg, Role.WORKER)
+        parallel = types.SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=pp)
+        cfg = types.SimpleNamespace(kv_transfer_config=ktc, parallel_config=parallel)
+        return module.SidecarConnector(cfg, Role[role])
 
     yield platform, make
     sys.modules.pop("vllm_glue.connector", None)
@@ -203,3 +203,12 @@ def test_the_cpu_engine_stops_at_start_up_on_gpu(connector):
     with pytest.raises(ValueError, match=why):
         make("ipc:///run/kv-sidecar/gpu{gpu}.sock")
     assert make("ipc:///run/kv-sidecar/cpu.sock").worker.socket == "ipc:///run/kv-sidecar/cpu.sock"
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_a_pipeline_parallel_decoder_stops_at_start_up(connector, role):
+    """Each stage registers only its layers: every pull would have been refused on the region count, one
+    request at a time, with vLLM up and Ready."""
+    _platform, make = connector
+    with pytest.raises(ValueError, match="pipeline_parallel_size 2: a decoder with pipeline parallelism"):
+        make("ipc:///run/kv-sidecar/gpu{rank}.sock", pp=2, role=role)
