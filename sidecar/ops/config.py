@@ -667,6 +667,24 @@ def load(
     return build(merged, " + ".join(sources) or "defaults")
 
 
+def load_to_find(
+    path: str | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> tuple[Config, str]:
+    """``load``'s config, for a tool that only needs to find a running daemon (its socket, its port): when the
+    file does not load, the variables and flags alone, with a note saying so. A daemon runs the config it
+    loaded at start, so a file broken since (a reload would refuse it) must not hide a healthy daemon."""
+    environ = os.environ if environ is None else environ
+    try:
+        return load(path, environ=environ, overrides=overrides), ""
+    except ConfigError as exc:
+        bare = {k: v for k, v in environ.items() if k != "KV_SIDECAR_CONFIG"}
+        cfg = load(None, environ=bare, overrides=overrides)  # a bad variable or flag still raises
+        return cfg, f"the config file does not load ({exc}); using the KV_SIDECAR_* variables and flags alone"
+
+
 def reload_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
     """(keys SIGHUP applies, keys that changed but need a restart)."""
     applied, restart = [], []

@@ -22,12 +22,15 @@ def serve_argv(cmdline: bytes) -> list[str]:
 
 
 def health_url(argv: list[str]) -> str:
-    """The daemon's ``/healthz`` URL for ``serve`` flags ``argv``; ValueError when it serves none."""
+    """The daemon's ``/healthz`` URL for ``serve`` flags ``argv``; ValueError when it serves none. A config
+    file that no longer loads is left out (``load_to_find``): the daemon runs what it loaded at start."""
     from sidecar.cli import build_parser, config_overrides
     from sidecar.ops import config as config_mod
 
     args = build_parser().parse_args(argv)
-    cfg = config_mod.load(args.config, overrides=config_overrides(args))
+    cfg, note = config_mod.load_to_find(args.config, overrides=config_overrides(args))
+    if note:
+        print(note)
     url = cfg.local_metrics_url
     if url is None:
         raise ValueError(f"metrics_port = {cfg.http_port}: no fixed metrics endpoint to check")

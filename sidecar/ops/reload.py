@@ -41,14 +41,10 @@ def socket_of(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str
     if args.socket:
         overrides["socket"] = args.socket
     try:
-        return config_mod.load(args.config, environ=environ, overrides=overrides).socket_endpoint, ""
+        cfg, note = config_mod.load_to_find(args.config, environ=environ, overrides=overrides)
     except config_mod.ConfigError as exc:
-        bare = {k: v for k, v in environ.items() if k != "KV_SIDECAR_CONFIG"}
-        try:
-            endpoint = config_mod.load(None, environ=bare, overrides=overrides).socket_endpoint
-        except config_mod.ConfigError as again:
-            raise ReloadFailed(f"configuration: {again}") from None
-        return endpoint, f"the config file does not load ({exc}); asked the daemon at {endpoint}"
+        raise ReloadFailed(f"configuration: {exc}") from None
+    return cfg.socket_endpoint, note
 
 
 def ask_status(endpoint: str, timeout_s: float) -> p.StatusReply:

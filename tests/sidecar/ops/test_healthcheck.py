@@ -67,3 +67,17 @@ def test_a_proxy_in_the_environment_is_not_asked_for_the_local_endpoint(tmp_path
     with spawn_serve(["--socket", f"ipc://{tmp_path}/kv.sock", "--config", str(config)]) as daemon:
         assert healthcheck.main(pid=daemon.proc.pid) == 0, capsys.readouterr().out
         assert f"127.0.0.1:{port}/healthz: 200" in capsys.readouterr().out
+
+
+def test_a_config_file_broken_since_start_does_not_make_a_healthy_daemon_unhealthy(tmp_path, capsys):
+    """The check loaded today's file: an edit that broke it (which SIGHUP would refuse) made a running daemon
+    look unhealthy, and an orchestrator acting on that would restart it into the broken file."""
+    port = _free_port()
+    config = tmp_path / "kv-sidecar.toml"
+    config.write_text("default_timeout_s = 30\n")
+    endpoint = f"ipc://{tmp_path}/kv.sock"
+    with spawn_serve(["--socket", endpoint, "--config", str(config), "--metrics-port", str(port)]) as daemon:
+        config.write_text("default_timeout_s = [\n")
+        assert healthcheck.main(pid=daemon.proc.pid) == 0
+        out = capsys.readouterr().out
+        assert "the config file does not load" in out and f"127.0.0.1:{port}/healthz: 200" in out
