@@ -220,18 +220,18 @@ class Peers:
         try:
             peer = await self._port.connect(target, self._admission(target.address, caches), self._on_poster)
         except RemoteRefused as exc:
-            self._metrics.handshake(False)
+            self._metrics.handshake("refused")
             raise Refused(exc.field or "remote", exc.reason, getattr(exc, "peer", None)) from None
         except vllm_wire.HandshakeRefused as exc:
-            self._metrics.handshake(False)
+            self._metrics.handshake("failed")
             raise Refused(exc.field, exc.reason) from None
         except vllm_wire.HandshakeTimeout as exc:
-            self._metrics.handshake(False)
+            self._metrics.handshake("failed")
             raise Failed(f"handshake: {exc}") from None
         except Exception as exc:
-            self._metrics.handshake(False)
+            self._metrics.handshake("failed")
             raise Failed(f"handshake with {target.address}: {reason_of(exc)}") from None
-        self._metrics.handshake(True)
+        self._metrics.handshake("ok")
         log.info(
             "prefill %s rank %d at %s admitted: %s",
             target.engine_id,

@@ -29,6 +29,9 @@ READ_MODES = ("direct", "staged", "mapped", "plain")  # how a Pull's pages came 
 MAPPING_OUTCOMES = ("mapped", "unavailable")  # a prefill rank's pages mapped here, or not (daemon/mapped.py)
 GAP_SPAN_WAIT_OUTCOMES = ("taken", "gave_up")  # a staged pull that waited for its gap span (staging.py)
 RELOAD_OUTCOMES = ("applied", "unchanged", "refused")  # a SIGHUP's (daemon/app.py Daemon.reload)
+# a handshake admitted, broken (unreachable, timed out, a bad reply), or answered but refused by this daemon's
+# admission rules (remotes, model identity, format, geometry): an operator's choice, not a fault
+HANDSHAKE_OUTCOMES = ("ok", "failed", "refused")
 STAGES = ("handshake", "queue", "transfer", "convert", "signal", "end_to_end", "delivery")
 # 50 µs .. ~100 s, roughly x2.5 per bucket: signal latencies and multi-second pulls both resolve.
 BUCKETS = (
@@ -103,7 +106,11 @@ class Metrics:
             "kv_sidecar_registered_bytes", "Decoder cache bytes imported and registered with NIXL", registry=r
         )
         self.handshakes = Counter(
-            "kv_sidecar_handshakes", "Side-channel handshakes, by outcome", ["outcome"], registry=r
+            "kv_sidecar_handshakes",
+            "Side-channel handshakes, by outcome: ok, failed (no reply, or a bad one), refused (by this "
+            "daemon's admission rules)",
+            ["outcome"],
+            registry=r,
         )
         self.invalid_messages = Counter(
             "kv_sidecar_invalid_messages", "Socket messages that failed validation", registry=r
@@ -204,8 +211,7 @@ class Metrics:
         # Kept, so answering a Pull does no label lookups (about 4 µs each).
         self._requests = {outcome: self.requests.labels(outcome=outcome) for outcome in OUTCOMES}
         self._stages = {stage: self.stage_seconds.labels(stage=stage) for stage in STAGES}
-        for outcome in ("ok", "failed"):
-            self.handshakes.labels(outcome=outcome)
+        self._handshakes = {o: self.handshakes.labels(outcome=o) for o in HANDSHAKE_OUTCOMES}
         for kind in FP8_REENCODE_KINDS:
             self.fp8_reencoded.labels(kind=kind)
         self._launches = {path: self.conversion_launches.labels(path=path) for path in LAUNCH_PATHS}
@@ -265,10 +271,11 @@ class Metrics:
     def refused(self, field: str) -> None:
         self.refusals.labels(field=field or "unknown").inc()
 
-    def handshake(self, ok: bool) -> None:
-        """One side-channel handshake, by outcome. Its time is the handshake stage of the pulls that waited
-        for it (``observe``): observed here too, a pull that handshook would count twice in that stage."""
-        self.handshakes.labels(outcome="ok" if ok else "failed").inc()
+    def handshake(self, outcome: str) -> None:
+        """One side-channel handshake, by ``HANDSHAKE_OUTCOMES`` outcome. Its time is the handshake stage of
+        the pulls that waited for it (``observe``): observed here too, a pull that handshook would count twice
+        in that stage."""
+        self._handshakes[outcome].inc()
 
     def expose(self) -> bytes:
         return generate_latest(self.registry)

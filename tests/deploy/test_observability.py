@@ -28,7 +28,7 @@ TARGET_LABELS = {"instance", "job", "namespace", "pod", "container", "node", "cl
 # Labels whose values are a closed set in the daemon.
 CLOSED_VALUES = {
     ("kv_sidecar_requests_total", "outcome"): set(daemon_metrics.OUTCOMES),
-    ("kv_sidecar_handshakes_total", "outcome"): {"ok", "failed"},
+    ("kv_sidecar_handshakes_total", "outcome"): set(daemon_metrics.HANDSHAKE_OUTCOMES),
     ("kv_sidecar_stage_seconds_bucket", "stage"): set(daemon_metrics.STAGES),
     ("kv_sidecar_stage_seconds_sum", "stage"): set(daemon_metrics.STAGES),
     ("kv_sidecar_stage_seconds_count", "stage"): set(daemon_metrics.STAGES),

@@ -619,7 +619,8 @@ def test_sighup_reloads_the_remote_declarations(daemon_factory, emulator, tmp_pa
     done = d.shim.ask(pull_of(r.kv_transfer_params, "before", [2]))
     assert not done.ok and done.reason.startswith("remote page format:"), done.reason
     assert d.metric('kv_sidecar_refusals_total{field="remote page format"}') == 1
-    assert d.metric('kv_sidecar_handshakes_total{outcome="failed"}') == 1
+    assert d.metric('kv_sidecar_handshakes_total{outcome="refused"}') == 1  # not a failure: no alert
+    assert d.metric('kv_sidecar_handshakes_total{outcome="failed"}') == 0
     assert d.decoder.untouched([2])
     cfg.write_text(f"""
 [[remotes]]

@@ -27,8 +27,8 @@ def test_names_and_helpers():
     m.answered("ok", {"queue": 0.001, "transfer": 0.02, "end_to_end": 0.03, "mystery": 1.0})
     m.answered("expired")
     m.refused("block_size")
-    m.handshake(True)
-    m.handshake(False)
+    m.handshake("ok")
+    m.handshake("failed")
     m.bytes_pulled.inc(4096)
     text = m.expose().decode()
     for name in NAMES:
@@ -43,6 +43,7 @@ def test_names_and_helpers():
     assert value(text, 'kv_sidecar_stage_seconds_count{stage="handshake"}') == 0  # a pull's stage
     assert value(text, 'kv_sidecar_refusals_total{field="block_size"}') == 1
     assert value(text, 'kv_sidecar_handshakes_total{outcome="failed"}') == 1
+    assert value(text, 'kv_sidecar_handshakes_total{outcome="refused"}') == 0  # exists from the start
     assert value(text, "kv_sidecar_bytes_pulled_total") == 4096
     assert value(text, f'kv_sidecar_build_info{{version="{__version__}"}}') == 1
     assert "mystery" not in text
