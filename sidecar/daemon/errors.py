@@ -14,6 +14,10 @@ class Refused(Exception):
         self.notify_peer = notify_peer
 
 
+class Inadmissible(Refused):
+    """A prefill rank that answered its handshake but that this daemon's admission rules refuse."""
+
+
 class Failed(Exception):
     """A Pull that went wrong on the way (transfer, lease, conversion)."""
 

@@ -2,8 +2,10 @@
 
 A handshake is cached until the prefill restarts (a newer registration generation or a new engine at the
 same address), the configuration changes what it was admitted under, or a read finds the peer gone. A
-failed handshake is never cached: the next request tries again. A request we will not read still gets its
-notification, so the prefill frees its blocks now instead of at its lease's end.
+failed or refused handshake is never cached: the next request tries again. A refusal by the admission rules
+is remembered, though, so the shim's heartbeats do not handshake again under the same rules (``refused``).
+A request we will not read still gets its notification, so the prefill frees its blocks now instead of at
+its lease's end.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sidecar.daemon.errors import Failed, Refused, reason_of
+import msgspec
+
+from sidecar.daemon.errors import Failed, Inadmissible, Refused, reason_of
 from sidecar.daemon.port import Admission, PeerTarget, Runner, TransferPort
 from sidecar.nixl.admission import RemoteFormatRule
 from sidecar.nixl.errors import RemoteRefused
@@ -98,6 +102,7 @@ class Peers:
         self._sent = sent  # something went out on NIXL: keep it moving (see Reads.progress_loop)
         self._entries: dict[Key, PeerEntry] = {}
         self._retiring: set[PeerEntry] = set()  # replaced entries whose peer goes once no pull holds it
+        self._refusals: dict[Key, PeerEntry] = {}  # the last handshake per rank, when the rules refused it
         self._generation = 0  # bumped when what peers were admitted under changes
         self._telling: set[asyncio.Task] = set()  # notifications waiting for their handshake (``told``)
 
@@ -126,6 +131,16 @@ class Peers:
 
     def known(self, key: Key) -> bool:
         return key in self._entries
+
+    def refused(self, target: PeerTarget) -> bool:
+        """Whether the rules in force refused the last handshake with ``target`` (the same rank, address and
+        TP): asked again, it would be refused again until a reload or new caches (``invalidate``)."""
+        entry = self._refusals.get((target.engine_id, target.tp_rank))
+        return (
+            entry is not None
+            and entry.config_gen == self._generation
+            and entry.target == msgspec.structs.replace(target, generation=entry.target.generation)
+        )
 
     def acquire(self, target: PeerTarget, caches: Any) -> tuple[PeerEntry, asyncio.Task]:
         """The admitted peer for a request (handshaking if needed); the entry is held until ``release``."""
@@ -196,12 +211,15 @@ class Peers:
         task = asyncio.ensure_future(self._handshake(target, caches))
         entry = PeerEntry(task=task, config_gen=self._generation, key=key, target=target)
         self._entries[key] = entry
+        self._refusals.pop(key, None)
 
         def forget_failure(t: asyncio.Task) -> None:
             # forgotten even while pulls hold it (they have the entry): kept, it would make the rank "known"
             # with no peer, and the shim's heartbeats for it would neither go out nor start a handshake
             if (t.cancelled() or t.exception() is not None) and self._entries.get(key) is entry:
                 del self._entries[key]
+                if not t.cancelled() and isinstance(t.exception(), Inadmissible):
+                    self._refusals[key] = entry
 
         task.add_done_callback(forget_failure)
         return entry
@@ -221,7 +239,7 @@ class Peers:
             peer = await self._port.connect(target, self._admission(target.address, caches), self._on_poster)
         except RemoteRefused as exc:
             self._metrics.handshake("refused")
-            raise Refused(exc.field or "remote", exc.reason, getattr(exc, "peer", None)) from None
+            raise Inadmissible(exc.field or "remote", exc.reason, getattr(exc, "peer", None)) from None
         except vllm_wire.HandshakeRefused as exc:
             self._metrics.handshake("failed")
             raise Refused(exc.field, exc.reason) from None
@@ -315,3 +333,4 @@ class Peers:
             entry.task.cancel()
         self._entries.clear()
         self._retiring.clear()
+        self._refusals.clear()

@@ -30,6 +30,7 @@ from sidecar.nixl.errors import (
 )
 from sidecar.nixl.geometry import BlockPairs, LocalRegions, PairRule, StagingPool, regions_per_layer
 from sidecar.nixl.runs import layer_group_bounds
+from sidecar.wire import prefill as vllm_wire
 from sidecar.wire.formats import STANDARD, Plan, negotiate
 
 
@@ -78,6 +79,7 @@ class FakePort:
         self.reverse = False  # auto-land groups last first (out of order)
         self.handshake_gate: asyncio.Event | None = None  # set: handshakes wait for it
         self.refuse_handshake: str | None = None  # a field name: connect refuses naming it
+        self.fail_handshake = False  # connect times out, as with an unreachable prefill
         self.fail_reads = False  # poll raises TransferFailed
         self.disconnect_reads = False  # poll raises RemoteDisconnected
         self.stuck_abort = 0  # abort() reports unsafe this many times first
@@ -130,6 +132,8 @@ class FakePort:
         count = tp.notif_count(local_tp=target.local_tp, remote_tp=target.remote_tp)
         if self.handshake_gate is not None:
             await self.handshake_gate.wait()
+        if self.fail_handshake:
+            raise vllm_wire.HandshakeTimeout(target.address, 0, target.tp_rank, admission.timeout_s)
         if self.refuse_handshake is not None:
             exc = RemoteRefused("refused by the fake prefill", self.refuse_handshake)
             exc.peer = FakePeer(target.engine_id, target.tp_rank, target.address, 0, None, notif_count=count)

@@ -1815,10 +1815,10 @@ def test_heartbeats_reach_the_prefill_after_a_handshake_that_failed_under_a_pull
     async def main():
         async with started() as h:
             if first_pull_failed:
-                h.port.refuse_handshake = "remote page format"  # one refusal, then the prefill is fine
+                h.port.fail_handshake = True  # one failure, then the prefill is reachable
                 h.pull("a")
                 assert not (await h.reply(p.Done, "a")).ok
-                h.port.refuse_handshake = None
+                h.port.fail_handshake = False
             connects = h.port.connects
             for _ in range(3):
                 h.send(p.Heartbeat(targets=[p.HeartbeatTarget(
@@ -1826,6 +1826,46 @@ def test_heartbeats_reach_the_prefill_after_a_handshake_that_failed_under_a_pull
                     remote_request_ids=["r-waiting"])]))
                 await asyncio.sleep(0.05)
             assert h.port.connects == connects + 1 and ["r-waiting"] in h.port.heartbeats
+
+    run(main())
+
+
+@pytest.mark.parametrize("first", ["pull", "heartbeat"])
+def test_heartbeats_do_not_handshake_again_with_a_prefill_the_reloaded_rules_refuse(first):
+    """A reload whose rules refuse a prefill: each shim Heartbeat naming its requests started a handshake with
+    it, refused every time and counted as failed (KvSidecarHandshakesFailing fired with nothing broken). The
+    refusal is counted as refused and remembered until the rules change again."""
+    beat = p.Heartbeat(targets=[p.HeartbeatTarget(
+        remote_engine_id="prefill-0", remote_host="127.0.0.1", remote_port=5600, remote_request_ids=["r-w"])])
+
+    async def main():
+        async with started() as h:
+            sample = h.daemon.metrics.registry.get_sample_value
+            if first == "pull":
+                h.pull("a")
+                assert (await h.reply(p.Done, "a")).ok
+            h.reloaded = Config(**{**_values(h.config), "verify_model_identity": False})
+            h.daemon.reload()
+            h.port.refuse_handshake = "compatibility_hash"  # the new rules refuse the prefill
+            if first == "pull":
+                h.pull("b", blocks=[4, 5])
+                assert not (await h.reply(p.Done, "b")).ok
+            connects = h.port.connects
+            for _ in range(4):
+                h.send(beat)
+                await asyncio.sleep(0.05)
+            assert h.port.connects - connects == (0 if first == "pull" else 1)
+            assert sample("kv_sidecar_handshakes_total", {"outcome": "failed"}) == 0
+            assert sample("kv_sidecar_handshakes_total", {"outcome": "refused"}) == 1
+            assert ["r-w"] not in h.port.heartbeats
+            h.reloaded = Config(**{**_values(h.config), "verify_model_identity": True})
+            h.daemon.reload()  # the rules changed again: the next heartbeat handshakes, once
+            h.port.refuse_handshake = None
+            connects = h.port.connects
+            for _ in range(3):
+                h.send(beat)
+                await asyncio.sleep(0.05)
+            assert h.port.connects == connects + 1 and ["r-w"] in h.port.heartbeats
 
     run(main())
 
