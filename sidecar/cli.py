@@ -218,15 +218,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         pieces.install(cfg.loop_pieces, slow_s=cfg.loop_pieces_slow_us / 1e6)
 
-    def reload() -> Any:
-        return config_mod.load(args.config, overrides=overrides)
+    def reload() -> Any:  # the daemon calls it in a thread: it waits for the file to settle
+        return config_mod.load(args.config, overrides=overrides, reloading=True)
 
     def announce(daemon: app.Daemon) -> None:
         port = daemon.metrics_server.port if daemon.metrics_server is not None else None
         print(json.dumps({"event": "ready", "pid": os.getpid(), "socket": cfg.socket_endpoint,
                           "device": cfg.device, "metrics_port": port}), flush=True)
         if hups:  # a SIGHUP came during start-up
-            daemon.reload()
+            daemon.on_sighup()
 
     from sidecar.ops.errors import StartupError
 

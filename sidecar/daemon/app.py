@@ -96,6 +96,9 @@ class Daemon:
         self.config = config
         self._reload_fn = reload
         self.last_reload: p.ReloadStatus | None = None  # the latest SIGHUP's outcome (Status reports it)
+        self._reloading: asyncio.Task | None = None  # on_sighup's read, in a thread
+        self._reload_again = False  # a SIGHUP came while it read
+        self.sighups = 0  # received so far; a reload's outcome says how many its read began after
         self._make_port = make_port
         self._bind_socket = bind
         self.metrics = Metrics()
@@ -290,7 +293,8 @@ class Daemon:
         them (none without caches: no pull reads, and a new registration admits every prefill again)."""
         caches = self.caches.current if self.caches is not None else None
         if caches is None:
-            return p.StatusReply(nonce=nonce, registered=False, pid=os.getpid(), reload=self.last_reload)
+            return p.StatusReply(nonce=nonce, registered=False, pid=os.getpid(), reload=self.last_reload,
+                                 sighups=self.sighups)
         peers = [p.PeerStatus(address=target.address, engine_id=peer.engine_id, tp_rank=peer.tp_rank,
                               tp_size=target.remote_tp)
                  for target, peer in (self.peers.admitted_peers() if self.peers is not None else [])]
@@ -300,7 +304,7 @@ class Daemon:
                              compat_factors=caches.compat_factors, peers=peers,
                              tp_size=owner.tp_size if owner is not None else 1,
                              tp_rank=owner.rank if owner is not None else 0,
-                             pid=os.getpid(), reload=self.last_reload)
+                             pid=os.getpid(), reload=self.last_reload, sighups=self.sighups)
 
     def _admitted(self, key: tuple[str, int], peer: Any) -> None:
         if self.heartbeats is not None:
@@ -375,27 +379,62 @@ class Daemon:
         log.info("kv-sidecar stopped")
 
     def reload(self) -> None:
-        """SIGHUP: re-read the configuration and apply what can change live. Its outcome is kept for
-        ``Status`` (``kv-sidecar reload`` waits for it) and counted in the ``config_*`` metrics."""
+        """Re-read the configuration and apply what can change live, here and now. Reading waits for the file
+        to settle (at least config.SETTLE_S): the loop's SIGHUP handler reads in a thread (``on_sighup``)."""
+        self.sighups += 1
+        self._apply_config(self.sighups, *self._read_config())
+
+    def on_sighup(self) -> None:
+        """SIGHUP, on the loop: read the configuration in a thread, then apply it on the loop. The read waits
+        config.SETTLE_S for the file to stay unchanged, up to config.SETTLE_BOUND_S while it keeps changing:
+        on the loop, that would hold every pull's polls and replies. A SIGHUP while one reads makes one more
+        read after it (the file may have changed since that read began)."""
+        self.sighups += 1
+        if self._reloading is not None and not self._reloading.done():
+            self._reload_again = True
+            return
+        self._reloading = self._spawn(self._reload_in_thread())
+
+    async def _reload_in_thread(self) -> None:
+        again = True
+        while again:
+            self._reload_again = False
+            covered = self.sighups
+            new, error = await asyncio.to_thread(self._read_config)
+            if not self._stopping:
+                self._apply_config(covered, new, error)
+            again = self._reload_again
+
+    def _read_config(self) -> tuple[Config | None, str]:
+        """The reload source's configuration, or None and why it could not be read (any thread)."""
         if self._reload_fn is None:
+            return None, ""
+        try:
+            return self._reload_fn(), ""
+        except Exception as exc:  # noqa: BLE001 - a bad reload keeps the running config
+            return None, str(exc) or type(exc).__name__
+
+    def _apply_config(self, covered: int, new: Config | None, error: str) -> None:
+        """Apply the live keys of ``new`` (on the loop), read after the first ``covered`` SIGHUPs. The outcome
+        is kept for ``Status`` (``kv-sidecar reload`` waits for it) and counted in ``config_*`` metrics."""
+        if new is None and not error:
             log.warning("SIGHUP: no configuration source to reload")
             return
-        try:
-            plan = plan_reload(self.config, self._reload_fn())
-        except Exception as exc:  # noqa: BLE001 - a bad reload keeps the running config
-            log.error("SIGHUP: configuration not reloaded: %s", exc)
-            self._reloaded("refused", str(exc), [], [])
+        if new is None:
+            log.error("SIGHUP: configuration not reloaded: %s", error)
+            self._reloaded(covered, "refused", error, [], [])
             return
+        plan = plan_reload(self.config, new)
         if plan.restart:
             log.warning("SIGHUP: %s changed but need a restart; keeping the running values",
                         ", ".join(plan.restart))
         if plan.refused:
             log.error("SIGHUP: configuration not reloaded: %s", plan.refused)
-            self._reloaded("refused", plan.refused, [], plan.restart)
+            self._reloaded(covered, "refused", plan.refused, applied=[], restart=plan.restart)
             return
         if plan.config is None:
             log.info("SIGHUP: nothing to apply")
-            self._reloaded("unchanged", "", [], plan.restart)
+            self._reloaded(covered, "unchanged", "", [], plan.restart)
             return
         self.config = plan.config
         logging.getLogger("kv_sidecar").setLevel(self.config.log_level)
@@ -406,12 +445,12 @@ class Daemon:
         log.info("SIGHUP: applied %s", ", ".join(plan.applied))
         for warning in startup_warnings(plan.config):  # the running config, not the file's restart-only keys
             log.warning("SIGHUP: %s", warning)
-        self._reloaded("applied", "", plan.applied, plan.restart)
+        self._reloaded(covered, "applied", "", plan.applied, plan.restart)
 
-    def _reloaded(self, outcome: str, reason: str, applied: list[str], restart: list[str]) -> None:
+    def _reloaded(self, covered: int, outcome: str, reason: str, applied: list[str],
+                  restart: list[str]) -> None:
         """Keep a reload's outcome for ``Status`` and count it."""
-        count = self.last_reload.count + 1 if self.last_reload is not None else 1
-        self.last_reload = p.ReloadStatus(count=count, outcome=outcome, reason=reason, applied=applied,
+        self.last_reload = p.ReloadStatus(count=covered, outcome=outcome, reason=reason, applied=applied,
                                           restart_pending=restart)
         self.metrics.reloaded(outcome, len(restart), time.time())
 
@@ -419,7 +458,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
-        loop.add_signal_handler(signal.SIGHUP, self.reload)
+        loop.add_signal_handler(signal.SIGHUP, self.on_sighup)
 
     def _spawn(self, coro: Any, essential: str | None = None) -> asyncio.Task:
         """A background task, its crash logged. ``essential`` names a loop the daemon cannot serve without:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 import tomllib
@@ -33,6 +34,11 @@ ENV_NOT_KEYS = frozenset(
 DEFAULT_SOCKET_DIR = "/run/kv-sidecar"
 DEFAULT_METRICS_PORT = 9464  # GPU N's daemon serves its endpoint on this + N unless metrics_port is set
 MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
+# The config file is read only once it stays unchanged this long after the read (an editor or a config tool
+# rewriting it in place, truncate then write, would otherwise hand over a partial file that still parses) ...
+SETTLE_S = 0.05
+# ... and read again while it keeps changing, for at most about this long; then the read is refused.
+SETTLE_BOUND_S = 1.0
 # Keys SIGHUP may change; the others need a restart.
 DEFAULT_POLL_BUSY_S = 0.05  # poll_busy_s with a GPU when unset
 DEFAULT_INLINE_POST_DESCRIPTORS = 128  # inline_post_max_descriptors with a GPU when unset
@@ -616,16 +622,85 @@ def env_values(environ: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
-def file_values(path: str) -> dict[str, Any]:
-    try:
+class FileStamp(NamedTuple):
+    """What stat says of a file that writing it, or replacing it by a rename, changes."""
+
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    inode: int
+    device: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileStamp:
+        return cls(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+
+
+Settle = Literal["settled", "retry", "unsettled"]
+
+
+def changed(a: FileStamp, b: FileStamp) -> list[str]:
+    """The fields of two stamps of one path that differ (an inode or device: the file was replaced)."""
+    return [name for name, x, y in zip(FileStamp._fields, a, b, strict=True) if x != y]
+
+
+def settle_verdict(before: FileStamp, after: FileStamp, later: FileStamp, *, out_of_time: bool) -> Settle:
+    """Whether bytes read between the stamps ``before`` and ``after``, with ``later`` taken SETTLE_S after
+    the read, are the file as written: settled when no stamp differs (nothing wrote or replaced the file from
+    before the read to SETTLE_S after it); else read again, or give up once ``out_of_time``."""
+    if before == after == later:
+        return "settled"
+    return "unsettled" if out_of_time else "retry"
+
+
+def _stamp(path: str) -> FileStamp:
+    return FileStamp.of(os.stat(path))
+
+
+def read_settled(path: str) -> bytes:
+    """The bytes of ``path`` once a read of them is settled (``settle_verdict``): read, then wait SETTLE_S to
+    see the file unchanged; read again while it changes, for up to SETTLE_BOUND_S. Blocks for SETTLE_S at
+    least: not on the event loop (the daemon's SIGHUP reads in a thread)."""
+    deadline = time.monotonic() + SETTLE_BOUND_S
+    while True:
+        before = _stamp(path)
         with open(path, "rb") as f:
-            return tomllib.load(f)
+            data = f.read()
+        after = _stamp(path)
+        time.sleep(SETTLE_S)
+        later = _stamp(path)
+        verdict = settle_verdict(before, after, later, out_of_time=time.monotonic() >= deadline)
+        if verdict == "settled":
+            return data
+        if verdict == "unsettled":
+            what = ", ".join(changed(before, after) or changed(after, later))
+            raise ConfigError(
+                f"config file {path} changed while being read (still changing after {SETTLE_BOUND_S:g} s: "
+                f"{what}); write it atomically: write a temp file, then rename it over this one"
+            )
+
+
+def file_values(path: str, *, reloading: bool = False) -> dict[str, Any]:
+    """The keys of the TOML file ``path``, read once settled (``read_settled``). ``reloading``: refuse a file
+    without any key (empty, or only comments): what a reload reads mid-rewrite, and never a change worth
+    applying live (every key back to its default, ``remotes`` to none)."""
+    try:
+        data = read_settled(path)
+        values = tomllib.loads(data.decode())
     except OSError as e:
         raise ConfigError(f"config file {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path}: invalid TOML: {e}") from None
-    except UnicodeDecodeError as e:  # tomllib decodes the bytes itself, before any TOMLDecodeError
+    except UnicodeDecodeError as e:
         raise ConfigError(f"config file {path}: not UTF-8 (TOML is): {e.reason} at byte {e.start}") from None
+    if reloading and not values:
+        what = "empty" if not data.strip() else "only comments"
+        raise ConfigError(
+            f"config file {path} has no keys ({what}, {len(data)} bytes): a reload does not set every key "
+            "back to its default (restart the daemon for that); if it is being rewritten, write it "
+            "atomically: write a temp file, then rename it over this one"
+        )
+    return values
 
 
 def build(values: Mapping[str, Any], source: str = "config") -> Config:
@@ -648,14 +723,16 @@ def load(
     *,
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
+    reloading: bool = False,
 ) -> Config:
-    """File (``path`` or $KV_SIDECAR_CONFIG), then KV_SIDECAR_* variables, then ``overrides`` (flags)."""
+    """File (``path`` or $KV_SIDECAR_CONFIG), then KV_SIDECAR_* variables, then ``overrides`` (flags).
+    ``reloading`` (SIGHUP): a file without any key is refused (``file_values``)."""
     environ = os.environ if environ is None else environ
     path = path or environ.get("KV_SIDECAR_CONFIG") or None
     merged: dict[str, Any] = {}
     sources = []
     if path:
-        merged.update(file_values(path))
+        merged.update(file_values(path, reloading=reloading))
         sources.append(f"file {path}")
     env = env_values(environ)
     if env:

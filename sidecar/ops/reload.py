@@ -2,9 +2,10 @@
 
 A bare ``kill -HUP`` cannot fail: a refused reload (a typo in the TOML file, a value that does not hold
 together with the running ones) is only a line in the daemon's log while the daemon keeps its older config.
-This command asks the daemon's ``Status`` for its latest reload, sends SIGHUP, and waits until the daemon
-reports a newer one. It prints the outcome and exits 1 when the reload was refused, 2 when it could not be
-asked for or confirmed, so ``systemctl reload kv-sidecar@N`` (the unit's ``ExecReload=``) fails with why.
+This command asks the daemon's ``Status`` how many SIGHUPs it has had, sends one, and waits until the daemon
+reports a reload whose read began after it. It prints the outcome and exits 1 when the reload was refused, 2
+when it could not be asked for or confirmed, so ``systemctl reload kv-sidecar@N`` (``ExecReload=``) fails
+with why.
 
 The daemon is found as ``serve`` finds its socket: ``--gpu``, ``--config``/``$KV_SIDECAR_CONFIG``, the
 ``KV_SIDECAR_*`` variables, ``--socket``. A config file that does not load is what a reload would refuse,
@@ -94,7 +95,7 @@ def reload(
                            "read its log")
     if pid is not None and before.pid != pid:
         raise ReloadFailed(f"{endpoint} is served by PID {before.pid}, not PID {pid}: not signalled")
-    seen = before.reload.count if before.reload is not None else 0
+    seen = before.sighups  # ours is a later one: wait for an outcome read after it
     kill(before.pid, signal.SIGHUP)
     deadline = time.monotonic() + timeout_s
     while True:

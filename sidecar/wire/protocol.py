@@ -414,7 +414,7 @@ class ReloadStatus(msgspec.Struct, frozen=True):
     "unchanged" (nothing live changed) or "refused" (``reason``; the running config is kept).
     ``restart_pending``: keys the file changes that only a restart applies."""
 
-    count: int  # SIGHUPs handled since the daemon started, this one included
+    count: int  # SIGHUPs the daemon had received when this reload's read began (this one's included)
     outcome: str
     reason: str = ""
     applied: list[str] = []
@@ -440,6 +440,7 @@ class StatusReply(_Msg, forbid_unknown_fields=False):
     tp_rank: int = 0
     pid: int = 0
     reload: ReloadStatus | None = None
+    sighups: int = 0  # received so far: a reload whose ``count`` reaches past this read the file after now
 
 
 class Error(_Msg):

@@ -5,9 +5,11 @@ import os
 import subprocess
 import sys
 
+import msgspec
 import pytest
 
 from sidecar import cli
+from sidecar.ops import config
 from sidecar.ops.config import Config
 
 
@@ -296,3 +298,151 @@ def test_status_reports_the_latest_reload():
     assert outcomes == [(1, "applied", ["default_timeout_s"], ""), (2, "refused", [], "key x: bad"),
                         (3, "unchanged", [], "")]
     assert daemon.metrics.config_last_reload_ok._value.get() == 1
+
+
+# --------------------------------------------------------------------------- reloading a file being rewritten
+
+
+def _rewrite_in_place(path, chunks: list[str], started, stop=None, pause_s: float = 0.005) -> None:
+    """An editor saving in place: truncate, then write ``chunks`` with a pause between them; again and again
+    until ``stop`` is set (once without one). ``started`` is set once the first chunk is in."""
+    import time
+
+    with open(path, "r+b", buffering=0) as f:
+        while True:
+            f.seek(0)
+            f.truncate()
+            for i, chunk in enumerate(chunks):
+                if i:
+                    time.sleep(pause_s)
+                f.write(chunk.encode())
+                started.set()
+            if stop is None or stop.is_set():
+                return
+
+
+_FORMAT = ('page_format = { kind = "standard", layout = "LBHNC", dtype = "bfloat16", num_heads = 8, '
+           'block_size = 16, head_size = 128 }\n')
+
+
+@pytest.mark.parametrize("over_and_over", [False, True], ids=["once", "over-and-over"])
+def test_a_reload_mid_rewrite_applies_the_whole_file_or_nothing(tmp_path, caplog, over_and_over):
+    """Main: a SIGHUP while an editor or a config tool rewrote the file in place (truncate, then write) read
+    whatever was there: cut at a line it is still TOML, the missing keys took their defaults, and the reload
+    applied them to the running daemon (remotes = []: every pull refused). Now a reload reads the file once
+    it stays unchanged: rewritten once, the whole new file is applied; rewritten over and over, nothing is,
+    and the error names the file."""
+    import logging
+    import threading
+
+    import tomllib
+
+    from sidecar.daemon.app import Daemon
+
+    path = tmp_path / "kv.toml"
+    path.write_text(f'default_timeout_s = 30.0\n[[remotes]]\nmatch = "10.0.0.*:5600"\n{_FORMAT}')
+    running = config.load(str(path), environ={})
+    chunks = ["default_timeout_s = 20.0\n", '[[remotes]]\nmatch = "10.0.1.*:5600"\n', _FORMAT]
+    cuts = [config.build(tomllib.loads("".join(chunks[:i]))) for i in range(len(chunks) + 1)]
+    assert len({msgspec.json.encode(cut) for cut in [running, *cuts]}) == 5  # each cut: a config of its own
+    daemon = Daemon(running, bind=False, reload=lambda: config.load(str(path), environ={}))  # main's serve's
+    started, stop = threading.Event(), threading.Event() if over_and_over else None
+    writer = threading.Thread(target=_rewrite_in_place, args=(path, chunks, started, stop))
+    writer.start()
+    try:
+        assert started.wait(5)
+        with caplog.at_level(logging.INFO, logger="kv_sidecar"):
+            daemon.reload()  # SIGHUP
+    finally:
+        if stop is not None:
+            stop.set()
+        writer.join(5)
+    if over_and_over:
+        assert daemon.config == running, (daemon.config.default_timeout_s, daemon.config.remotes)
+        assert "configuration not reloaded: config file" in caplog.text
+        assert "changed while being read" in caplog.text and "write it atomically" in caplog.text
+    else:
+        assert daemon.config == cuts[-1], (daemon.config.default_timeout_s, daemon.config.remotes)
+
+
+def test_a_reload_of_an_emptied_file_keeps_the_running_config(tmp_path, caplog):
+    import logging
+
+    from sidecar.daemon.app import Daemon
+
+    path = tmp_path / "kv.toml"
+    path.write_text(f'default_timeout_s = 20.0\n[[remotes]]\nmatch = "10.0.0.*:5600"\n{_FORMAT}')
+    running = config.load(str(path), environ={})
+    daemon = Daemon(running, bind=False, reload=lambda: config.load(str(path), environ={}, reloading=True))
+    path.write_text("")
+    with caplog.at_level(logging.INFO, logger="kv_sidecar"):
+        daemon.reload()  # SIGHUP
+    assert daemon.config == running
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "kv.toml has no keys (empty, 0 bytes)" in errors[0], errors
+
+
+def test_a_sighup_reads_the_file_off_the_loop_and_applies_it_on_it(tmp_path):
+    """The read waits SETTLE_S for the file to settle (up to SETTLE_BOUND_S): in a thread, so the loop keeps
+    serving meanwhile. SIGHUPs while it reads make one more read, not one each."""
+    import asyncio
+    import time
+
+    from sidecar.daemon.app import Daemon
+
+    path = tmp_path / "kv.toml"
+    path.write_text("default_timeout_s = 20.0\n")
+    reads = []
+
+    def reload():
+        reads.append(time.monotonic())
+        return config.load(str(path), environ={}, reloading=True)
+
+    daemon = Daemon(Config(), bind=False, reload=reload)
+
+    async def main():
+        ticks, deadline = 0, time.monotonic() + 10
+
+        async def until(done) -> None:
+            nonlocal ticks
+            while not done():
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.001)
+                ticks += 1
+
+        daemon.on_sighup()
+        daemon.on_sighup()  # before the read began: that read covers it
+        await until(lambda: reads)
+        daemon.on_sighup()  # while it reads
+        daemon.on_sighup()
+        await until(lambda: daemon._reloading.done())  # noqa: SLF001
+        assert ticks >= 10, ticks  # the loop ran all along: two reads wait 2 x SETTLE_S
+        assert daemon.config.default_timeout_s == 20.0
+
+    asyncio.run(main())
+    assert len(reads) == 2
+
+
+@pytest.mark.e2e
+def test_serve_refuses_to_reload_an_emptied_file_and_reloads_the_next_one(tmp_path):
+    """Main: `: > kv.toml` (or a rewrite caught between its truncate and its write), then SIGHUP, set every
+    reloadable key of a running daemon back to its default: remotes = [], every pull refused."""
+    import signal
+
+    toml = tmp_path / "kv.toml"
+    toml.write_text('default_timeout_s = 20.0\n[[remotes]]\nmatch = "*:5600"\n' + _FORMAT)
+    proc = cli.spawn_serve(["--config", str(toml), "--socket", f"ipc://{tmp_path}/s/cpu.sock",
+                            "--metrics-port", "-1"], stderr=subprocess.PIPE)
+    try:
+        err = _Lines(proc.proc.stderr)
+        toml.write_text("")
+        proc.signal(signal.SIGHUP)
+        line = err.until("SIGHUP:", timeout_s=10)
+        assert "configuration not reloaded" in line and "kv.toml has no keys (empty, 0 bytes)" in line, line
+        toml.write_text('default_timeout_s = 25.0\n[[remotes]]\nmatch = "*:5600"\n' + _FORMAT)
+        proc.signal(signal.SIGHUP)
+        assert err.until("SIGHUP:", timeout_s=10).rstrip().endswith("SIGHUP: applied default_timeout_s")
+        assert proc.stop() == 0
+    finally:
+        proc.proc.kill()
+        proc.proc.wait()

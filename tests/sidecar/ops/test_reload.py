@@ -17,27 +17,29 @@ from sidecar.wire import protocol as p
 
 
 class FakeDaemon:
-    """Answers Status like the daemon: its reload counter moves ``lag`` asks after a SIGHUP."""
+    """Answers Status like the daemon: a SIGHUP is counted at once, the outcome of the read it starts shows
+    ``lag`` asks later."""
 
     def __init__(self, pid=41, outcome="applied", lag=2, reload=None):
-        self.pid, self.outcome, self.lag = pid, outcome, lag
-        self.reload = reload
+        self.pid, self.outcome, self.lag, self.reload = pid, outcome, lag, reload
+        self.sighups = reload.count if reload else 0
         self.signalled: list[tuple[int, int]] = []
         self.asks = 0
 
     def kill(self, pid, sig):
         self.signalled.append((pid, sig))
+        self.sighups += 1
 
     def ask(self, endpoint, timeout_s):
         self.asks += 1
-        if self.signalled and self.outcome is not None:  # the SIGHUP is handled once, after ``lag`` asks
+        if self.signalled and self.outcome is not None:
             if self.lag > 0:
                 self.lag -= 1
             else:
-                count = (self.reload.count if self.reload else 0) + 1
-                self.reload = p.ReloadStatus(count=count, outcome=self.outcome)
+                self.reload = p.ReloadStatus(count=self.sighups, outcome=self.outcome)
                 self.outcome = None
-        return p.StatusReply(nonce=0, registered=False, pid=self.pid, reload=self.reload)
+        return p.StatusReply(nonce=0, registered=False, pid=self.pid, reload=self.reload,
+                             sighups=self.sighups)
 
 
 def run_fake(fake, pid=None, timeout_s=5.0):
@@ -52,6 +54,19 @@ def test_waits_for_the_daemons_next_reload(outcome):
     assert fake.signalled == [(41, signal.SIGHUP)]
     assert (got.count, got.outcome) == (4, outcome)  # not the earlier refusal still on record
     assert fake.asks == 4  # before, two asks while it lags, the one that sees it
+
+
+def test_a_read_begun_before_our_sighup_is_not_its_outcome():
+    """With a reload in flight (its SIGHUP 4, read before the file was edited), ours is the 5th: the 4th's
+    outcome, which ends after our signal, does not answer for the edit."""
+    fake = FakeDaemon()
+    replies = iter([
+        p.StatusReply(nonce=0, registered=False, pid=41, sighups=4, reload=p.ReloadStatus(3, "applied")),
+        p.StatusReply(nonce=0, registered=False, pid=41, sighups=5, reload=p.ReloadStatus(4, "refused")),
+        p.StatusReply(nonce=0, registered=False, pid=41, sighups=5, reload=p.ReloadStatus(5, "applied")),
+    ])
+    got = rl.reload("ipc:///x", None, 5.0, kill=fake.kill, ask=lambda e, t: next(replies))
+    assert (got.count, got.outcome) == (5, "applied")
 
 
 def test_a_pid_other_than_the_sockets_is_not_signalled():
