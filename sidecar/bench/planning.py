@@ -2,7 +2,7 @@
 the loop's pairs.
 
 The daemon pairs a request's block ids once on its event loop (``PairGeometry.blocks``); the poster thread
-then builds the descriptors (``NixlTransfer.table``) from those pairs instead of pairing the ids again, and
+then builds the descriptors (``NixlReads.table``) from those pairs instead of pairing the ids again, and
 holds the GIL for that while the loop waits. This times both paths of the same geometry (a CPU twin's, no
 NIXL agent) per request, interleaved call by call so load on the host hits both alike, and checks that they
 give the same descriptors. ``--orders`` picks the request's ids: ``contiguous`` (a fresh engine) or
@@ -29,13 +29,13 @@ from typing import Any
 import numpy as np
 
 from sidecar.bench.block_orders import churned
-from sidecar.nixl.agent import NixlTransfer
 from sidecar.nixl.geometry import (
     LocalRegions,
     PairGeometry,
     RemoteRegions,
     StagingPool,
 )
+from sidecar.nixl.reads import NixlReads
 from sidecar.nixl.runs import Descs
 from sidecar.nixl.spans import SpanSlots, plan_span
 from sidecar.wire.formats import AITER_SHUFFLED, STANDARD, PageFormat, negotiate
@@ -117,7 +117,7 @@ def measure(args: argparse.Namespace, order: str) -> dict[str, Any]:
 
     def table(geo: PairGeometry, mode: str, with_pairs: bool) -> Callable[[], Any]:
         kw = {"pairs": pairs} if with_pairs else {}
-        return lambda: NixlTransfer.table(geo, mode, lids, rids, tokens, pool, slots, **kw)
+        return lambda: NixlReads.table(geo, mode, lids, rids, tokens, pool, slots, **kw)
 
     calls = {
         "loop_pairing": lambda: direct.blocks(lids, rids, tokens),

@@ -157,7 +157,7 @@ class Daemon:
         self.port = port = await asyncio.to_thread(self._make_port, cfg)
         if cfg.gpu is not None:
             # NIXL is driven from this (the loop's) thread: give it the device's context as well.
-            from sidecar.nixl.agent import init_cuda_context
+            from sidecar.nixl.calls import init_cuda_context
 
             init_cuda_context(cfg.gpu)
         self.health.agent_up = True

@@ -1,6 +1,6 @@
 """``PeerBook``: which prefill peers the agent has loaded, and which is current for each (engine id, rank).
 
-Pure bookkeeping, no NIXL: ``NixlTransfer`` makes the NIXL calls around it. The rules:
+Pure bookkeeping, no NIXL: ``RemotePeers`` makes the NIXL calls around it. The rules:
 
 - A peer admitted again with the same generation and agent metadata (a reload's new rules) becomes current,
   and the one it replaces stays loaded and readable until the daemon removes it (once no pull reads through

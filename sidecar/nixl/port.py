@@ -13,10 +13,12 @@ import numpy as np
 from sidecar.daemon.port import Admission, PeerTarget, ReadMode, Runner
 from sidecar.nixl import tp
 from sidecar.nixl.admission import admit_remote, resolve_remote_format
-from sidecar.nixl.agent import NixlTransfer, Peer, ReadOp, TransferSettings
+from sidecar.nixl.agent import NixlTransfer, TransferSettings
 from sidecar.nixl.errors import MappingUnavailable, RemoteRefused, TransferError
 from sidecar.nixl.geometry import BlockPairs, LocalRegions, StagingPool, regions_per_layer
 from sidecar.nixl.mapping import MappedPages, map_pages, mapping_layout
+from sidecar.nixl.reads import ReadOp
+from sidecar.nixl.remote_peers import Peer
 from sidecar.wire import prefill as vllm_wire
 
 log = logging.getLogger("kv_sidecar.nixl")

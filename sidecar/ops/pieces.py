@@ -78,8 +78,8 @@ PIECES = {
     "transfer.wait": "sidecar.daemon.reads:Reads.wait",
     # on the poster thread: the post, its descriptors, NIXL's make and transfer()
     "post": "sidecar.daemon.reads:Reads._post_now",
-    "post.table": "sidecar.nixl.agent:NixlTransfer.table",
-    "post.nixl": "sidecar.nixl.agent:NixlTransfer._post",
+    "post.table": "sidecar.nixl.reads:NixlReads.table",
+    "post.nixl": "sidecar.nixl.reads:NixlReads._post",
 }
 
 

@@ -63,7 +63,8 @@ def _nixl_read(t: Any, device: str) -> tuple[str, str]:
     import torch
     from nixl._api import nixl_agent, nixl_agent_config
 
-    from sidecar.nixl.agent import NixlTransfer, TransferSettings, init_cuda_context
+    from sidecar.nixl.agent import NixlTransfer, TransferSettings
+    from sidecar.nixl.calls import init_cuda_context
 
     gpu = None if device == "cpu" else int(device.split(":")[1])
     mem, dev = ("DRAM", 0) if gpu is None else ("VRAM", gpu)

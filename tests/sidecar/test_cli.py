@@ -218,18 +218,18 @@ def test_log_level_reaches_the_nixl_agents_lines(capsys, logging_as_it_was):
     """Main: the agent logged as ``sidecar.nixl.agent``, outside ``kv_sidecar`` whose level log_level (and
     SIGHUP) sets: at DEBUG its INFO lines never showed, at ERROR its warnings still did."""
     from sidecar.daemon.app import Daemon
-    from sidecar.nixl import agent
+    from sidecar.nixl import reads
 
     cli.setup_logging("DEBUG", False)
-    agent.log.info("agent info line")
+    reads.log.info("agent info line")
     assert "agent info line" in capsys.readouterr().err
     cli.setup_logging("ERROR", False)
-    agent.log.warning("agent warning line")
+    reads.log.warning("agent warning line")
     assert "agent warning line" not in capsys.readouterr().err
     cli.setup_logging("INFO", False)
     daemon = Daemon(Config(), reload=lambda: Config(log_level="ERROR"), bind=False)
     daemon.reload()  # SIGHUP
-    agent.log.warning("agent warning after reload")
+    reads.log.warning("agent warning after reload")
     assert "agent warning after reload" not in capsys.readouterr().err
 
 

@@ -27,6 +27,7 @@ from sidecar.nixl.errors import (
     map_nixl_error,
 )
 from sidecar.nixl.geometry import BlockPairs, LocalRegions, StagingPool, contiguous_slots
+from sidecar.nixl.reads import NixlReads
 from sidecar.standins.emulator_control import spawn_emulator
 from sidecar.standins.emulator_pages import expected_pages
 from sidecar.wire import prefill as wire
@@ -1026,7 +1027,7 @@ def test_a_post_failing_midway_with_any_error_keeps_what_it_posted(emu, tx, plan
     reply, params = new_request(emu, 4)
     planes.reset()
     calls = []
-    real = NixlTransfer._index_bytes
+    real = NixlReads._index_bytes
 
     def second_fails(geo, count):
         calls.append(count)
@@ -1034,7 +1035,7 @@ def test_a_post_failing_midway_with_any_error_keeps_what_it_posted(emu, tx, plan
             raise MemoryError("the second layer group's descriptors")
         return real(geo, count)
 
-    monkeypatch.setattr(NixlTransfer, "_index_bytes", staticmethod(second_fails))
+    monkeypatch.setattr(NixlReads, "_index_bytes", staticmethod(second_fails))
     with pytest.raises(MemoryError) as raised:
         tx.pull(peer, planes.dest, "direct", [0, 1, 2, 3], params.remote_block_ids[0],
                 params.remote_request_id, layer_groups=2)

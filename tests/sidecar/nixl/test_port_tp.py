@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from sidecar.daemon.port import PeerSet
-from sidecar.nixl.agent import ReadOp
 from sidecar.nixl.errors import RemoteDisconnected, TransferFailed
 from sidecar.nixl.port import NixlPort, ReadGroup
+from sidecar.nixl.reads import ReadOp
 
 
 @dataclass(eq=False)
@@ -26,7 +26,7 @@ class StubPeer:
 
 @dataclass
 class StubAgent:
-    """Posts reads as ReadOps; ``fail_on`` ranks fail while posting (notified, as NixlTransfer._fail does)."""
+    """Posts reads as ReadOps; ``fail_on`` ranks fail while posting (notified, as NixlReads._fail does)."""
 
     fail_on: set[int] = field(default_factory=set)
     sent: list[tuple[str, str, int]] = field(default_factory=list)  # (agent, request id, n)
