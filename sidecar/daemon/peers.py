@@ -102,13 +102,17 @@ class Peers:
         self._sent = sent  # something went out on NIXL: keep it moving (see Reads.progress_loop)
         self._entries: dict[Key, PeerEntry] = {}
         self._retiring: set[PeerEntry] = set()  # replaced entries whose peer goes once no pull holds it
-        self._refusals: dict[Key, PeerEntry] = {}  # the last handshake per rank, when the rules refused it
+        # per rank, what its last handshake was for when the rules refused it: the target alone, not the
+        # entry (its task's exception holds the handshake's frame, and with it the caches it was admitted
+        # against); forgotten at ``invalidate``, when they no longer say what the rules in force do
+        self._refusals: dict[Key, PeerTarget] = {}
         self._generation = 0  # bumped when what peers were admitted under changes
         self._telling: set[asyncio.Task] = set()  # notifications waiting for their handshake (``told``)
 
     def invalidate(self) -> None:
         """Re-admit every cached prefill once idle (new caches, or a reload changed the rules)."""
         self._generation += 1
+        self._refusals.clear()
 
     def admitted(self, key: Key) -> Any:
         """The admitted peer for ``key``, or None."""
@@ -135,11 +139,9 @@ class Peers:
     def refused(self, target: PeerTarget) -> bool:
         """Whether the rules in force refused the last handshake with ``target`` (the same rank, address and
         TP): asked again, it would be refused again until a reload or new caches (``invalidate``)."""
-        entry = self._refusals.get((target.engine_id, target.tp_rank))
-        return (
-            entry is not None
-            and entry.config_gen == self._generation
-            and entry.target == msgspec.structs.replace(target, generation=entry.target.generation)
+        refused = self._refusals.get((target.engine_id, target.tp_rank))
+        return refused is not None and refused == msgspec.structs.replace(
+            target, generation=refused.generation
         )
 
     def acquire(self, target: PeerTarget, caches: Any) -> tuple[PeerEntry, asyncio.Task]:
@@ -218,8 +220,10 @@ class Peers:
             # with no peer, and the shim's heartbeats for it would neither go out nor start a handshake
             if (t.cancelled() or t.exception() is not None) and self._entries.get(key) is entry:
                 del self._entries[key]
-                if not t.cancelled() and isinstance(t.exception(), Inadmissible):
-                    self._refusals[key] = entry
+                if not t.cancelled() and isinstance(t.exception(), Inadmissible) and (
+                    entry.config_gen == self._generation
+                ):
+                    self._refusals[key] = target
 
         task.add_done_callback(forget_failure)
         return entry

@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 import msgspec
@@ -1866,6 +1868,32 @@ def test_heartbeats_do_not_handshake_again_with_a_prefill_the_reloaded_rules_ref
                 h.send(beat)
                 await asyncio.sleep(0.05)
             assert h.port.connects == connects + 1 and ["r-w"] in h.port.heartbeats
+
+    run(main())
+
+
+def test_a_remembered_refusal_holds_neither_the_released_caches_nor_an_old_rule_generation():
+    """The refusal memory kept the refused handshake's task: its exception's traceback holds the handshake's
+    frame, and with it the caches it was admitted against. Released (Unregister, or replaced by a
+    re-registration), those caches stayed referenced, their mappings with them, for as long as the rank was
+    not handshaken again: a prefill refused once and gone since kept them for the daemon's lifetime. An
+    invalidated refusal is never asked again either: it is forgotten, not kept."""
+    beat = p.Heartbeat(targets=[p.HeartbeatTarget(
+        remote_engine_id="prefill-0", remote_host="127.0.0.1", remote_port=5600, remote_request_ids=["r-w"])])
+
+    async def main():
+        async with started() as h:
+            h.port.refuse_handshake = "compatibility_hash"
+            h.send(beat)
+            await asyncio.sleep(0.05)
+            assert h.port.connects == 1 and h.daemon.peers.refused(h.port.targets[-1])
+            caches = weakref.ref(h.daemon.caches.current)
+            h.sent.clear()
+            h.send(h.register_message())  # the decoder restarted: its new caches replace the old ones
+            assert isinstance(await h.reply(p.Registered), p.Registered)
+            gc.collect()
+            assert caches() is None, [type(r).__name__ for r in gc.get_referrers(caches())]
+            assert not h.daemon.peers._refusals  # noqa: SLF001 - forgotten with the rules they held under
 
     run(main())
 
