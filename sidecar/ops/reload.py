@@ -96,7 +96,10 @@ def reload(
     if pid is not None and before.pid != pid:
         raise ReloadFailed(f"{endpoint} is served by PID {before.pid}, not PID {pid}: not signalled")
     seen = before.sighups  # ours is a later one: wait for an outcome read after it
-    kill(before.pid, signal.SIGHUP)
+    try:
+        kill(before.pid, signal.SIGHUP)
+    except OSError as exc:  # EPERM: another user (socket_group reaches the socket); ESRCH: it just exited
+        raise ReloadFailed(f"cannot signal PID {before.pid}: {exc.strerror}") from None
     deadline = time.monotonic() + timeout_s
     while True:
         now = ask(endpoint, max(0.1, deadline - time.monotonic()))

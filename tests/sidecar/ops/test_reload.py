@@ -76,6 +76,21 @@ def test_a_pid_other_than_the_sockets_is_not_signalled():
     assert fake.signalled == []
 
 
+@pytest.mark.parametrize("error", [PermissionError(1, "Operation not permitted"),
+                                   ProcessLookupError(3, "No such process")])
+def test_a_signal_that_cannot_be_sent_is_exit_2_not_a_traceback(error):
+    """socket_group lets another user reach the socket, but not signal the daemon (EPERM); or the daemon
+    exited between its Status and the signal (ESRCH). The OSError escaped as a traceback with exit 1, which
+    this command's contract keeps for "the daemon refused the file"."""
+
+    def kill(pid, sig):
+        raise error
+
+    fake = FakeDaemon(pid=41)
+    with pytest.raises(rl.ReloadFailed, match=f"cannot signal PID 41: {error.strerror}"):
+        rl.reload("ipc:///x", None, 1.0, kill=kill, ask=fake.ask)
+
+
 def test_an_older_daemon_without_reloads_is_not_signalled():
     fake = FakeDaemon(pid=0)
     with pytest.raises(rl.ReloadFailed, match="does not report reloads"):
