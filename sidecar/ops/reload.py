@@ -108,9 +108,13 @@ def reload(
                                "reported the reload")
         if now.reload is not None and now.reload.count > seen:
             return now.reload
-        if time.monotonic() >= deadline:
-            raise ReloadFailed(f"PID {before.pid} got SIGHUP but reported no reload within {timeout_s:g} s "
-                               "(its loop is busy or stuck; see its log)")
+        if time.monotonic() >= deadline:  # its loop answers Status: neither stuck nor too busy for a SIGHUP
+            if now.sighups <= seen:
+                raise ReloadFailed(f"PID {before.pid} did not take the SIGHUP within {timeout_s:g} s: it is "
+                                   "shutting down (SIGHUP is ignored then)")
+            raise ReloadFailed(f"PID {before.pid} took the SIGHUP but reported no outcome within "
+                               f"{timeout_s:g} s: its read of the config file has not returned, or it is "
+                               "shutting down (see its log)")
         time.sleep(POLL_S)
 
 

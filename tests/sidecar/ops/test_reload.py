@@ -100,8 +100,19 @@ def test_an_older_daemon_without_reloads_is_not_signalled():
 
 def test_no_outcome_in_time_is_a_failure_not_a_hang():
     fake = FakeDaemon(lag=10**9)
-    with pytest.raises(rl.ReloadFailed, match="reported no reload within 0.1 s"):
+    with pytest.raises(rl.ReloadFailed, match="took the SIGHUP but reported no outcome within 0.1 s"):
         run_fake(fake, timeout_s=0.1)
+
+
+def test_a_daemon_shutting_down_is_not_called_busy_or_stuck():
+    """A daemon draining its pulls after SIGTERM still answers Status, but ignores SIGHUP: the command said
+    "its loop is busy or stuck" of a loop that had just answered it. The SIGHUP count says which it is."""
+    fake = FakeDaemon(lag=10**9)
+    fake.kill = lambda pid, sig: fake.signalled.append((pid, sig))  # SIG_IGN: not counted
+    with pytest.raises(rl.ReloadFailed) as failed:
+        run_fake(fake, timeout_s=0.1)
+    assert "did not take the SIGHUP within 0.1 s: it is shutting down" in str(failed.value)
+    assert "stuck" not in str(failed.value)
 
 
 def test_a_restarted_daemon_is_not_taken_for_the_reload():
