@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import time
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, NamedTuple
@@ -660,10 +661,16 @@ def _stamp(path: str) -> FileStamp:
 def read_settled(path: str) -> bytes:
     """The bytes of ``path`` once a read of them is settled (``settle_verdict``): read, then wait SETTLE_S to
     see the file unchanged; read again while it changes, for up to SETTLE_BOUND_S. Blocks for SETTLE_S at
-    least: not on the event loop (the daemon's SIGHUP reads in a thread)."""
+    least: not on the event loop (the daemon's SIGHUP reads in a thread). A path that is not a regular file
+    (a FIFO, ``<(...)``, a device) is read once, to its end: a pipe reopened would be drained, or wait for a
+    writer that is gone, and its stamps change with each write it carries."""
     deadline = time.monotonic() + SETTLE_BOUND_S
     while True:
-        before = _stamp(path)
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            with open(path, "rb") as f:
+                return f.read()
+        before = FileStamp.of(st)
         with open(path, "rb") as f:
             data = f.read()
         after = _stamp(path)

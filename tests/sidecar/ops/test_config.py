@@ -219,3 +219,37 @@ def test_a_reload_refuses_a_file_without_keys_a_start_takes_it(tmp_path, text):
     with pytest.raises(c.ConfigError, match=r"config file .*kv\.toml has no keys \((empty|only comments), "):
         c.load(str(path), environ={}, reloading=True)
     assert c.load(str(path), environ={}) == c.build({})
+
+
+
+def test_a_config_from_a_pipe_is_read_once_as_it_comes(tmp_path):
+    """``serve --config FIFO`` (or ``<(render-config)``, an anonymous pipe, whose stamps kernels before 6.8
+    update on each write too): the writes during the read changed its stamps, so the settle read opened it
+    again, and the start-up hung in that open (a named FIFO, its writer gone) or read it drained and empty (an
+    anonymous one: every key at its default, no error). A pipe cannot be rewritten in place nor read twice:
+    it is read once, to its end."""
+    import os
+    import threading
+    import time
+
+    fifo = tmp_path / "kv.toml"
+    os.mkfifo(fifo)
+
+    def render() -> None:
+        with open(fifo, "wb", buffering=0) as f:
+            f.write(b"default_timeout_s = 20.0\n")
+            time.sleep(0.1)  # while the daemon's read waits for the rest
+            f.write(b'log_level = "DEBUG"\n')
+
+    got: list = []
+    writer = threading.Thread(target=render)
+    reader = threading.Thread(target=lambda: got.append(c.load(str(fifo), environ={})), daemon=True)
+    writer.start()
+    reader.start()
+    writer.join(5)
+    reader.join(5)
+    if reader.is_alive():  # blocked opening the FIFO again: a writer that closes at once lets it go
+        with open(fifo, "wb"):
+            pass
+    assert not reader.is_alive(), "the read of the FIFO hung"
+    assert (got[0].default_timeout_s, got[0].log_level) == (20.0, "DEBUG")
