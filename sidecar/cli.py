@@ -202,6 +202,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:  # a flag's bad value is a configuration error like any other: one line, exit 2
         overrides = config_overrides(args)
         cfg = config_mod.load(args.config, overrides=overrides)
+        # A reload refuses a file without keys (a rewrite caught mid-way), unless the daemon started from one:
+        # an operator who sets everything through KV_SIDECAR_* variables keeps an empty file, and reloads it.
+        path = args.config or os.environ.get("KV_SIDECAR_CONFIG")
+        keyless_start = bool(path) and not config_mod.file_values(path)
     except config_mod.ConfigError as exc:
         raise CliError(f"configuration: {exc}") from None
     setup_logging(cfg.log_level, cfg.log_json)
@@ -219,7 +223,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pieces.install(cfg.loop_pieces, slow_s=cfg.loop_pieces_slow_us / 1e6)
 
     def reload() -> Any:  # the daemon calls it in a thread: it waits for the file to settle
-        return config_mod.load(args.config, overrides=overrides, reloading=True)
+        return config_mod.load(args.config, overrides=overrides, reloading=not keyless_start)
 
     def announce(daemon: app.Daemon) -> None:
         port = daemon.metrics_server.port if daemon.metrics_server is not None else None

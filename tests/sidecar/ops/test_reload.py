@@ -215,3 +215,16 @@ def test_reload_reports_what_a_real_daemon_did(tmp_path):
         done = _reload("--socket", sock, "--pid", "1")
         assert done.returncode == 2 and f"served by PID {d.proc.pid}, not PID 1" in done.stderr
         assert d.proc.poll() is None
+
+
+@pytest.mark.e2e
+def test_a_daemon_started_from_an_empty_file_reloads_it(tmp_path):
+    """Settings all in KV_SIDECAR_* variables and an empty TOML file (the unit always names one): every
+    `systemctl reload` was refused as "no keys" and the alert fired, though nothing would change."""
+    cfg = tmp_path / "kv.toml"
+    cfg.write_text("# everything is in /etc/kv-sidecar/kv-sidecar.env\n")
+    sock = f"ipc://{tmp_path}/s/cpu.sock"
+    with cli.spawn_serve(["--config", str(cfg), "--socket", sock, "--metrics-port", "0"],
+                         stderr=subprocess.DEVNULL):
+        done = _reload("--config", str(cfg), "--socket", sock)
+        assert (done.returncode, done.stdout) == (0, "reload: nothing to apply (no live key changed)\n"), done
