@@ -14,7 +14,7 @@ backend whose plugin it lacks with only a warning, so a missing one is refused a
 - ``local_memory.LocalMemory``: registrations, the destinations read into, staging pools;
 - ``remote_peers.RemotePeers``: the prefill ranks loaded (their remote agents), geometries, prepared lists;
 - ``reads.NixlReads``: a request's READs posted, polled, released and aborted (``ReadOp``);
-- ``notifications.Notifier``: completion notifications and heartbeats.
+- ``notifications.Notifier``: completion notifications, heartbeats and progress (without its thread).
 
 ``NixlTransfer``'s other methods hand each call to the part that owns it, so its callers (``NixlPort``, the
 benches, ``doctor``) hold one agent.
@@ -222,3 +222,6 @@ class NixlTransfer:
 
     def heartbeat(self, peer: Peer, remote_request_ids: Sequence[str]) -> None:
         self.notifier.heartbeat(peer, remote_request_ids)
+
+    def progress(self) -> None:
+        self.notifier.progress()

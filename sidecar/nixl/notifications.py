@@ -50,3 +50,8 @@ class Notifier:
             return
         msg = _encode(vllm_wire.encode_heartbeat, list(remote_request_ids))
         nixl_call("send_notif", self.agent.send_notif, peer.agent_name, msg)
+
+    def progress(self) -> None:
+        """Let NIXL move what is queued when no progress thread does: a call in that takes the notifications
+        received (a decoder is sent none it needs). TransferError if NIXL fails."""
+        nixl_call("get_new_notifs", self.agent.get_new_notifs)
