@@ -158,6 +158,9 @@ class NixlTransfer:
     def load_agent(self, agent_metadata: bytes) -> str:
         return self.remote_peers.load_agent(agent_metadata)
 
+    def remove_agent(self, agent_name: str) -> None:
+        self.remote_peers.remove_agent(agent_name)
+
     def geometry(
         self, peer: Peer, dest: Destination, mode: Mode, pool: StagingPool | None = None
     ) -> PairGeometry:

@@ -187,10 +187,13 @@ class NixlPort:
         self, target: PeerTarget, metadata: bytes, plan: Any, regions: Any, source: Any, count: int
     ) -> Peer:
         """``connect``'s transport calls: the admitted prefill's agent loaded (a notify-only load of it let
-        go first)."""
+        go first, unless a peer still reads through it; best effort, as the peer loads it again anyway)."""
         stale = self._notify_only.pop(metadata, None)
         if stale is not None:  # refused before, admitted now (a reload): load it as a full peer
-            self.agent.agent.remove_remote_agent(stale.agent_name)
+            try:
+                self.agent.remove_agent(stale.agent_name)
+            except TransferError as exc:
+                log.warning("letting the notify-only agent %s go: %s", stale.agent_name, exc)
         return self.agent.add_peer(
             engine_id=target.engine_id,
             tp_rank=target.tp_rank,

@@ -147,9 +147,18 @@ class RemotePeers:
             log.warning("removing agent %s: %s", peer.agent_name, exc)
 
     def load_agent(self, agent_metadata: bytes) -> str:
-        """Load a remote agent only to notify it (its prefill was refused, its metadata decoded fine)."""
+        """Load a remote agent only to notify it (its prefill was refused, its metadata decoded fine). NIXL
+        loads metadata it has loaded already again, under the same name: a peer may share the agent."""
         name = nixl_call("add_remote_agent", self.agent.add_remote_agent, agent_metadata)
         return name.decode() if isinstance(name, bytes) else str(name)
+
+    @locked
+    def remove_agent(self, name: str) -> None:
+        """Let a remote agent loaded only to notify (``load_agent``) go, unless a peer reads through it: NIXL
+        does not count loads, and removing it would unload it under that peer. TransferError if NIXL fails."""
+        if self._book.agent_in_use(name):
+            return
+        nixl_call("remove_remote_agent", self.agent.remove_remote_agent, name)
 
     def geometry(
         self, peer: Peer, dest: Destination, mode: Mode, pool: StagingPool | None = None

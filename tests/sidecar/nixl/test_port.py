@@ -4,8 +4,11 @@ NIXL itself does with remote agents is tested on real NIXL in test_remote_agents
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
+from sidecar.daemon.port import PeerTarget
 from sidecar.nixl import agent as agent_mod
 from sidecar.nixl.agent import TransferSettings
 from sidecar.nixl.errors import TransferFailed
@@ -49,6 +52,9 @@ def port_on(monkeypatch: pytest.MonkeyPatch, nixl: StubNixl) -> NixlPort:
     return NixlPort(TransferSettings())
 
 
+TARGET = PeerTarget("engine-a", 0, "127.0.0.1", 5600, generation=1)
+
+
 def test_progress_failing_in_nixl_is_a_typed_error(monkeypatch):
     """The daemon's progress loop logs what ``progress`` raises and goes on: a TransferError, like every other
     failure of the port, not NIXL's own exception class."""
@@ -56,3 +62,19 @@ def test_progress_failing_in_nixl_is_a_typed_error(monkeypatch):
     with pytest.raises(TransferFailed) as e:
         port.progress()
     assert "get_new_notifs" in str(e.value)
+
+
+def test_a_notify_only_agent_that_cannot_be_removed_does_not_fail_the_admission(monkeypatch, caplog):
+    """A prefill refused (loaded only to be notified) is admitted after a reload: letting the notify-only load
+    go is best effort, as NIXL loads the agent again for the peer anyway. Its failure is logged, and the
+    connect goes on."""
+    nixl = StubNixl()
+    port = port_on(monkeypatch, nixl)
+    told = port._notify_only_peer(TARGET, b"prefill-agent")
+    assert told is not None and nixl.loaded == {"prefill-agent"}
+    nixl.fail.add("remove_remote_agent")
+    with caplog.at_level(logging.WARNING, "kv_sidecar.nixl"):
+        peer = port._load(TARGET, b"prefill-agent", None, None, None, 1)
+    assert peer.agent_name == "prefill-agent" and port.agent.peer("engine-a", 0) is peer
+    assert nixl.loaded == {"prefill-agent"}
+    assert "remove_remote_agent failed" in caplog.text

@@ -1,0 +1,68 @@
+"""Remote agents loaded and let go, on real NIXL (UCX on host memory) against the prefill emulator. NIXL
+loads one remote agent per name and does not count the loads: loading the same metadata again returns the
+same name, and one removal unloads it for every peer and notify-only load that shares it. Each test makes its
+own agent, so no peer another test left loaded shares the emulator's agent."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from sidecar.daemon.port import Admission, PeerTarget
+from sidecar.nixl.errors import RemoteRefused
+from sidecar.nixl.port import NixlPort
+from tests.sidecar.nixl.test_agent import (
+    LAYERS,
+    SETTINGS,
+    SHUF,
+    ShmPlanes,
+    _spawn,
+    _stop,
+    check_planes,
+    local_factors,
+    new_request,
+)
+
+
+@pytest.fixture(scope="module")
+def emu():
+    e = _spawn("--num-blocks", "64")
+    yield e
+    _stop(e)
+
+
+def _target(e) -> PeerTarget:
+    ready = e.ready
+    return PeerTarget(ready.engine_id, 0, ready.side_channel_host, ready.side_channel_port, generation=1)
+
+
+def test_a_prefill_admitted_again_after_a_refusal_reads_through_the_agent_its_peer_shares(emu):
+    """A pull holds the prefill's admission; a reload's rules refuse it (loaded again, only to be notified:
+    the same NIXL agent), and the next reload admits it again. Letting the notify-only load go must not unload
+    the agent the held peer, and the new one sharing it, read through: before, the new peer's first pull
+    failed (``prep remote dlist: not found``)."""
+    port = NixlPort(SETTINGS)
+    planes = ShmPlanes()
+    try:
+        reg = port.register([(planes.base, planes.arr.nbytes, 0)], "DRAM")
+        dest = port.destination(reg, planes.planes())
+        admit = Admission(local_format=SHUF, layers=LAYERS, compat_factors=local_factors(emu),
+                          rules=SETTINGS.remote_formats)
+        held = asyncio.run(port.connect(_target(emu), admit))  # a pull reads through it
+        with pytest.raises(RemoteRefused) as refused:
+            asyncio.run(port.connect(_target(emu), msgspec.structs.replace(admit, conversion_enabled=False)))
+        assert refused.value.peer.agent_name == held.agent_name  # NIXL loaded the same agent again
+        again = asyncio.run(port.connect(_target(emu), admit))
+        assert again is not held and again.agent_name == held.agent_name
+        reply, params = new_request(emu, 4)
+        rid = params.remote_request_id
+        port.agent.wait(port.agent.pull(again, dest, "direct", [0, 1, 2, 3], params.remote_block_ids[0], rid))
+        check_planes(planes.arr, reply, [0, 1, 2, 3])
+        port.remove_peer(held)
+        port.remove_peer(again)
+        port.deregister(reg)
+    finally:
+        port.close()
+        planes.close()
