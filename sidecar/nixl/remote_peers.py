@@ -57,6 +57,9 @@ class RemotePeers:
         self.agent = agent  # the serialized NIXL agent
         self.lock = lock
         self._book = PeerBook()  # the loaded peers, and the current one of each (engine id, rank)
+        # remote agents loaded only to notify (``load_agent``), until ``remove_agent``: NIXL does not count
+        # loads, so a peer let go must not remove one of these under them
+        self._notify_only: set[str] = set()
 
     def peer(self, engine_id: str, tp_rank: int) -> Peer | None:
         return self._book.current((engine_id, tp_rank))
@@ -139,23 +142,28 @@ class RemotePeers:
                 log.warning("releasing a dlist of %s: %s", peer.agent_name, exc)
         peer.remote_handles.clear()
         peer.geometries.clear()
-        if self._book.agent_in_use(peer.agent_name):
-            return  # a peer that replaced it reads through the same agent
+        if self._book.agent_in_use(peer.agent_name) or peer.agent_name in self._notify_only:
+            return  # a peer that replaced it reads through the same agent, or a notify-only load notifies it
         try:
             self.agent.remove_remote_agent(peer.agent_name)
         except Exception as exc:  # noqa: BLE001
             log.warning("removing agent %s: %s", peer.agent_name, exc)
 
+    @locked
     def load_agent(self, agent_metadata: bytes) -> str:
-        """Load a remote agent only to notify it (its prefill was refused, its metadata decoded fine). NIXL
-        loads metadata it has loaded already again, under the same name: a peer may share the agent."""
+        """Load a remote agent only to notify it (its prefill was refused, its metadata decoded fine), until
+        ``remove_agent``. NIXL loads metadata it has loaded already again, under the same name: a peer may
+        share the agent."""
         name = nixl_call("add_remote_agent", self.agent.add_remote_agent, agent_metadata)
-        return name.decode() if isinstance(name, bytes) else str(name)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        self._notify_only.add(name)
+        return name
 
     @locked
     def remove_agent(self, name: str) -> None:
         """Let a remote agent loaded only to notify (``load_agent``) go, unless a peer reads through it: NIXL
         does not count loads, and removing it would unload it under that peer. TransferError if NIXL fails."""
+        self._notify_only.discard(name)
         if self._book.agent_in_use(name):
             return
         nixl_call("remove_remote_agent", self.agent.remove_remote_agent, name)

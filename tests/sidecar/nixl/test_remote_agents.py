@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from sidecar.daemon.port import Admission, PeerTarget
+from sidecar.nixl.agent import NixlTransfer
 from sidecar.nixl.errors import RemoteRefused
 from sidecar.nixl.port import NixlPort
 from tests.sidecar.nixl.test_agent import (
@@ -21,6 +22,7 @@ from tests.sidecar.nixl.test_agent import (
     _spawn,
     _stop,
     check_planes,
+    connect,
     local_factors,
     new_request,
 )
@@ -31,6 +33,13 @@ def emu():
     e = _spawn("--num-blocks", "64")
     yield e
     _stop(e)
+
+
+@pytest.fixture
+def fresh():
+    t = NixlTransfer(SETTINGS)
+    yield t
+    t.close()
 
 
 def _target(e) -> PeerTarget:
@@ -66,3 +75,20 @@ def test_a_prefill_admitted_again_after_a_refusal_reads_through_the_agent_its_pe
     finally:
         port.close()
         planes.close()
+
+
+def test_a_peer_let_go_leaves_a_notify_only_load_of_its_agent_loaded(emu, fresh):
+    """A pull held the prefill's admission when a reload's rules refused it (loaded again to be notified: the
+    same NIXL agent). When that pull lets go, removing its peer must leave the agent loaded for the
+    notifications: before, each refused request's notification failed (``send_notif: not found``) and the
+    prefill held its blocks until their lease ended."""
+    held = connect(fresh, emu)
+    name = fresh.load_agent(held.agent_metadata)
+    assert name == held.agent_name
+    fresh.remove_peer(held)
+    _, params = new_request(emu, 2)
+    rid = params.remote_request_id
+    fresh.notify_agent(name, rid)
+    assert emu.client.wait_state(rid, "freed_by_notif", 10).notif_counts == [1]
+    fresh.remove_agent(name)  # the notify-only load let go: now NIXL unloads it
+    assert not fresh.agent.check_remote_metadata(name)
