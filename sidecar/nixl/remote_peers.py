@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sidecar.nixl.calls import locked, nixl_call
-from sidecar.nixl.errors import RemoteRefused
+from sidecar.nixl.errors import RemoteRefused, TransferError
 from sidecar.nixl.geometry import GeometryError, Mode, PairGeometry, RemoteRegions, StagingPool
 from sidecar.nixl.peer_book import PeerBook
 from sidecar.wire.formats import Plan
@@ -100,7 +100,12 @@ class RemotePeers:
                 raise RemoteRefused(
                     f"agent name {name!r} is already loaded for another engine", "agent_metadata"
                 )
-            nixl_call("make_connection", self.agent.make_connection, name)
+            try:
+                nixl_call("make_connection", self.agent.make_connection, name)
+            except TransferError:
+                if name not in self._notify_only:  # loaded just now, and no peer records it: let it go
+                    self._remove_agent(name)
+                raise
         peer = Peer(
             engine_id=engine_id,
             tp_rank=tp_rank,
@@ -144,10 +149,14 @@ class RemotePeers:
         peer.geometries.clear()
         if self._book.agent_in_use(peer.agent_name) or peer.agent_name in self._notify_only:
             return  # a peer that replaced it reads through the same agent, or a notify-only load notifies it
+        self._remove_agent(peer.agent_name)
+
+    def _remove_agent(self, name: str) -> None:
+        """NIXL's removal of the remote agent ``name``, best effort (a failure is logged)."""
         try:
-            self.agent.remove_remote_agent(peer.agent_name)
+            self.agent.remove_remote_agent(name)
         except Exception as exc:  # noqa: BLE001
-            log.warning("removing agent %s: %s", peer.agent_name, exc)
+            log.warning("removing agent %s: %s", name, exc)
 
     @locked
     def load_agent(self, agent_metadata: bytes) -> str:

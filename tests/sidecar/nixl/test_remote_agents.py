@@ -12,7 +12,7 @@ import pytest
 
 from sidecar.daemon.port import Admission, PeerTarget
 from sidecar.nixl.agent import NixlTransfer
-from sidecar.nixl.errors import RemoteRefused
+from sidecar.nixl.errors import RemoteRefused, TransferFailed
 from sidecar.nixl.port import NixlPort
 from tests.sidecar.nixl.test_agent import (
     LAYERS,
@@ -33,6 +33,30 @@ def emu():
     e = _spawn("--num-blocks", "64")
     yield e
     _stop(e)
+
+
+class nixlBackendError(Exception):  # noqa: N801 - named as NIXL's own are (``map_nixl_error`` maps by name)
+    pass
+
+
+class ConnectionFails:
+    """NIXL's agent, real but for ``make_connection``, which fails (the prefill unreachable); the names of the
+    remote agents it loaded in ``loaded``."""
+
+    def __init__(self, agent) -> None:
+        self._agent = agent
+        self.loaded: list[str] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._agent, name)
+
+    def add_remote_agent(self, metadata: bytes):
+        name = self._agent.add_remote_agent(metadata)
+        self.loaded.append(name.decode() if isinstance(name, bytes) else str(name))
+        return name
+
+    def make_connection(self, name: str) -> None:
+        raise nixlBackendError(f"cannot reach {name}")
 
 
 @pytest.fixture
@@ -92,3 +116,23 @@ def test_a_peer_let_go_leaves_a_notify_only_load_of_its_agent_loaded(emu, fresh)
     assert emu.client.wait_state(rid, "freed_by_notif", 10).notif_counts == [1]
     fresh.remove_agent(name)  # the notify-only load let go: now NIXL unloads it
     assert not fresh.agent.check_remote_metadata(name)
+
+
+def test_a_failed_connection_unloads_the_agent_it_loaded(emu, fresh, monkeypatch):
+    """``make_connection`` fails after NIXL loaded the prefill's agent: no peer records the agent, so it is
+    let go at once, not left loaded until the agent closes (one per prefill agent never connected). The next
+    handshake loads it again (NIXL would take it loaded, too: nothing was stuck, only leaked) and connects."""
+    failing = ConnectionFails(fresh.remote_peers.agent)
+    monkeypatch.setattr(fresh.remote_peers, "agent", failing)
+    with pytest.raises(TransferFailed):
+        connect(fresh, emu)
+    monkeypatch.undo()
+    [name] = failing.loaded
+    assert fresh.peer(emu.ready.engine_id, 0) is None
+    assert not fresh.agent.check_remote_metadata(name)
+    peer = connect(fresh, emu)
+    assert peer.agent_name == name and fresh.agent.check_remote_metadata(name)
+    _, params = new_request(emu, 2)
+    rid = params.remote_request_id
+    fresh.notify(peer, rid)
+    assert emu.client.wait_state(rid, "freed_by_notif", 10).notif_counts == [1]
