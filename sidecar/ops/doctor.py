@@ -217,8 +217,7 @@ def load_target(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[T
 
 def check_daemon(socket_endpoint: str, timeout_s: float) -> tuple[list[DoctorCheck], Any]:
     """Ping → Pong over the daemon socket, then Status → StatusReply when the protocol has it."""
-    import zmq
-
+    from sidecar.ops import control
     from sidecar.wire import protocol
 
     path = socket_endpoint.removeprefix("ipc://")
@@ -250,15 +249,11 @@ def check_daemon(socket_endpoint: str, timeout_s: float) -> tuple[list[DoctorChe
                 "its socket_group, or root",
             )
         ], None
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
+    conn = control.DaemonConnection(socket_endpoint)
     try:
-        sock.connect(socket_endpoint)
-        nonce = int.from_bytes(os.urandom(4), "little")
+        nonce = control.new_nonce()
         t0 = time.perf_counter()
-        sock.send(protocol.encode(protocol.Ping(nonce=nonce, sent_at_ns=time.monotonic_ns())))
-        reply = _recv(sock, protocol, timeout_s)
+        reply = conn.request(protocol.Ping(nonce=nonce, sent_at_ns=time.monotonic_ns()), timeout_s)
         if not isinstance(reply, protocol.Pong) or reply.nonce != nonce:
             return [DoctorCheck("daemon", "fail", f"{socket_endpoint} answered Ping with {reply!r}")], None
         checks = [
@@ -266,15 +261,15 @@ def check_daemon(socket_endpoint: str, timeout_s: float) -> tuple[list[DoctorChe
                 "daemon", "pass", f"Pong from {socket_endpoint} in {(time.perf_counter() - t0) * 1e3:.1f} ms"
             )
         ]
-        sock.send(protocol.encode(protocol.Status(nonce=nonce)))
-        status = _recv(sock, protocol, timeout_s)
-        if isinstance(status, protocol.Error):
+        try:
+            status = control.ask_status(conn, timeout_s)
+        except control.StatusNotServed as exc:
             # a daemon older than Status cannot decode it: the rows that need it skip, as without caches
-            why = f"the daemon does not answer Status (older than this doctor): {status.reason}"
+            why = f"the daemon does not answer Status (older than this doctor): {exc.reason}"
             checks.append(DoctorCheck("daemon status", "skip", why))
             return checks, None
-        if not isinstance(status, protocol.StatusReply) or status.nonce != nonce:
-            checks.append(DoctorCheck("daemon status", "fail", f"Status answered with {status!r}"))
+        except control.UnexpectedReply as exc:
+            checks.append(DoctorCheck("daemon status", "fail", f"Status answered with {exc.reply!r}"))
             return checks, None
         return checks, status
     except TimeoutError:
@@ -289,8 +284,7 @@ def check_daemon(socket_endpoint: str, timeout_s: float) -> tuple[list[DoctorChe
     except Exception as exc:  # noqa: BLE001 - any failure is a finding, never a crash
         return [DoctorCheck("daemon", "fail", f"{socket_endpoint}: {type(exc).__name__}: {exc}")], None
     finally:
-        sock.close(0)
-        ctx.term()
+        conn.close()
 
 
 def check_completion_socket(socket_endpoint: str, timeout_s: float) -> DoctorCheck:

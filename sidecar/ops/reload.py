@@ -50,34 +50,36 @@ def socket_of(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str
 
 def ask_status(endpoint: str, timeout_s: float) -> p.StatusReply:
     """One ``Status`` → ``StatusReply`` over the daemon's socket; ReloadFailed when none comes."""
+    from sidecar.ops import control
+
+    with control.DaemonConnection(endpoint) as conn:
+        return _ask_status(conn, timeout_s)
+
+
+def _ask_status(conn: Any, timeout_s: float) -> p.StatusReply:
+    """``Status`` over ``conn`` (a ``control.DaemonConnection``), its failures as ReloadFailed."""
     import zmq
 
+    from sidecar.ops import control
+
+    endpoint = conn.endpoint
     path = endpoint.removeprefix("ipc://")
     if endpoint.startswith("ipc://") and not os.path.exists(path):
         raise ReloadFailed(f"{path} does not exist: is kv-sidecar running for this GPU?")
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(endpoint)
-        nonce = int.from_bytes(os.urandom(4), "little")
-        sock.send(p.encode(p.Status(nonce=nonce)))
-        if not sock.poll(int(timeout_s * 1000)):
-            raise ReloadFailed(f"no reply from {endpoint} within {timeout_s:g} s (a stale socket, or the "
-                               "daemon is stuck)")
-        reply = p.decode_to_shim(sock.recv())
+        return control.ask_status(conn, timeout_s)
+    except control.NoReply:
+        raise ReloadFailed(f"no reply from {endpoint} within {timeout_s:g} s (a stale socket, or the "
+                           "daemon is stuck)") from None
     except p.DecodeError as exc:
         raise ReloadFailed(f"{endpoint} answered with something that is not a StatusReply: {exc}") from None
     except zmq.ZMQError as exc:
         raise ReloadFailed(f"{endpoint}: {exc}") from None
-    finally:
-        sock.close(0)
-        ctx.term()
-    if isinstance(reply, p.Error):
-        raise ReloadFailed(f"the daemon does not answer Status (older than this command): {reply.reason}")
-    if not isinstance(reply, p.StatusReply) or reply.nonce != nonce:
-        raise ReloadFailed(f"{endpoint} answered Status with {type(reply).__name__}")
-    return reply
+    except control.StatusNotServed as exc:
+        raise ReloadFailed("the daemon does not answer Status (older than this command): "
+                           f"{exc.reason}") from None
+    except control.UnexpectedReply as exc:
+        raise ReloadFailed(f"{endpoint} answered Status with {type(exc.reply).__name__}") from None
 
 
 def reload(
