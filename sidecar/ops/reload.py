@@ -48,16 +48,9 @@ def socket_of(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str
     return cfg.socket_endpoint, note
 
 
-def ask_status(endpoint: str, timeout_s: float) -> p.StatusReply:
-    """One ``Status`` → ``StatusReply`` over the daemon's socket; ReloadFailed when none comes."""
-    from sidecar.ops import control
-
-    with control.DaemonConnection(endpoint) as conn:
-        return _ask_status(conn, timeout_s)
-
-
-def _ask_status(conn: Any, timeout_s: float) -> p.StatusReply:
-    """``Status`` over ``conn`` (a ``control.DaemonConnection``), its failures as ReloadFailed."""
+def ask_status(conn: Any, timeout_s: float) -> p.StatusReply:
+    """One ``Status`` → ``StatusReply`` over ``conn`` (a ``control.DaemonConnection``); ReloadFailed when
+    none comes."""
     import zmq
 
     from sidecar.ops import control
@@ -88,9 +81,26 @@ def reload(
     timeout_s: float,
     *,
     kill: Callable[[int, int], None] = os.kill,
-    ask: Callable[[str, float], p.StatusReply] = ask_status,
+    ask: Callable[[str, float], p.StatusReply] | None = None,
 ) -> p.ReloadStatus:
-    """SIGHUP the daemon serving ``endpoint`` (which must be ``pid`` when given) and wait for its outcome."""
+    """SIGHUP the daemon serving ``endpoint`` (which must be ``pid`` when given) and wait for its outcome.
+    Every ``Status`` of the wait goes over one socket: the daemon sees one session, not one per ask."""
+    if ask is not None:
+        return _signal_and_wait(endpoint, pid, timeout_s, kill, ask)
+    from sidecar.ops import control
+
+    with control.DaemonConnection(endpoint) as conn:
+        over_conn = lambda _endpoint, wait_s: ask_status(conn, wait_s)
+        return _signal_and_wait(endpoint, pid, timeout_s, kill, over_conn)
+
+
+def _signal_and_wait(
+    endpoint: str,
+    pid: int | None,
+    timeout_s: float,
+    kill: Callable[[int, int], None],
+    ask: Callable[[str, float], p.StatusReply],
+) -> p.ReloadStatus:
     before = ask(endpoint, min(timeout_s, 5.0))
     if before.pid == 0:
         raise ReloadFailed("the daemon does not report reloads (older than this command): use kill -HUP and "

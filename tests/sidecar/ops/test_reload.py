@@ -126,6 +126,17 @@ def test_a_restarted_daemon_is_not_taken_for_the_reload():
         rl.reload("ipc:///x", None, 1.0, kill=fake.kill, ask=ask)
 
 
+def test_the_wait_asks_over_one_session(tmp_path):
+    """Each Status ask of the wait opened a socket of its own: to the daemon, a new session (routing id) per
+    ask, one every 20 ms for up to --timeout, each kept until MAX_SESSIONS pushes the idle ones out."""
+    from tests.sidecar.ops.test_control import StatusRouter
+
+    with StatusRouter(f"ipc://{tmp_path}/d.sock", lag=5) as router:
+        got = rl.reload(router.endpoint, None, 5.0, kill=router.kill)
+    assert (got.count, got.outcome) == (1, "applied")
+    assert (len(router.identities), router.sessions) == (7, 1)  # before, five while it lags, the one
+
+
 def test_describe_names_keys_and_reasons():
     applied = p.ReloadStatus(count=1, outcome="applied", applied=["remotes"], restart_pending=["socket"])
     assert rl.describe(applied) == ["reload applied: remotes",
