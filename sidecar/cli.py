@@ -237,7 +237,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for warning in config_mod.startup_warnings(cfg):
         logging.getLogger("kv_sidecar").warning("%s", warning)
     try:
-        return uvloop.run(app.run(cfg, reload=reload, on_started=announce))
+        return uvloop.run(app.run(cfg, reload=reload, on_started=announce,
+                                  config_file=os.path.abspath(path) if path else ""))
     except (Refused, StartupError) as exc:
         raise CliError(str(exc)) from None
     except RuntimeError as exc:

@@ -92,8 +92,10 @@ class Daemon:
         reload: Callable[[], Config] | None = None,
         make_port: Callable[[Config], TransferPort] = nixl_port,
         bind: bool = True,
+        config_file: str = "",
     ) -> None:
         self.config = config
+        self.config_file = config_file  # the file ``reload`` reads (absolute; "": none), for Status
         self._reload_fn = reload
         self.last_reload: p.ReloadStatus | None = None  # the latest SIGHUP's outcome (Status reports it)
         self._reloading: asyncio.Task | None = None  # on_sighup's read, in a thread
@@ -294,7 +296,8 @@ class Daemon:
         caches = self.caches.current if self.caches is not None else None
         if caches is None:
             return p.StatusReply(nonce=nonce, registered=False, pid=os.getpid(), reload=self.last_reload,
-                                 sighups=self.sighups)
+                                 sighups=self.sighups, device=self.config.device,
+                                 config_file=self.config_file)
         peers = [p.PeerStatus(address=target.address, engine_id=peer.engine_id, tp_rank=peer.tp_rank,
                               tp_size=target.remote_tp)
                  for target, peer in (self.peers.admitted_peers() if self.peers is not None else [])]
@@ -304,7 +307,8 @@ class Daemon:
                              compat_factors=caches.compat_factors, peers=peers,
                              tp_size=owner.tp_size if owner is not None else 1,
                              tp_rank=owner.rank if owner is not None else 0,
-                             pid=os.getpid(), reload=self.last_reload, sighups=self.sighups)
+                             pid=os.getpid(), reload=self.last_reload, sighups=self.sighups,
+                             device=self.config.device, config_file=self.config_file)
 
     def _admitted(self, key: tuple[str, int], peer: Any) -> None:
         if self.heartbeats is not None:
@@ -547,9 +551,10 @@ async def run(
     *,
     reload: Callable[[], Config] | None = None,
     on_started: Callable[[Daemon], None] | None = None,
+    config_file: str = "",
 ) -> int:
     """Run a daemon until SIGTERM/SIGINT (SIGHUP reloads): the body of ``kv-sidecar serve``."""
-    daemon = Daemon(config, reload=reload)
+    daemon = Daemon(config, reload=reload, config_file=config_file)
     try:
         await daemon.start()
     except Exception:

@@ -9,7 +9,10 @@ with why.
 
 The daemon is found as ``serve`` finds its socket: ``--gpu``, ``--config``/``$KV_SIDECAR_CONFIG``, the
 ``KV_SIDECAR_*`` variables, ``--socket``. A config file that does not load is what a reload would refuse,
-so then the socket comes from the variables and flags alone, and the daemon's own answer says why.
+so then the socket comes from the variables and flags alone, and the daemon's own answer says why. The
+socket and the GPU apply only at a restart, so an edited file may name another daemon's socket: without
+``--pid``, the daemon that answers must serve that GPU and read that file (its ``Status`` says), or it is
+not signalled.
 """
 
 from __future__ import annotations
@@ -21,21 +24,32 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
 from sidecar.wire import protocol as p
 
 POLL_S = 0.02  # between Status asks while waiting for the reload (it runs on the daemon's loop: ms)
+RESTART_ONLY = ("if `socket` or `gpu` (which names the default socket) changed since the daemon started, "
+                "the socket found is another daemon's: both apply only at a restart; give the daemon's "
+                "--socket, or restart it")
 
 
 class ReloadFailed(Exception):
     """The reload could not be asked for or confirmed; the text says why (exit 2)."""
 
 
-def socket_of(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, str]:
-    """(the daemon's socket endpoint, a note when the config file did not load and was left out)."""
+class ReloadTarget(NamedTuple):
+    """The daemon ``reload`` means: where to ask it, and what its ``Status`` must say to be that one."""
+
+    endpoint: str
+    gpu: int | None  # the GPU it serves (--gpu, the variables, the file); None: not said
+    config_file: str  # the file it reads on SIGHUP (absolute); "": not said
+    note: str  # when the config file did not load and was left out
+
+
+def target_of(args: argparse.Namespace, environ: Mapping[str, str]) -> ReloadTarget:
     from sidecar.ops import config as config_mod
 
     overrides: dict[str, Any] = {} if args.gpu is None else {"gpu": args.gpu}
@@ -45,7 +59,26 @@ def socket_of(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str
         cfg, note = config_mod.load_to_find(args.config, environ=environ, overrides=overrides)
     except config_mod.ConfigError as exc:
         raise ReloadFailed(f"configuration: {exc}") from None
-    return cfg.socket_endpoint, note
+    path = args.config or environ.get("KV_SIDECAR_CONFIG") or ""
+    return ReloadTarget(cfg.socket_endpoint, cfg.gpu, os.path.abspath(path) if path else "", note)
+
+
+def another_daemon(status: p.StatusReply, gpu: int | None, config_file: str) -> str:
+    """How the daemon that answered is not the one meant; "" when it is (or it does not say: older)."""
+    if gpu is not None and status.device and status.device != f"cuda:{gpu}":
+        return f"serves {status.device}, not GPU {gpu}"
+    if config_file and status.config_file and not _same_file(config_file, status.config_file):
+        return f"reads {status.config_file}, not {config_file}"
+    return ""
+
+
+def _same_file(a: str, b: str) -> bool:
+    if os.path.abspath(a) == os.path.abspath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)  # one path through a symlink, say
+    except OSError:
+        return False
 
 
 def ask_status(conn: Any, timeout_s: float) -> p.StatusReply:
@@ -80,23 +113,27 @@ def reload(
     pid: int | None,
     timeout_s: float,
     *,
+    gpu: int | None = None,
+    config_file: str = "",
     kill: Callable[[int, int], None] = os.kill,
     ask: Callable[[str, float], p.StatusReply] | None = None,
 ) -> p.ReloadStatus:
-    """SIGHUP the daemon serving ``endpoint`` (which must be ``pid`` when given) and wait for its outcome.
-    Every ``Status`` of the wait goes over one socket: the daemon sees one session, not one per ask."""
+    """SIGHUP the daemon serving ``endpoint`` and wait for its outcome. It must be ``pid`` when given, else
+    serve ``gpu`` and read ``config_file`` where both sides say (see ``another_daemon``). Every ``Status`` of
+    the wait goes over one socket: the daemon sees one session, not one per ask."""
+    meant = (pid, gpu, config_file)
     if ask is not None:
-        return _signal_and_wait(endpoint, pid, timeout_s, kill, ask)
+        return _signal_and_wait(endpoint, meant, timeout_s, kill, ask)
     from sidecar.ops import control
 
     with control.DaemonConnection(endpoint) as conn:
         over_conn = lambda _endpoint, wait_s: ask_status(conn, wait_s)
-        return _signal_and_wait(endpoint, pid, timeout_s, kill, over_conn)
+        return _signal_and_wait(endpoint, meant, timeout_s, kill, over_conn)
 
 
 def _signal_and_wait(
     endpoint: str,
-    pid: int | None,
+    meant: tuple[int | None, int | None, str],
     timeout_s: float,
     kill: Callable[[int, int], None],
     ask: Callable[[str, float], p.StatusReply],
@@ -105,8 +142,14 @@ def _signal_and_wait(
     if before.pid == 0:
         raise ReloadFailed("the daemon does not report reloads (older than this command): use kill -HUP and "
                            "read its log")
+    pid, gpu, config_file = meant
     if pid is not None and before.pid != pid:
-        raise ReloadFailed(f"{endpoint} is served by PID {before.pid}, not PID {pid}: not signalled")
+        raise ReloadFailed(f"{endpoint} is served by PID {before.pid}, not PID {pid}: not signalled "
+                           f"({RESTART_ONLY})")
+    other = another_daemon(before, gpu, config_file) if pid is None else ""  # a PID said which one it is
+    if other:
+        raise ReloadFailed(f"{endpoint} is served by PID {before.pid}, which {other}: not signalled "
+                           f"({RESTART_ONLY})")
     seen = before.sighups  # ours is a later one: wait for an outcome read after it
     try:
         kill(before.pid, signal.SIGHUP)
@@ -150,7 +193,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--config", default=None, help="the daemon's TOML file (default: $KV_SIDECAR_CONFIG)")
     a("--socket", default="", help="the daemon's socket, e.g. ipc:///run/kv-sidecar/gpu0.sock")
     a("--pid", type=int, default=None,
-      help="signal only if this PID serves the socket (systemd: --pid $MAINPID); default: the PID it reports")
+      help="signal only if this PID serves the socket (systemd: --pid $MAINPID); default: the PID it "
+      "reports, when that daemon serves this GPU and reads this config file")
     a("--timeout", type=float, default=10.0, help="seconds to wait for the outcome (default %(default)s)")
     a("--json", action="store_true", help="print the outcome as JSON")
 
@@ -160,10 +204,11 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
     """0: applied or nothing to apply; 1: refused; 2: not asked for or not confirmed."""
     env = os.environ if environ is None else environ
     try:
-        endpoint, note = socket_of(args, env)
-        if note:
-            print(note, file=sys.stderr)
-        outcome = reload(endpoint, args.pid, args.timeout)
+        target = target_of(args, env)
+        if target.note:
+            print(target.note, file=sys.stderr)
+        outcome = reload(target.endpoint, args.pid, args.timeout, gpu=target.gpu,
+                         config_file=target.config_file)
     except ReloadFailed as exc:
         if args.json:
             out(json.dumps({"ok": False, "error": str(exc)}))

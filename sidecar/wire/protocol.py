@@ -441,6 +441,10 @@ class StatusReply(_Msg, forbid_unknown_fields=False):
     pid: int = 0
     reload: ReloadStatus | None = None
     sighups: int = 0  # received so far: a reload whose ``count`` reaches past this read the file after now
+    # which daemon this is: its device ("cpu", "cuda:N") and the config file it reads on SIGHUP (absolute; "":
+    # none), so `kv-sidecar reload` signals only the daemon it means (a daemon older than them: "", "")
+    device: str = ""
+    config_file: str = ""
 
 
 class Error(_Msg):

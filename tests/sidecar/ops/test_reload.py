@@ -137,6 +137,29 @@ def test_the_wait_asks_over_one_session(tmp_path):
     assert (len(router.identities), router.sessions) == (7, 1)  # before, five while it lags, the one
 
 
+def test_another_gpus_daemon_at_the_socket_is_not_signalled(tmp_path):
+    """`socket` applies only at a restart: edited in the file to GPU 1's socket, `reload --gpu 0` asked GPU
+    1's daemon, sent it the SIGHUP, and the daemon of GPU 0 never read the file."""
+    from tests.sidecar.ops.test_control import StatusRouter
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # GPU 1's daemon
+    try:
+        sock = f"ipc://{tmp_path}/gpu1.sock"
+        cfg = tmp_path / "kv.toml"
+        cfg.write_text(f'socket = "{sock}"\n')
+        args = argparse.Namespace(gpu=0, config=str(cfg), socket="", pid=None, timeout=1.0, json=True)
+        out: list[str] = []
+        with StatusRouter(sock, pid=other.pid, extra={"device": "cuda:1", "config_file": str(cfg)}):
+            rc = rl.run(args, environ={}, out=out.append)
+        assert other.poll() is None, "signalled"
+        error = json.loads(out[0])["error"]
+        assert rc == 2 and f"PID {other.pid}, which serves cuda:1, not GPU 0: not signalled" in error
+        assert "`socket`" in error
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_describe_names_keys_and_reasons():
     applied = p.ReloadStatus(count=1, outcome="applied", applied=["remotes"], restart_pending=["socket"])
     assert rl.describe(applied) == ["reload applied: remotes",
@@ -149,8 +172,9 @@ def test_a_config_file_that_does_not_load_still_finds_the_socket(tmp_path):
     broken = tmp_path / "kv.toml"
     broken.write_text("socket = [\n")
     args = argparse.Namespace(gpu=3, config=None, socket="")
-    endpoint, note = rl.socket_of(args, {"KV_SIDECAR_CONFIG": str(broken)})
-    assert endpoint.endswith("gpu3.sock") and "does not load" in note
+    target = rl.target_of(args, {"KV_SIDECAR_CONFIG": str(broken)})
+    assert target.endpoint.endswith("gpu3.sock") and "does not load" in target.note
+    assert (target.gpu, target.config_file) == (3, str(broken))
 
 
 def test_a_newer_daemons_status_fields_are_ignored():
@@ -238,4 +262,26 @@ def test_a_daemon_started_from_an_empty_file_reloads_it(tmp_path):
     with cli.spawn_serve(["--config", str(cfg), "--socket", sock, "--metrics-port", "0"],
                          stderr=subprocess.DEVNULL):
         done = _reload("--config", str(cfg), "--socket", sock)
+        assert (done.returncode, done.stdout) == (0, "reload: nothing to apply (no live key changed)\n"), done
+
+
+@pytest.mark.e2e
+def test_a_socket_edited_to_another_daemons_is_not_signalled(tmp_path):
+    """Two daemons, each from its own file; A's file now names B's socket (`socket` applies at a restart).
+    `reload --config a.toml` asked B, signalled it and printed B's outcome, exit 0: A never re-read its
+    file. Now B's Status says it reads b.toml (and serves cpu, not GPU 0), so it is not signalled."""
+    a, b = tmp_path / "a.toml", tmp_path / "b.toml"
+    a_sock, b_sock = f"ipc://{tmp_path}/a.sock", f"ipc://{tmp_path}/b.sock"
+    a.write_text(f'socket = "{a_sock}"\n')
+    b.write_text(f'socket = "{b_sock}"\n')
+    with cli.spawn_serve(["--config", str(a), "--metrics-port", "-1"], stderr=subprocess.DEVNULL), \
+            cli.spawn_serve(["--config", str(b), "--metrics-port", "0"], stderr=subprocess.DEVNULL) as d:
+        a.write_text(f'socket = "{b_sock}"\ndefault_timeout_s = 20\n')
+        done = _reload("--config", str(a))
+        assert done.returncode == 2, done
+        assert f"which reads {b}, not {a}: not signalled" in done.stderr and "`socket`" in done.stderr
+        done = _reload("--gpu", "0", "--socket", b_sock)
+        assert done.returncode == 2 and "which serves cpu, not GPU 0" in done.stderr, done
+        assert _metrics(d.metrics_url)['kv_sidecar_config_reloads_total{outcome="unchanged"}'] == 0
+        done = _reload("--config", str(b))  # the daemon meant
         assert (done.returncode, done.stdout) == (0, "reload: nothing to apply (no live key changed)\n"), done
