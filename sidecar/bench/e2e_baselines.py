@@ -34,7 +34,7 @@ class BareReader:
         gap_cost: Any = None,
         gap_share: float = 0.0,
     ) -> None:
-        from sidecar.nixl.admission import RemoteFormatRule, admit_remote
+        from sidecar.nixl.admission import AdmissionRules, RemoteFormatRule, admit_remote
         from sidecar.nixl.agent import NixlTransfer, TransferSettings
         from sidecar.nixl.geometry import LocalRegions, StagingPool
         from sidecar.wire import prefill as vllm_wire
@@ -50,12 +50,8 @@ class BareReader:
         self.post_s = 0.0  # of the last batch: from the first post to the last transfer() returned
         self.gap_cost, self.gap_share = gap_cost, gap_share
         self.page_bytes = remote_fmt.page_bytes
-        settings = TransferSettings(
-            name_prefix="bench-bare",
-            remote_formats=(RemoteFormatRule(address="*:*", format=remote_fmt),),
-            remote_mem_type=self.mem,
-            cuda_device=gpu,
-        )
+        settings = TransferSettings(name_prefix="bench-bare", cuda_device=gpu)
+        rules = AdmissionRules(remote_formats=(RemoteFormatRule(address="*:*", format=remote_fmt),))
         t0 = time.perf_counter()
         self.tx = NixlTransfer(settings)
         self.agent_s = time.perf_counter() - t0
@@ -69,7 +65,8 @@ class BareReader:
             address=f"{host}:{port}",
             local_format=local_fmt,
             layers=self.layers,
-            settings=settings,
+            rules=rules,
+            remote_mem_type=self.mem,
             check_identity=False,
         )
         self.peer = self.tx.add_peer(

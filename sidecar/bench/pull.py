@@ -361,7 +361,7 @@ def _wait_handles(agent: Any, handles: list[Any], sleep_s: float) -> None:
 
 
 def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
-    from sidecar.nixl.admission import admit_remote
+    from sidecar.nixl.admission import AdmissionRules, admit_remote
     from sidecar.nixl.agent import NixlTransfer, TransferSettings
 
     std, shuf, _ = _formats(args)
@@ -385,11 +385,8 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
     try:
         from sidecar.nixl.admission import RemoteFormatRule
 
-        settings = TransferSettings(
-            remote_formats=(RemoteFormatRule(address="*:*", format=std),),
-            remote_mem_type="VRAM" if args.device == "cuda" else "DRAM",
-            cuda_device=args.gpu if args.device == "cuda" else None,
-        )
+        settings = TransferSettings(cuda_device=args.gpu if args.device == "cuda" else None)
+        rules = AdmissionRules(remote_formats=(RemoteFormatRule(address="*:*", format=std),))
         t0 = time.perf_counter()
         tx = NixlTransfer(settings)
         agent_s = time.perf_counter() - t0
@@ -398,7 +395,8 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
             address="bench:0",
             local_format=shuf,
             layers=layers,
-            settings=settings,
+            rules=rules,
+            remote_mem_type="VRAM" if args.device == "cuda" else "DRAM",
             check_identity=False,
         )
         peer = tx.add_peer(

@@ -70,7 +70,6 @@ def nixl_port(config: Config) -> TransferPort:
                 backends=tuple(config.nixl_backends),
                 progress_thread=config.nixl_progress_thread,
                 num_threads=config.nixl_num_threads,
-                remote_mem_type="DRAM" if config.gpu is None else "VRAM",
                 cuda_device=config.gpu,
             )
         )

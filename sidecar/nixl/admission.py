@@ -31,6 +31,16 @@ class RemoteFormatRule(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"address pattern {self.address!r} must be host:port (wildcards allowed)")
 
 
+class AdmissionRules(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The operator's rules a prefill rank is admitted by: declared formats, conversion, lossy fp8."""
+
+    remote_formats: tuple[RemoteFormatRule, ...] = ()
+    conversion_enabled: bool = True
+    # The matching [[remotes]] rule's fp8_lossy_reencode: accept e4m3fn -> e4m3fnuz re-encodes that can lose
+    # values.
+    allow_lossy_fp8: bool = False
+
+
 # -- admission (pure) ------------------------------------------------------------------------------
 
 
@@ -82,7 +92,8 @@ def admit_remote(
     address: str,
     local_format: PageFormat,
     layers: int,
-    settings: Any,
+    rules: AdmissionRules,
+    remote_mem_type: str = "VRAM",
     remote_hash: str | None = None,
     local_factors: Mapping[str, Any] | None = None,
     check_identity: bool = True,
@@ -93,7 +104,8 @@ def admit_remote(
 
     ``view`` (heterogeneous TP): the format this decoder rank negotiates against instead of the declared one
     (its head slice of the prefill rank's pages, see ``tp.rank_read``); the published geometry is still
-    checked against the declared format."""
+    checked against the declared format. ``remote_mem_type`` (a fact of this host, not a rule): the memory
+    type of remote regions when the metadata lists no ``region_mem_types``."""
     if expected_engine_id is not None and meta.engine_id != expected_engine_id:
         raise RemoteRefused(
             f"metadata is for engine {meta.engine_id!r}, the request names {expected_engine_id!r}",
@@ -110,7 +122,7 @@ def admit_remote(
     if getattr(meta, "packed_member_layouts", None):
         raise RemoteRefused("packed MLA layouts are out of scope", "packed_member_layouts")
     remote_format = resolve_remote_format(
-        address, settings.remote_formats, getattr(meta, "page_format", None)
+        address, rules.remote_formats, getattr(meta, "page_format", None)
     )
     if check_identity:
         if remote_hash is None:
@@ -119,19 +131,19 @@ def admit_remote(
     plan = negotiate(
         remote_format if view is None else view,
         local_format,
-        conversion_enabled=settings.conversion_enabled,
-        allow_lossy_fp8=getattr(settings, "allow_lossy_fp8", False),
+        conversion_enabled=rules.conversion_enabled,
+        allow_lossy_fp8=rules.allow_lossy_fp8,
     )
     if isinstance(plan, Refusal):
-        rule = None if getattr(meta, "page_format", None) is not None else _declaration(address, settings)
+        rule = None if getattr(meta, "page_format", None) is not None else _declaration(address, rules)
         if rule is not None and plan.field in _DECLARED_SHAPE:
             raise RemoteRefused(
-                _blame_declaration(rule, plan, meta, remote_format, local_format, layers, settings),
+                _blame_declaration(rule, plan, meta, remote_format, local_format, layers, remote_mem_type),
                 plan.field,
             )
         raise RemoteRefused(plan.reason, plan.field)
     try:
-        regions = RemoteRegions.from_metadata(meta, default_mem_type=settings.remote_mem_type)
+        regions = RemoteRegions.from_metadata(meta, default_mem_type=remote_mem_type)
         check_remote(regions, remote_format, layers)
     except GeometryError as exc:
         raise RemoteRefused(exc.reason, exc.field) from exc
@@ -141,8 +153,8 @@ def admit_remote(
 _DECLARED_SHAPE = ("dtype", "num_heads", "block_size", "head_size")
 
 
-def _declaration(address: str, settings: Any) -> RemoteFormatRule | None:
-    return next((r for r in settings.remote_formats if fnmatch.fnmatchcase(address, r.address)), None)
+def _declaration(address: str, rules: AdmissionRules) -> RemoteFormatRule | None:
+    return next((r for r in rules.remote_formats if fnmatch.fnmatchcase(address, r.address)), None)
 
 
 def _blame_declaration(
@@ -152,7 +164,7 @@ def _blame_declaration(
     declared: PageFormat,
     local: PageFormat,
     layers: int,
-    settings: Any,
+    remote_mem_type: str,
 ) -> str:
     """A refusal on a shape field of a *declared* format: vLLM publishes no tag, so the operator's
     [[remotes]] entry is the first suspect. Say so, and whether the prefill's registered pages even fit it."""
@@ -162,7 +174,7 @@ def _blame_declaration(
         f"the decoder's is {getattr(local, name)!r}"
     )
     try:
-        regions = RemoteRegions.from_metadata(meta, default_mem_type=settings.remote_mem_type)
+        regions = RemoteRegions.from_metadata(meta, default_mem_type=remote_mem_type)
         check_remote(regions, declared, layers)
     except (GeometryError, ValueError, TypeError, AttributeError) as exc:
         return (

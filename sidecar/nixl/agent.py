@@ -31,7 +31,6 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from sidecar.nixl.admission import RemoteFormatRule
 from sidecar.nixl.calls import Serialized, init_cuda_context, nixl_call
 from sidecar.nixl.errors import TransferFailed
 from sidecar.nixl.geometry import DescIndices, LocalRegions, Mode, PairGeometry, StagingPool
@@ -43,19 +42,12 @@ from sidecar.nixl.runs import Descs
 
 
 class TransferSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The transfer section of the daemon's config."""
+    """The NIXL agent's settings (the daemon's from its config's ``nixl_*`` keys and ``gpu``)."""
 
     name_prefix: str = "kv-sidecar"
     backends: tuple[str, ...] = ("UCX",)
     num_threads: int = 0
     progress_thread: bool = True
-    remote_formats: tuple[RemoteFormatRule, ...] = ()
-    # Memory type of remote regions when the metadata has no region_mem_types.
-    remote_mem_type: str = "VRAM"
-    conversion_enabled: bool = True
-    # The matching [[remotes]] rule's fp8_lossy_reencode: accept e4m3fn -> e4m3fnuz re-encodes that can lose
-    # values.
-    allow_lossy_fp8: bool = False
     # GPU whose memory this agent registers; None on the CPU twin.
     cuda_device: int | None = None
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from sidecar.daemon.port import Admission, PeerTarget, ReadMode, Runner
 from sidecar.nixl import tp
-from sidecar.nixl.admission import admit_remote, resolve_remote_format
+from sidecar.nixl.admission import AdmissionRules, admit_remote, resolve_remote_format
 from sidecar.nixl.agent import NixlTransfer, TransferSettings
 from sidecar.nixl.errors import MappingUnavailable, RemoteRefused, TransferError
 from sidecar.nixl.geometry import BlockPairs, LocalRegions, StagingPool, regions_per_layer
@@ -104,18 +104,18 @@ def admit_rank(
     source, view = None, None
     if target.remote_tp != target.local_tp:
         source, view = _slice(target, admission, reply)
-    settings = TransferSettings(
+    rules = AdmissionRules(
         remote_formats=admission.rules,
         conversion_enabled=admission.conversion_enabled,
         allow_lossy_fp8=admission.allow_lossy_fp8,
-        remote_mem_type=remote_mem_type,
     )
     plan, regions = admit_remote(
         reply.metadata,
         address=target.address,
         local_format=admission.local_format,
         layers=admission.layers,
-        settings=settings,
+        rules=rules,
+        remote_mem_type=remote_mem_type,
         remote_hash=reply.compatibility_hash,
         local_factors=admission.compat_factors or None,
         check_identity=admission.check_identity,
@@ -177,7 +177,8 @@ class NixlPort:
         source, count = None, tp.notif_count(local_tp=target.local_tp, remote_tp=target.remote_tp)
         metadata = reply.metadata.agent_metadata
         try:
-            plan, regions, source = admit_rank(target, admission, reply, self.agent.settings.remote_mem_type)
+            # a prefill listing no region_mem_types is taken to be on this host's kind of memory
+            plan, regions, source = admit_rank(target, admission, reply, self.local_mem_type)
         except RemoteRefused as exc:
             exc.peer = await _run(run, self._notify_only_peer, target, metadata, count)
             raise

@@ -87,7 +87,7 @@ def probe_pull(control: str, spec: EmulatorSpec | None, timeout_s: float, blocks
         return PullProbeResult(
             False, f"the emulator's pages are {page} bytes, its spec says {fmt.page_bytes}"
         )
-    t = tr.NixlTransfer(tr.TransferSettings(name_prefix="kv-sidecar-doctor", remote_mem_type="DRAM"))
+    t = tr.NixlTransfer(tr.TransferSettings(name_prefix="kv-sidecar-doctor"))
     try:
         peer = t.add_peer(
             engine_id=meta.engine_id,

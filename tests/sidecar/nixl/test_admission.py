@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from sidecar.nixl.admission import (
+    AdmissionRules,
     RemoteFormatRule,
     admit_remote,
     check_model_identity,
@@ -68,11 +69,10 @@ def test_fp8_scales_of_any_size_are_refused_by_field(remote_k, local_k, allow, f
     local = PageFormat(
         kind=AITER_SHUFFLED, layout="LHBNC", dtype="float8_e4m3fnuz", k_scale=local_k, v_scale=2.0, **geometry
     )
-    settings = SimpleNamespace(remote_formats=(RemoteFormatRule("*:*", remote),), conversion_enabled=True,
-                               allow_lossy_fp8=allow, remote_mem_type="VRAM")
+    rules = AdmissionRules(remote_formats=(RemoteFormatRule("*:*", remote),), allow_lossy_fp8=allow)
     with pytest.raises(RemoteRefused) as e:
         admit_remote(SimpleNamespace(engine_id="e", page_format=None), address="h:1", local_format=local,
-                     layers=2, settings=settings, check_identity=False)
+                     layers=2, rules=rules, check_identity=False)
     assert e.value.field == field
 
 
@@ -106,17 +106,16 @@ def test_model_identity_sets_the_backend_name_aside():
 
 def test_a_huge_logical_block_is_refused_at_admission_naming_the_field():
     """physical_blocks_per_logical_kv_block is the prefill's word: each Pull expands its ids by it."""
-    settings = SimpleNamespace(remote_formats=(RemoteFormatRule(address="*:*", format=std()),),
-                               conversion_enabled=True, remote_mem_type="DRAM")
+    rules = AdmissionRules(remote_formats=(RemoteFormatRule(address="*:*", format=std()),))
     rmem = RemoteMem(2, 8)
     ratio = 4096
     rmem.meta.physical_blocks_per_logical_kv_block = ratio
     rmem.meta.num_blocks, rmem.meta.region_num_blocks = ratio, [ratio, ratio]
     with pytest.raises(RemoteRefused) as e:
-        admit_remote(rmem.meta, address="10.0.0.1:5600", local_format=std(), layers=2, settings=settings,
-                     check_identity=False)
+        admit_remote(rmem.meta, address="10.0.0.1:5600", local_format=std(), layers=2, rules=rules,
+                     remote_mem_type="DRAM", check_identity=False)
     assert e.value.field == "physical_blocks_per_logical_kv_block", e.value
     rmem.meta.physical_blocks_per_logical_kv_block = 16
     _plan, regions = admit_remote(rmem.meta, address="10.0.0.1:5600", local_format=std(), layers=2,
-                                  settings=settings, check_identity=False)
+                                  rules=rules, remote_mem_type="DRAM", check_identity=False)
     assert regions.blocks_per_logical == 16

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from sidecar.daemon.leases import LeaseTracker
-from sidecar.nixl.admission import RemoteFormatRule, admit_remote
+from sidecar.nixl.admission import AdmissionRules, RemoteFormatRule, admit_remote
 from sidecar.nixl.agent import NixlTransfer, TransferSettings
 from sidecar.nixl.errors import (
     RemoteDisconnected,
@@ -41,7 +41,8 @@ SHUF = PageFormat(
     kind=AITER_SHUFFLED, layout="LHBNC", dtype="bfloat16", num_heads=HEADS, block_size=BS, head_size=HEAD
 )
 PAGE, HALF = STD.page_bytes, STD.page_bytes // 2
-SETTINGS = TransferSettings(remote_formats=(RemoteFormatRule(address="127.0.0.1:*", format=STD),))
+SETTINGS = TransferSettings()
+RULES = AdmissionRules(remote_formats=(RemoteFormatRule(address="127.0.0.1:*", format=STD),))
 NB_LOCAL = 48
 SENTINEL = 0xAA
 
@@ -163,7 +164,7 @@ def connect(t: NixlTransfer, e, rank: int = 0, local_format: PageFormat = SHUF, 
         address=address(e),
         local_format=local_format,
         layers=layers,
-        settings=t.settings,
+        rules=RULES,
         remote_hash=reply.compatibility_hash,
         local_factors=local_factors(e),
         expected_engine_id=e.ready.engine_id,
@@ -210,19 +211,18 @@ def check_planes(arr: np.ndarray, reply, local: list[int], rank: int = 0) -> Non
 
 
 def test_settings_decode_from_config():
-    raw = {
-        "backends": ["UCX"],
-        "remote_formats": [{"address": "10.0.0.*:5600", "format": msgspec.to_builtins(STD)}],
-    }
-    s = msgspec.convert(raw, TransferSettings)
-    assert s.remote_formats[0].format == STD
+    assert msgspec.convert({"backends": ["UCX"]}, TransferSettings).backends == ("UCX",)
+    raw = {"remote_formats": [{"address": "10.0.0.*:5600", "format": msgspec.to_builtins(STD)}]}
+    rules = msgspec.convert(raw, AdmissionRules)
+    assert rules.remote_formats[0].format == STD
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert(
-            {**raw, "remote_formats": [{"address": "nohostport", "format": msgspec.to_builtins(STD)}]},
-            TransferSettings,
+            {"remote_formats": [{"address": "nohostport", "format": msgspec.to_builtins(STD)}]},
+            AdmissionRules,
         )
-    with pytest.raises(msgspec.ValidationError):
-        msgspec.convert({"bogus": 1}, TransferSettings)
+    for cls in (TransferSettings, AdmissionRules):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert({"bogus": 1}, cls)
 
 
 def test_nixl_errors_map_to_typed_errors():
@@ -242,7 +242,7 @@ def _admit(meta, **kw):
             "address": "127.0.0.1:5600",
             "local_format": SHUF,
             "layers": LAYERS,
-            "settings": SETTINGS,
+            "rules": RULES,
             "check_identity": False,
             **kw,
         },
@@ -272,7 +272,7 @@ def test_admit_accepts_the_emulated_prefill(emu, reply):
 
 BAD = [
     # (id, metadata change, admit kwargs, field)
-    ("undeclared-format", {}, dict(settings=TransferSettings()), "remote page format"),
+    ("undeclared-format", {}, dict(rules=AdmissionRules()), "remote page format"),
     ("address-not-declared", {}, dict(address="10.1.1.1:5600"), "remote page format"),
     ("layout", dict(kv_cache_layout="LHBNC"), {}, "kv_cache_layout"),
     ("block-len-vs-page", dict(block_lens=[PAGE // 2] * LAYERS), {}, "block_lens"),
@@ -309,11 +309,11 @@ def test_other_model_is_refused(emu, reply):
 
 
 def test_declared_format_that_negotiation_refuses(reply):
-    fp16 = TransferSettings(
+    fp16 = AdmissionRules(
         remote_formats=(RemoteFormatRule("*:*", msgspec.structs.replace(STD, dtype="float16")),)
     )
     with pytest.raises(RemoteRefused) as e:
-        _admit(reply.metadata, settings=fp16)
+        _admit(reply.metadata, rules=fp16)
     assert e.value.field == "dtype"
 
 
@@ -953,13 +953,13 @@ def test_metadata_helpers_accept_plain_objects():
 
 def test_declared_head_count_mismatch_blames_the_declaration(reply):
     """Issue 15 item 9. Main: 'heterogeneous TP (different heads per rank) is not supported'."""
-    wrong = TransferSettings(
+    wrong = AdmissionRules(
         remote_formats=(
             RemoteFormatRule("127.0.0.1:*", msgspec.structs.replace(STD, num_heads=STD.num_heads * 2)),
         )
     )
     with pytest.raises(RemoteRefused) as e:
-        _admit(reply.metadata, settings=wrong)
+        _admit(reply.metadata, rules=wrong)
     assert e.value.field == "num_heads"
     text = str(e.value)
     assert "[[remotes]] declaration matching '127.0.0.1:*' gives num_heads" in text

@@ -16,6 +16,7 @@ from sidecar.nixl.errors import RemoteRefused, TransferFailed
 from sidecar.nixl.port import NixlPort
 from tests.sidecar.nixl.test_agent import (
     LAYERS,
+    RULES,
     SETTINGS,
     SHUF,
     ShmPlanes,
@@ -82,7 +83,7 @@ def test_a_prefill_admitted_again_after_a_refusal_reads_through_the_agent_its_pe
         reg = port.register([(planes.base, planes.arr.nbytes, 0)], "DRAM")
         dest = port.destination(reg, planes.planes())
         admit = Admission(local_format=SHUF, layers=LAYERS, compat_factors=local_factors(emu),
-                          rules=SETTINGS.remote_formats)
+                          rules=RULES.remote_formats)
         held = asyncio.run(port.connect(_target(emu), admit))  # a pull reads through it
         with pytest.raises(RemoteRefused) as refused:
             asyncio.run(port.connect(_target(emu), msgspec.structs.replace(admit, conversion_enabled=False)))
