@@ -188,14 +188,12 @@ class NixlPort:
         self, target: PeerTarget, metadata: bytes, plan: Any, regions: Any, source: Any, count: int
     ) -> Peer:
         """``connect``'s transport calls: the admitted prefill's agent loaded (a notify-only load of it let
-        go first, unless a peer still reads through it; best effort, as the peer loads it again anyway)."""
+        go first, unless a peer still reads through it; best effort, as the peer loads it again anyway), and
+        the notify-only loads of the rank's earlier agents let go once it is admitted."""
         stale = self._notify_only.pop(metadata, None)
         if stale is not None:  # refused before, admitted now (a reload): load it as a full peer
-            try:
-                self.agent.remove_agent(stale.agent_name)
-            except TransferError as exc:
-                log.warning("letting the notify-only agent %s go: %s", stale.agent_name, exc)
-        return self.agent.add_peer(
+            self._let_go(stale)
+        peer = self.agent.add_peer(
             engine_id=target.engine_id,
             tp_rank=target.tp_rank,
             generation=target.generation,
@@ -206,6 +204,8 @@ class NixlPort:
             source=source,
             notif_count=count,
         )
+        self._forget_replaced(target, metadata)
+        return peer
 
     def _notify_only_peer(
         self, target: PeerTarget, agent_metadata: bytes, count: int = 1
@@ -218,7 +218,28 @@ class NixlPort:
                 return None  # e.g. already loaded as an admitted peer; the lease frees the blocks
             peer = NotifyOnlyPeer(target.engine_id, target.tp_rank, target.address, name, count)
             self._notify_only[agent_metadata] = peer
+            self._forget_replaced(target, agent_metadata, keep=name)
         return peer
+
+    def _forget_replaced(self, target: PeerTarget, metadata: bytes, keep: str | None = None) -> None:
+        """The notify-only loads of ``target``'s prefill rank (its address or its engine, as ``PeerBook``
+        matches a restart) from other metadata: it restarted or re-registered since, so nothing notifies
+        their agent any more. Let go, but for an agent named ``keep`` (NIXL loaded the same one again)."""
+        for md, old in list(self._notify_only.items()):
+            if md == metadata or old.tp_rank != target.tp_rank:
+                continue
+            if old.address != target.address and old.engine_id != target.engine_id:
+                continue
+            del self._notify_only[md]
+            if old.agent_name != keep:
+                self._let_go(old)
+
+    def _let_go(self, peer: NotifyOnlyPeer) -> None:
+        """Let a notify-only load go (unless a peer reads through its agent); best effort."""
+        try:
+            self.agent.remove_agent(peer.agent_name)
+        except TransferError as exc:
+            log.warning("letting the notify-only agent %s go: %s", peer.agent_name, exc)
 
     def remove_peer(self, peer: Peer) -> None:
         self.agent.remove_peer(peer)

@@ -137,3 +137,45 @@ def test_a_failed_connection_unloads_the_agent_it_loaded(emu, fresh, monkeypatch
     rid = params.remote_request_id
     fresh.notify(peer, rid)
     assert emu.client.wait_state(rid, "freed_by_notif", 10).notif_counts == [1]
+
+
+@pytest.mark.parametrize("then", ["refused", "admitted"])
+def test_a_notify_only_load_is_let_go_when_its_prefill_restarts(then):
+    """A pull held the prefill's admission when a reload's rules refused it (a notify-only load of the same
+    agent, kept loaded when the pull let go). The prefill then restarts at the same address (a new NIXL agent)
+    and is refused again, or admitted: nothing will notify the old agent any more, so it is let go. Before, it
+    stayed loaded (and recorded) until the daemon exited, one per restart of a refused prefill."""
+    a = _spawn("--num-blocks", "64")
+    port = NixlPort(SETTINGS)
+    b = None
+    try:
+        admit = Admission(local_format=SHUF, layers=LAYERS, compat_factors=local_factors(a),
+                          rules=RULES.remote_formats)
+        refuse = msgspec.structs.replace(admit, conversion_enabled=False)
+        held = asyncio.run(port.connect(_target(a), admit))
+        with pytest.raises(RemoteRefused) as refused:
+            asyncio.run(port.connect(_target(a), refuse))
+        old = refused.value.peer.agent_name
+        port.remove_peer(held)  # its pull let go: the notify-only load keeps the agent for notifications
+        assert port.agent.agent.check_remote_metadata(old)
+        side_channel = a.ready.side_channel_port
+        _stop(a)
+        b = _spawn("--num-blocks", "64", "--port", str(side_channel))  # restarted: same address
+        if then == "refused":
+            with pytest.raises(RemoteRefused) as again:
+                asyncio.run(port.connect(_target(b), refuse))
+            new = again.value.peer
+        else:
+            new = asyncio.run(port.connect(_target(b), admit))
+        assert new.agent_name != old
+        assert not port.agent.agent.check_remote_metadata(old)  # the old prefill's agent let go
+        _, params = new_request(b, 2)
+        port.notify(new, params.remote_request_id)  # the new one is notified
+        assert b.client.wait_state(params.remote_request_id, "freed_by_notif", 10).notif_counts == [1]
+        if then == "admitted":
+            port.remove_peer(new)
+    finally:
+        port.close()
+        _stop(a)
+        if b is not None:
+            _stop(b)
