@@ -64,9 +64,12 @@ def target_of(args: argparse.Namespace, environ: Mapping[str, str]) -> ReloadTar
 
 
 def another_daemon(status: p.StatusReply, gpu: int | None, config_file: str) -> str:
-    """How the daemon that answered is not the one meant; "" when it is (or it does not say: older)."""
+    """How the daemon that answered is not the one meant; "" when it is (or it does not say: older). Both
+    fields came in one release, so a daemon that says its device says its file too: "" there means none."""
     if gpu is not None and status.device and status.device != f"cuda:{gpu}":
         return f"serves {status.device}, not GPU {gpu}"
+    if config_file and status.device and not status.config_file:
+        return f"reads no config file, not {config_file}"
     if config_file and status.config_file and not _same_file(config_file, status.config_file):
         return f"reads {status.config_file}, not {config_file}"
     return ""

@@ -160,6 +160,31 @@ def test_another_gpus_daemon_at_the_socket_is_not_signalled(tmp_path):
         other.wait()
 
 
+def test_a_daemon_reading_no_file_is_not_the_one_a_file_names(tmp_path):
+    """A daemon started from no file (variables only) reports config_file "", which was taken for "an older
+    daemon, not said": with a.toml edited to its socket, `reload --config a.toml` signalled it, and it re-read
+    no file. A daemon that reports its device is new enough to report its file: "" there means none."""
+    from tests.sidecar.ops.test_control import StatusRouter
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # the file-less daemon
+    try:
+        sock = f"ipc://{tmp_path}/cpu.sock"
+        cfg = tmp_path / "a.toml"
+        cfg.write_text(f'socket = "{sock}"\n')
+        args = argparse.Namespace(gpu=None, config=str(cfg), socket="", pid=None, timeout=1.0, json=True)
+        out: list[str] = []
+        with StatusRouter(sock, pid=other.pid, extra={"device": "cpu", "config_file": ""}):
+            rc = rl.run(args, environ={}, out=out.append)
+        assert other.poll() is None, "signalled"
+        error = json.loads(out[0])["error"]
+        assert rc == 2 and f"PID {other.pid}, which reads no config file, not {cfg}" in error
+    finally:
+        other.kill()
+        other.wait()
+    older = p.StatusReply(nonce=0, registered=False, pid=7)  # neither field: older, not checked
+    assert rl.another_daemon(older, 0, str(cfg)) == ""
+
+
 def test_describe_names_keys_and_reasons():
     applied = p.ReloadStatus(count=1, outcome="applied", applied=["remotes"], restart_pending=["socket"])
     assert rl.describe(applied) == ["reload applied: remotes",
