@@ -45,6 +45,7 @@ class Heartbeats:
         self._metrics = metrics
         self._interval_s = interval_s
         self._stopping = stopping
+        self._next_let_go = 0.0  # when ``renew_loop`` next lets idle notify-only loads go
 
     def on_heartbeat(
         self, envelope: list[bytes], session: Session, msg: p.Heartbeat, received: float
@@ -79,7 +80,9 @@ class Heartbeats:
 
     async def renew_loop(self) -> None:
         """Renew the leases that are due of requests we hold past their handshake (a queued one has no prefill
-        rank yet: the shim's own heartbeats renew it, as they do while the request waits for blocks)."""
+        rank yet: the shim's own heartbeats renew it, as they do while the request waits for blocks); every
+        quarter lease, let go the notify-only loads unused for a lease and its margin
+        (``Peers.let_go_notify_only``)."""
         while True:
             await asyncio.sleep(min(1.0, self._interval_s() / 2))
             now = time.monotonic()
@@ -95,3 +98,10 @@ class Heartbeats:
             for (key, _), (peer, ids) in by_peer.items():
                 self._leases.send(key, peer, ids)
             self._leases.forget_lapsed(set(held), now)
+            if now >= self._next_let_go:
+                # a refused prefill's agent, loaded only to tell it to free blocks: past the lease and its
+                # margin the blocks are freed anyway, and a prefill gone for good would keep it loaded
+                tracker = self._leases.tracker
+                idle_s = tracker.lease_s + tracker.margin_s
+                self._next_let_go = now + idle_s / 4
+                self._peers.let_go_notify_only(idle_s)

@@ -11,6 +11,7 @@ its lease's end.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fnmatch
 import logging
 from collections.abc import Callable, Mapping
@@ -206,6 +207,16 @@ class Peers:
             except RuntimeError:  # the poster thread is shut down: no post can be in progress
                 pass
         self._port.remove_peer(peer)
+
+    def let_go_notify_only(self, idle_s: float) -> None:
+        """Have the transport let go the refused prefills' agents, loaded only to notify them, that were not
+        used for ``idle_s`` (``TransferPort.let_go_notify_only``): on the poster thread, after the post in
+        progress (NIXL's removal waits for it), or here without one; skipped once it is shut down."""
+        if self._later is None:
+            self._port.let_go_notify_only(idle_s)
+            return
+        with contextlib.suppress(RuntimeError):  # the poster thread is shut down: the daemon is stopping
+            self._later(self._port.let_go_notify_only, idle_s)
 
     def start(self, target: PeerTarget, caches: Any) -> PeerEntry:
         """Start a handshake with ``target`` (replacing any entry for its key)."""

@@ -105,6 +105,12 @@ class TransferPort(Protocol):
         daemon calls it once no pull reads through the peer. A second call is a no-op."""
         ...
 
+    def let_go_notify_only(self, idle_s: float) -> int:
+        """Let go what was loaded only to notify refused prefills (``connect``'s refusals) and not used for
+        ``idle_s`` (the lease and a margin: their blocks are freed by then), unless a peer uses it; how many.
+        Runs on the poster thread."""
+        ...
+
     def map_pages(self, peer: Any, dtype: Any, fence: Callable[[], Any] | None = None) -> Any:
         """One prefill rank's pages mapped into this process (the mapped read mode): ``[layers,
         blocks, page]`` of ``dtype``, row ``b`` its kernel block ``b``. Mapped once per peer and

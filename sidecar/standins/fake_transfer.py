@@ -108,6 +108,7 @@ class FakePort:
         self.unmapped: list[FakePeer] = []  # unmap_pages calls
         self.load_threads: list[str] = []  # the thread each connect's load ran on
         self.removal_threads: list[str] = []  # the thread each remove_peer ran on
+        self.let_go_calls: list[tuple[float, str]] = []  # (idle_s, thread) of each let_go_notify_only
         # inside the transport, in the order they got there: "read <remote request id>", "load <engine id>"
         self.transport_order: list[str] = []
 
@@ -319,6 +320,11 @@ class FakePort:
         for m in _members(peer):
             self.notified.append(remote_request_id)
             self.notifications.append((remote_request_id, m.tp_rank, m.notif_count))
+
+    def let_go_notify_only(self, idle_s: float) -> int:
+        with self._lock:
+            self.let_go_calls.append((idle_s, threading.current_thread().name))
+        return 0
 
     def heartbeat(self, peer: Any, remote_request_ids: Sequence[str]) -> None:
         self.heartbeats.append(list(remote_request_ids))

@@ -2101,3 +2101,21 @@ def test_a_pull_admitted_before_a_reload_keeps_its_lease_when_the_new_rules_refu
             assert ["r-a"] in h.port.heartbeats[renewed:]
 
     run(main())
+
+
+def test_the_lease_tick_lets_idle_notify_only_loads_go_on_the_poster_thread():
+    """A refused prefill's agent, loaded only to notify it, is let go once unused for a lease and its margin
+    (``NixlPort.let_go_notify_only``, on real NIXL in test_remote_agents.py): the lease renewals' tick asks
+    the port every quarter of that, on the poster thread (NIXL's removal waits for a post in progress)."""
+
+    async def main():
+        async with started(lease_s=3.0, lease_margin_s=0.5, heartbeat_interval_s=0.2) as h:
+            while not h.port.let_go_calls:
+                await asyncio.sleep(0.02)
+            assert h.port.let_go_calls == [(3.5, "kv-sidecar-post_0")]
+            await asyncio.sleep(0.4)  # several renewal ticks, but not a quarter of 3.5 s
+            assert len(h.port.let_go_calls) == 1
+            while len(h.port.let_go_calls) < 2:
+                await asyncio.sleep(0.02)
+
+    run(main())

@@ -179,3 +179,117 @@ def test_a_notify_only_load_is_let_go_when_its_prefill_restarts(then):
         _stop(a)
         if b is not None:
             _stop(b)
+
+
+class Clock:
+    """The port's clock, moved by hand: ``let_go_notify_only`` without waiting out a lease."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+IDLE_S = 32.0  # what the daemon passes: lease_s (30) and lease_margin_s (2)
+
+
+def _refusing(e) -> tuple[Admission, Admission]:
+    """The prefill's admission, and one the rules refuse it under (its agent then loaded only to notify)."""
+    admit = Admission(local_format=SHUF, layers=LAYERS, compat_factors=local_factors(e),
+                      rules=RULES.remote_formats)
+    return admit, msgspec.structs.replace(admit, conversion_enabled=False)
+
+
+def test_a_refused_prefill_gone_for_good_has_its_agent_let_go_after_the_lease():
+    """A prefill the rules refuse (its agent loaded only to be notified) is told of a request, then scaled
+    down for good: nothing can need its agent once its lease is over, so the lease tick lets it go. Before,
+    it stayed loaded, a UCX endpoint to a dead process, until the daemon exited: one per refused prefill
+    gone away."""
+    a = _spawn("--num-blocks", "64")
+    clock = Clock()
+    port = NixlPort(SETTINGS, clock=clock)
+    try:
+        _, refuse = _refusing(a)
+        with pytest.raises(RemoteRefused) as refused:
+            asyncio.run(port.connect(_target(a), refuse))
+        told = refused.value.peer
+        _, params = new_request(a, 2)
+        clock.t = 5.0
+        port.notify(told, params.remote_request_id)
+        assert a.client.wait_state(params.remote_request_id, "freed_by_notif", 10).notif_counts == [1]
+        _stop(a)  # scaled down: never back at that address
+        clock.t = 5.0 + IDLE_S  # its last use a lease and margin ago, not more
+        assert port.let_go_notify_only(IDLE_S) == 0
+        assert port.agent.agent.check_remote_metadata(told.agent_name)
+        clock.t += 1.0
+        assert port.let_go_notify_only(IDLE_S) == 1
+        assert not port.agent.agent.check_remote_metadata(told.agent_name)
+        assert port.let_go_notify_only(IDLE_S) == 0  # forgotten, not let go twice
+    finally:
+        port.close()
+        _stop(a)
+
+
+@pytest.mark.parametrize("use", ["refused again", "notified"])
+def test_a_notify_only_load_used_within_the_lease_stays_loaded(emu, use):
+    """A refused prefill refused again (the same agent found again) or notified through its load later than
+    it was loaded: idle is counted from that use, so the load stays and notifies the next refused request;
+    it goes only once unused for the lease and margin."""
+    clock = Clock()
+    port = NixlPort(SETTINGS, clock=clock)
+    try:
+        _, refuse = _refusing(emu)
+        with pytest.raises(RemoteRefused) as refused:
+            asyncio.run(port.connect(_target(emu), refuse))
+        told = refused.value.peer
+        clock.t = IDLE_S - 1.0
+        if use == "refused again":
+            with pytest.raises(RemoteRefused) as again:
+                asyncio.run(port.connect(_target(emu), refuse))
+            assert again.value.peer is told
+        else:
+            _, params = new_request(emu, 2)
+            port.notify(told, params.remote_request_id)
+            assert emu.client.wait_state(params.remote_request_id, "freed_by_notif", 10).notif_counts == [1]
+        clock.t = IDLE_S + 1.0  # idle since its load, not since its use
+        assert port.let_go_notify_only(IDLE_S) == 0
+        assert port.agent.agent.check_remote_metadata(told.agent_name)
+        _, params = new_request(emu, 2)
+        port.notify(told, params.remote_request_id)
+        assert emu.client.wait_state(params.remote_request_id, "freed_by_notif", 10).notif_counts == [1]
+        clock.t = 2 * IDLE_S + 2.0
+        assert port.let_go_notify_only(IDLE_S) == 1
+        assert not port.agent.agent.check_remote_metadata(told.agent_name)
+    finally:
+        port.close()
+
+
+def test_an_idle_notify_only_load_leaves_the_agent_a_peer_reads_through_loaded(emu):
+    """A pull holds the prefill's admission when a reload's rules refuse it (a notify-only load of the same
+    agent). Letting the idle notify-only load go must not unload the agent the held peer reads through; once
+    that peer is let go too, nothing needs the agent and it is unloaded."""
+    clock = Clock()
+    port = NixlPort(SETTINGS, clock=clock)
+    planes = ShmPlanes()
+    try:
+        reg = port.register([(planes.base, planes.arr.nbytes, 0)], "DRAM")
+        dest = port.destination(reg, planes.planes())
+        admit, refuse = _refusing(emu)
+        held = asyncio.run(port.connect(_target(emu), admit))
+        with pytest.raises(RemoteRefused) as refused:
+            asyncio.run(port.connect(_target(emu), refuse))
+        assert refused.value.peer.agent_name == held.agent_name
+        clock.t = IDLE_S + 1.0
+        assert port.let_go_notify_only(IDLE_S) == 1
+        assert port.agent.agent.check_remote_metadata(held.agent_name)
+        reply, params = new_request(emu, 4)
+        rid = params.remote_request_id
+        port.agent.wait(port.agent.pull(held, dest, "direct", [0, 1, 2, 3], params.remote_block_ids[0], rid))
+        check_planes(planes.arr, reply, [0, 1, 2, 3])
+        port.remove_peer(held)  # no notify-only load keeps it now
+        assert not port.agent.agent.check_remote_metadata(held.agent_name)
+        port.deregister(reg)
+    finally:
+        port.close()
+        planes.close()
