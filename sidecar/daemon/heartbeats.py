@@ -1,8 +1,9 @@
 """Heartbeats: the shim's Heartbeat messages forwarded to prefills, and the renewal of leases we hold.
 
-Like stock vLLM, the first heartbeat for a prefill rank we do not know yet starts its handshake early; the
-requests heartbeated meanwhile are heartbeated as soon as it is through (``admitted``). A rank the rules in
-force refused is not asked again (``Peers.refused``): its pulls still handshake, to be refused and told.
+Like stock vLLM, the first heartbeat for a prefill rank we do not know yet starts its handshake early (a
+bounded number at once: ``peers.MAX_UNAWAITED_HANDSHAKES``); the requests heartbeated meanwhile are
+heartbeated as soon as it is through (``admitted``). A rank the rules in force refused is not asked again
+(``Peers.refused``): its pulls still handshake, to be refused and told.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class Heartbeats:
                                         remote_tp=t.remote_tp_size, local_tp=session.tp_size,
                                         local_rank=session.rank)
                     if not self._peers.refused(target):
-                        self._peers.start(target, self._caches.current)
+                        self._peers.start_unawaited(target, self._caches.current)
 
     def admitted(self, key: Key, peer: Any) -> None:
         """A handshake went through: heartbeat what the shim heartbeated before we knew this prefill."""

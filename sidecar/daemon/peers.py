@@ -31,6 +31,12 @@ from sidecar.wire import prefill as vllm_wire
 log = logging.getLogger("kv_sidecar.peers")
 
 Key = tuple[str, int]  # (engine id, prefill TP rank)
+# Handshakes no pull waits for (a Heartbeat's early one, one made only to tell a prefill a request will not
+# be read) running at once, at most. A Heartbeat may name any number of prefills, and each handshake holds
+# two of the process's 1,023 ZMQ sockets for up to handshake_timeout_s: unbounded, one Heartbeat naming
+# 2,000 left none for the handshakes pulls wait for ("Too many open files"). Past it, a pull handshakes
+# when it comes, and an unread request's blocks are freed by the prefill's lease.
+MAX_UNAWAITED_HANDSHAKES = 64
 
 
 @dataclass(eq=False)
@@ -109,6 +115,7 @@ class Peers:
         self._refusals: dict[Key, PeerTarget] = {}
         self._generation = 0  # bumped when what peers were admitted under changes
         self._telling: set[asyncio.Task] = set()  # notifications waiting for their handshake (``told``)
+        self._unawaited: set[asyncio.Task] = set()  # running handshakes of ``start_unawaited``
 
     def invalidate(self) -> None:
         """Re-admit every cached prefill once idle (new caches, or a reload changed the rules)."""
@@ -239,6 +246,17 @@ class Peers:
         task.add_done_callback(forget_failure)
         return entry
 
+    def start_unawaited(self, target: PeerTarget, caches: Any) -> PeerEntry | None:
+        """``start`` a handshake no pull waits for; None (not started) while MAX_UNAWAITED_HANDSHAKES run."""
+        if len(self._unawaited) >= MAX_UNAWAITED_HANDSHAKES:
+            log.debug("handshake with %s rank %d not started early: %d such handshakes running",
+                      target.engine_id, target.tp_rank, len(self._unawaited))
+            return None
+        entry = self.start(target, caches)
+        self._unawaited.add(entry.task)
+        entry.task.add_done_callback(self._unawaited.discard)
+        return entry
+
     def drop(self, entry: PeerEntry | None) -> None:
         """The prefill is gone (restarted?): the next request handshakes again."""
         if entry is not None:
@@ -340,7 +358,9 @@ class Peers:
         if entry is None or entry.failed:
             if caches is None:
                 return  # the prefill's lease frees the blocks
-            entry = self.start(target, caches)
+            entry = self.start_unawaited(target, caches)
+            if entry is None:
+                return  # as above
         self.notify_when_admitted(entry.task, remote_request_id)
 
     def close(self) -> None:

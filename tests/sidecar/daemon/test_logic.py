@@ -1898,6 +1898,37 @@ def test_a_remembered_refusal_holds_neither_the_released_caches_nor_an_old_rule_
     run(main())
 
 
+@pytest.mark.parametrize("how", ["heartbeat", "expired pulls"])
+def test_handshakes_no_pull_waits_for_are_bounded_and_leave_room_for_a_pulls(how):
+    """A Heartbeat naming 1,000 prefills started 1,000 handshakes at once (and expired Pulls one each, to
+    tell their prefills): against silent prefills each held two of the process's 1,023 ZMQ sockets until
+    its timeout, so a real pull's handshake failed with "Too many open files". At most
+    MAX_UNAWAITED_HANDSHAKES such run at once; a pull's own handshake still starts."""
+    from sidecar.daemon.peers import MAX_UNAWAITED_HANDSHAKES
+
+    async def main():
+        async with started() as h:
+            h.port.handshake_gate = asyncio.Event()  # every prefill is silent until the gate opens
+            if how == "heartbeat":
+                h.send(p.Heartbeat(targets=[p.HeartbeatTarget(
+                    remote_engine_id=f"flood-{i}", remote_host="127.0.0.1", remote_port=6000,
+                    remote_request_ids=[f"r-flood-{i}"]) for i in range(1000)]))
+            else:
+                for i in range(300):  # sent at the clock's origin: expired on arrival, answered at once
+                    h.pull(f"x{i}", remote_engine_id=f"flood-{i}", sent_at_ns=1)
+            await asyncio.sleep(0.05)
+            assert h.port.connects <= MAX_UNAWAITED_HANDSHAKES, h.port.connects
+            connects = h.port.connects
+            h.pull("a")
+            await h.until_stage("a", "handshake")
+            await asyncio.sleep(0.01)
+            assert h.port.connects == connects + 1  # the pull's own handshake is never held back
+            h.port.handshake_gate.set()
+            assert (await h.reply(p.Done, "a")).ok
+
+    run(main())
+
+
 def test_a_registration_that_fails_unexpectedly_is_answered_and_the_old_one_kept(monkeypatch):
     """RegisterCaches runs as a spawned task, out of the router's catch-all: an error other than a refusal
     (a view torch cannot build raised TypeError) left the shim waiting out its timeout with no reply."""
