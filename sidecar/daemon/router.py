@@ -252,13 +252,8 @@ class Router:
 
 def _peek(payload: bytes) -> tuple[str | None, str | None]:
     """Best effort: the type and req_id of an invalid message, so the Error can name the request."""
-    try:
-        obj = msgspec.msgpack.decode(payload)
-    except Exception:  # noqa: BLE001
-        return None, None
-    if not isinstance(obj, dict):
-        return None, None
-    return _short(obj.get("type")), _short(obj.get("req_id"))
+    kind, req_id = p.peek(payload)
+    return _short(kind), _short(req_id)
 
 
 def _short(value: Any) -> str | None:

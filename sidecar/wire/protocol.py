@@ -499,13 +499,39 @@ def _decode(decoder: msgspec.msgpack.Decoder, data: bytes, direction: str) -> An
         raise DecodeError(f"malformed frame ({len(data)} bytes): nested too deep") from None
 
 
-def _peek_type(data: bytes) -> str | None:
+class _Head(msgspec.Struct):
+    """A frame's ``type`` and ``req_id``, still encoded; every other field is skipped unread."""
+
+    type: msgspec.Raw = msgspec.Raw()
+    req_id: msgspec.Raw = msgspec.Raw()
+
+
+_head = msgspec.msgpack.Decoder(_Head)
+_str = msgspec.msgpack.Decoder(str)
+
+
+def peek(data: bytes) -> tuple[str | None, str | None]:
+    """Best effort: the ``type`` and ``req_id`` of a frame that did not decode (None where absent or not a
+    str), so that its Error can name them. Nothing else of the frame is built: decoded whole, a 64 MiB
+    array of zeros took 0.5 s and 600 MB per look, where its typed refusal takes microseconds."""
     try:
-        obj = msgspec.msgpack.decode(data)
-    except (msgspec.DecodeError, RecursionError):
+        head = _head.decode(data)
+    except (msgspec.MsgspecError, RecursionError):
+        return None, None
+    return _raw_str(head.type), _raw_str(head.req_id)
+
+
+def _raw_str(raw: msgspec.Raw) -> str | None:
+    if not raw:
         return None
-    t = obj.get("type") if isinstance(obj, dict) else None
-    return t if isinstance(t, str) else None
+    try:
+        return _str.decode(raw)
+    except (msgspec.MsgspecError, RecursionError):
+        return None
+
+
+def _peek_type(data: bytes) -> str | None:
+    return peek(data)[0]
 
 
 def _message_type_problem(data: bytes, text: str) -> str:

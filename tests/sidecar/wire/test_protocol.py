@@ -197,6 +197,35 @@ def test_daemon_rejects(frame, needle):
     assert needle in str(info.value)
 
 
+@pytest.mark.parametrize("shape", ["array", "map"])
+def test_a_huge_invalid_frame_is_refused_without_being_decoded_whole(shape):
+    """The router's Error names an invalid frame's type and req_id: it decoded the whole frame untyped to
+    find them (twice: the decoder's message did too), so a 64 MiB array of zeros (ZMQ's MAXMSGSIZE lets it
+    in) cost 1.1 s of the daemon's loop and 600 MB where its typed refusal costs microseconds."""
+    import tracemalloc
+
+    from sidecar.daemon.router import _peek
+
+    n = 4 << 20
+    zeros = b"\xdd" + n.to_bytes(4, "big") + b"\x00" * n  # a msgpack array of 4 Mi zeros
+    if shape == "array":
+        frame, expected = zeros, (None, None)
+    else:  # a Pull with one field too many, the array
+        frame = enc(pull_dict(req_id="r-1") | {"junk": "HERE"}).replace(enc("HERE"), zeros)
+        expected = ("Pull", "r-1")
+    tracemalloc.start()
+    try:
+        with pytest.raises(p.DecodeError):
+            p.decode_to_daemon(frame)
+        with pytest.raises(p.DecodeError):
+            p.decode_on_completions(frame)
+        assert _peek(frame) == expected
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak} bytes allocated to refuse a {len(frame)}-byte frame"
+
+
 def test_compat_factors_that_decode_hash_alike_in_every_process():
     factors = {"model": "m", "n": 8, "f": 0.5, "spec": {"k": [1, {"x": None}], "on": True}, "none": None}
     msg = p.decode_to_daemon(register_frame(factors))
