@@ -189,7 +189,8 @@ class WorkerHalf:
                 log.warning("heartbeat for %s:%s left out: %s", h.host, h.port, e)
         if targets:
             try:
-                self._send(p.Heartbeat(targets=targets))
+                for beat in p.heartbeats(targets):  # more than one past the daemon's MAX_HEARTBEAT_IDS
+                    self._send(beat)
                 log.debug(
                     "heartbeat: %d request(s) on %d prefill(s)",
                     sum(len(t.remote_request_ids) for t in targets),

@@ -64,6 +64,12 @@ MAX_TP_SIZE = 64
 # prefill's address) stays far below one completion-socket packet (the shim reads 64 KiB at a time).
 MAX_HOST_CHARS = 255  # a DNS name is at most 253; an IPv6 address with a zone index fits too
 MAX_ID_CHARS = 1024  # request and engine ids (vLLM's: a uuid with a prefix or suffix)
+# Request ids in one Heartbeat, and its targets; the shim sends more in several (``heartbeats``). Unbounded,
+# a 34 MB Heartbeat of 4 M ids held the daemon's loop 11 to 25 s, then seconds a pass while they were
+# tracked. Both lists are bounded as they are decoded (their length is read first): past 64 x 4,096 ids
+# nothing is decoded at all, and the total is checked once the targets are.
+MAX_HEARTBEAT_IDS = 4096
+MAX_HEARTBEAT_TARGETS = 64
 # A reply's reason is cut to this many characters when it is encoded: it may quote what a peer sent.
 MAX_REASON_CHARS = 4096
 
@@ -216,7 +222,7 @@ class HeartbeatTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     remote_engine_id: str
     remote_host: str
     remote_port: int
-    remote_request_ids: list[str]
+    remote_request_ids: Annotated[list[str], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)]
     remote_tp_size: int = 1
 
     def __post_init__(self) -> None:
@@ -229,9 +235,46 @@ class HeartbeatTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Heartbeat(_Msg):
-    """Keep these prefill leases alive (forwarded as vLLM ``HB:`` notifications). No reply."""
+    """Keep these prefill leases alive (forwarded as vLLM ``HB:`` notifications). No reply. At most
+    MAX_HEARTBEAT_TARGETS targets and MAX_HEARTBEAT_IDS request ids in all: :func:`heartbeats` splits more."""
 
-    targets: list[HeartbeatTarget]
+    targets: Annotated[list[HeartbeatTarget], msgspec.Meta(max_length=MAX_HEARTBEAT_TARGETS)]
+
+    def __post_init__(self) -> None:
+        ids = sum(len(t.remote_request_ids) for t in self.targets)
+        if ids > MAX_HEARTBEAT_IDS or len(self.targets) > MAX_HEARTBEAT_TARGETS:
+            raise ValueError(f"a Heartbeat carries at most {MAX_HEARTBEAT_IDS} request ids for at most "
+                             f"{MAX_HEARTBEAT_TARGETS} targets, got {ids} for {len(self.targets)}")
+
+
+def heartbeats(targets: Iterable[HeartbeatTarget]) -> list[Heartbeat]:
+    """``targets`` as few Heartbeats as MAX_HEARTBEAT_IDS allows, in order; a target with more ids than fit
+    is split over several."""
+    out: list[Heartbeat] = []
+    batch: list[HeartbeatTarget] = []
+    room = MAX_HEARTBEAT_IDS  # request ids the batch may still take
+
+    def flush() -> None:
+        nonlocal batch, room
+        if batch:
+            out.append(Heartbeat(targets=batch))
+        batch, room = [], MAX_HEARTBEAT_IDS
+
+    for target in targets:
+        ids = target.remote_request_ids
+        start = 0
+        while True:
+            if room == 0 or len(batch) == MAX_HEARTBEAT_TARGETS:
+                flush()
+            part = ids[start : start + room]
+            batch.append(target if len(part) == len(ids) else msgspec.structs.replace(
+                target, remote_request_ids=part))
+            room -= len(part)
+            start += len(part)
+            if start >= len(ids):
+                break
+    flush()
+    return out
 
 
 class Pull(_Msg):

@@ -36,6 +36,18 @@ def test_a_heartbeat_target_the_daemon_would_refuse_is_left_out_alone(address: s
         assert [(t.remote_engine_id, t.remote_request_ids) for t in got.targets] == [("e", ["a"])]
 
 
+def test_a_heartbeat_of_more_ids_than_one_message_takes_goes_out_whole_in_several(address: str) -> None:
+    """The daemon takes at most MAX_HEARTBEAT_IDS request ids a Heartbeat: the shim splits a larger one."""
+    n = p.MAX_HEARTBEAT_IDS + 10
+    with session(address) as (peer, w):
+        hb = HeartbeatOrder(engine_id="e", host="127.0.0.1", port=5600, tp_size=1,
+                            remote_request_ids=[f"r{i}" for i in range(n)])
+        w.start_step(StepOrders(heartbeats=[hb]))
+        first, second = peer.recv(), peer.recv()
+        ids = [rid for beat in (first, second) for t in beat.targets for rid in t.remote_request_ids]
+        assert ids == hb.remote_request_ids
+
+
 def test_an_unsafe_done_keeps_the_blocks_from_vllm(address: str) -> None:
     """Done(safe=False): the daemon could not stop a transfer into the blocks; vLLM must not get them back
     (to recompute into) while that daemon lives."""

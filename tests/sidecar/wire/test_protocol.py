@@ -1,5 +1,7 @@
 """Round trips of every shim↔daemon message and every way a frame is rejected."""
 
+import re
+
 import msgspec
 import numpy as np
 import pytest
@@ -224,6 +226,32 @@ def test_a_huge_invalid_frame_is_refused_without_being_decoded_whole(shape):
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20, f"{peak} bytes allocated to refuse a {len(frame)}-byte frame"
+
+
+def test_a_heartbeat_is_bounded_and_the_shim_splits_a_larger_one():
+    """A Heartbeat took any number of request ids: one of 4 M (34 MB, within ZMQ's MAXMSGSIZE), from a
+    session that had only said Hello, held the daemon's loop 11 to 25 s, and seconds per pass after."""
+    cap = p.MAX_HEARTBEAT_IDS
+
+    def target(engine: str, n: int) -> dict:
+        return {"remote_engine_id": engine, "remote_host": "h", "remote_port": 1,
+                "remote_request_ids": [f"{engine}-{i}" for i in range(n)]}
+
+    assert len(p.decode_to_daemon(enc({"type": "Heartbeat", "targets": [target("e", cap)]})).targets) == 1
+    for targets, needle in [
+        ([target("e", cap + 1)], f"length <= {cap} - at `$.targets[0].remote_request_ids`"),
+        ([target("e", cap), target("f", 1)], f"at most {cap} request ids"),
+        ([target("e", 1)] * 65, "length <= 64 - at `$.targets`"),
+    ]:
+        with pytest.raises(p.DecodeError, match=re.escape(needle)):
+            p.decode_to_daemon(enc({"type": "Heartbeat", "targets": targets}))
+    sizes = [("a", 3), ("b", 2 * cap + 5), ("c", 0), *((f"d{i}", 1) for i in range(70))]
+    many = [p.HeartbeatTarget(**target(e, n)) for e, n in sizes]  # as the shim builds them: unbounded
+    beats = p.heartbeats(many)
+    assert len(beats) == 4 and all(p.decode_to_daemon(p.encode(b)) == b for b in beats)
+    sent = [(t.remote_engine_id, rid) for b in beats for t in b.targets for rid in t.remote_request_ids]
+    assert sent == [(t.remote_engine_id, rid) for t in many for rid in t.remote_request_ids]
+    assert [len(b.targets) for b in beats] == [2, 1, 64, 8]
 
 
 def test_compat_factors_that_decode_hash_alike_in_every_process():
