@@ -1900,7 +1900,7 @@ def test_a_remembered_refusal_holds_neither_the_released_caches_nor_an_old_rule_
 
 @pytest.mark.parametrize("how", ["heartbeat", "expired pulls"])
 def test_handshakes_no_pull_waits_for_are_bounded_and_leave_room_for_a_pulls(how):
-    """A Heartbeat naming 1,000 prefills started 1,000 handshakes at once (and expired Pulls one each, to
+    """Heartbeats naming 1,000 prefills started 1,000 handshakes at once (and expired Pulls one each, to
     tell their prefills): against silent prefills each held two of the process's 1,023 ZMQ sockets until
     its timeout, so a real pull's handshake failed with "Too many open files". At most
     MAX_UNAWAITED_HANDSHAKES such run at once; a pull's own handshake still starts."""
@@ -1910,9 +1910,10 @@ def test_handshakes_no_pull_waits_for_are_bounded_and_leave_room_for_a_pulls(how
         async with started() as h:
             h.port.handshake_gate = asyncio.Event()  # every prefill is silent until the gate opens
             if how == "heartbeat":
-                h.send(p.Heartbeat(targets=[p.HeartbeatTarget(
-                    remote_engine_id=f"flood-{i}", remote_host="127.0.0.1", remote_port=6000,
-                    remote_request_ids=[f"r-flood-{i}"]) for i in range(1000)]))
+                for beat in p.heartbeats([p.HeartbeatTarget(  # 16 Heartbeats: 64 targets at most in one
+                        remote_engine_id=f"flood-{i}", remote_host="127.0.0.1", remote_port=6000,
+                        remote_request_ids=[f"r-flood-{i}"]) for i in range(1000)]):
+                    h.send(beat)
             else:
                 for i in range(300):  # sent at the clock's origin: expired on arrival, answered at once
                     h.pull(f"x{i}", remote_engine_id=f"flood-{i}", sent_at_ns=1)
