@@ -201,11 +201,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, lambda _sig, _frame: hups.append(_sig))
     try:  # a flag's bad value is a configuration error like any other: one line, exit 2
         overrides = config_overrides(args)
-        cfg = config_mod.load(args.config, overrides=overrides)
         # A reload refuses a file without keys (a rewrite caught mid-way), unless the daemon started from one:
         # an operator who sets everything through KV_SIDECAR_* variables keeps an empty file, and reloads it.
+        # Told by the one read of the file: a pipe (--config FIFO) cannot be read a second time.
+        cfg, keyless_start = config_mod.load_keyless(args.config, overrides=overrides)
         path = args.config or os.environ.get("KV_SIDECAR_CONFIG")
-        keyless_start = bool(path) and not config_mod.file_values(path)
     except config_mod.ConfigError as exc:
         raise CliError(f"configuration: {exc}") from None
     setup_logging(cfg.log_level, cfg.log_json)

@@ -734,12 +734,27 @@ def load(
 ) -> Config:
     """File (``path`` or $KV_SIDECAR_CONFIG), then KV_SIDECAR_* variables, then ``overrides`` (flags).
     ``reloading`` (SIGHUP): a file without any key is refused (``file_values``)."""
+    return load_keyless(path, environ=environ, overrides=overrides, reloading=reloading)[0]
+
+
+def load_keyless(
+    path: str | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    reloading: bool = False,
+) -> tuple[Config, bool]:
+    """``load``'s config, and whether it came with a file that had no key: from the one read of the file
+    (a pipe cannot be read twice: the second open of a named FIFO waits for a writer that is gone)."""
     environ = os.environ if environ is None else environ
     path = path or environ.get("KV_SIDECAR_CONFIG") or None
     merged: dict[str, Any] = {}
     sources = []
+    keyless = False
     if path:
-        merged.update(file_values(path, reloading=reloading))
+        values = file_values(path, reloading=reloading)
+        keyless = not values
+        merged.update(values)
         sources.append(f"file {path}")
     env = env_values(environ)
     if env:
@@ -748,7 +763,7 @@ def load(
     if overrides:
         merged.update(overrides)
         sources.append("flags")
-    return build(merged, " + ".join(sources) or "defaults")
+    return build(merged, " + ".join(sources) or "defaults"), keyless
 
 
 def load_to_find(

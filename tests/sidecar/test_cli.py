@@ -446,3 +446,36 @@ def test_serve_refuses_to_reload_an_emptied_file_and_reloads_the_next_one(tmp_pa
     finally:
         proc.proc.kill()
         proc.proc.wait()
+
+
+def test_serve_reads_a_config_pipe_once(tmp_path):
+    """``serve --config FIFO``: start-up read the file a second time to see whether it had keys (a reload of
+    a key-less file is refused unless the daemon started from one), after ``load`` had drained the pipe. The
+    second open of a named FIFO waits for a writer that is gone: start-up hung before the daemon began (the
+    hang fixed in read_settled, back by another way in). The daemon's run is stubbed: start-up only."""
+    import threading
+
+    fifo = tmp_path / "kv.toml"
+    os.mkfifo(fifo)
+    code = ("import sys, uvloop; from sidecar import cli\n"
+            "def stub(coro, **kw):\n"
+            "    coro.close(); print('serving', flush=True); return 0\n"
+            "uvloop.run = stub\n"
+            "sys.exit(cli.main(sys.argv[1:]))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--config", str(fifo), "--socket",
+                             f"ipc://{tmp_path}/s/cpu.sock", "--metrics-port", "-1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def render() -> None:
+        with open(fifo, "wb", buffering=0) as f:
+            f.write(b"default_timeout_s = 20.0\n")
+
+    writer = threading.Thread(target=render, daemon=True)
+    writer.start()
+    try:
+        out, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"serve --config FIFO still starting after 20 s: {err[-2000:]}")
+    assert proc.returncode == 0 and "serving" in out, err[-2000:]
