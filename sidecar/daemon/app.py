@@ -392,6 +392,8 @@ class Daemon:
         config.SETTLE_S for the file to stay unchanged, up to config.SETTLE_BOUND_S while it keeps changing:
         on the loop, that would hold every pull's polls and replies. A SIGHUP while one reads makes one more
         read after it (the file may have changed since that read began)."""
+        if self._stopping:  # one queued as the stop began: nothing left to reload
+            return
         self.sighups += 1
         if self._reloading is not None and not self._reloading.done():
             self._reload_again = True
@@ -461,7 +463,11 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
-        loop.add_signal_handler(signal.SIGHUP, self.on_sighup)
+        # SIGHUP through signal.signal, not the loop's add_signal_handler: a loop letting go of a signal (its
+        # remove_signal_handler, its close) sets the default action back, SIGHUP's terminates, and a SIGHUP
+        # in the moment before ``run`` ignores it killed the daemon on its way out. Set so, it goes from this
+        # handler to ignored in one step (the loop's wake-up fd, set for SIGTERM, runs it promptly).
+        signal.signal(signal.SIGHUP, lambda _sig, _frame: loop.call_soon_threadsafe(self.on_sighup))
 
     def _spawn(self, coro: Any, essential: str | None = None) -> asyncio.Task:
         """A background task, its crash logged. ``essential`` names a loop the daemon cannot serve without:
@@ -565,9 +571,8 @@ async def run(
     try:
         await daemon.serve()
     finally:
-        # Stopping: nothing left to reload, and the loop's close gives SIGHUP its default action back, which
-        # would kill the process on its way out (exit by signal, not 0).
-        asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+        # Stopping: nothing left to reload. Ignored, never its default action (terminate), which would kill
+        # the process on its way out (exit by signal, not 0): see install_signal_handlers.
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         await daemon.shutdown()
     return 0

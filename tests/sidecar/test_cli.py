@@ -479,3 +479,28 @@ def test_serve_reads_a_config_pipe_once(tmp_path):
         out, err = proc.communicate()
         pytest.fail(f"serve --config FIFO still starting after 20 s: {err[-2000:]}")
     assert proc.returncode == 0 and "serving" in out, err[-2000:]
+
+
+def test_a_sighup_as_the_loop_lets_go_of_it_does_not_kill_the_daemon(tmp_path):
+    """At stop, ``run`` took SIGHUP from the loop (which sets its default action back: terminate), then
+    ignored it: a SIGHUP between the two killed the daemon by signal on its way out, its shutdown undone.
+    Here one comes right after each removal of a loop's signal handler (asyncio's loop), at stop and close."""
+    code = f"""
+import asyncio, os, signal, sys
+from asyncio import unix_events
+from sidecar.daemon import app
+from sidecar.ops.config import Config
+from sidecar.standins.fake_transfer import FakePort
+
+real = unix_events._UnixSelectorEventLoop.remove_signal_handler
+def remove(self, sig):
+    out = real(self, sig)
+    os.kill(os.getpid(), signal.SIGHUP)  # any removal: the loop's own at its close too
+    return out
+unix_events._UnixSelectorEventLoop.remove_signal_handler = remove
+app.Daemon.__init__.__kwdefaults__["make_port"] = lambda _c: FakePort()
+cfg = Config(socket="ipc://{tmp_path}/s/cpu.sock", metrics_port=-1)
+sys.exit(asyncio.run(app.run(cfg, on_started=lambda d: d.request_stop())))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
