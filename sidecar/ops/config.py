@@ -658,24 +658,32 @@ def _stamp(path: str) -> FileStamp:
     return FileStamp.of(os.stat(path))
 
 
-def read_settled(path: str) -> bytes:
+def read_settled(path: str, *, wait_missing: bool = False) -> bytes:
     """The bytes of ``path`` once a read of them is settled (``settle_verdict``): read, then wait SETTLE_S to
     see the file unchanged; read again while it changes, for up to SETTLE_BOUND_S. Blocks for SETTLE_S at
     least: not on the event loop (the daemon's SIGHUP reads in a thread). A path that is not a regular file
     (a FIFO, ``<(...)``, a device) is read once, to its end: a pipe reopened would be drained, or wait for a
-    writer that is gone, and its stamps change with each write it carries."""
+    writer that is gone, and its stamps change with each write it carries. ``wait_missing`` (a reload): a
+    path that does not exist is looked for again within the same bound, as an editor that renames the old
+    file away before writing the new one leaves it missing for a moment."""
     deadline = time.monotonic() + SETTLE_BOUND_S
     while True:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
+        try:
+            st = os.stat(path)
+            if not stat.S_ISREG(st.st_mode):
+                with open(path, "rb") as f:
+                    return f.read()
+            before = FileStamp.of(st)
             with open(path, "rb") as f:
-                return f.read()
-        before = FileStamp.of(st)
-        with open(path, "rb") as f:
-            data = f.read()
-        after = _stamp(path)
-        time.sleep(SETTLE_S)
-        later = _stamp(path)
+                data = f.read()
+            after = _stamp(path)
+            time.sleep(SETTLE_S)
+            later = _stamp(path)
+        except FileNotFoundError:
+            if not wait_missing or time.monotonic() >= deadline:
+                raise
+            time.sleep(SETTLE_S)
+            continue
         verdict = settle_verdict(before, after, later, out_of_time=time.monotonic() >= deadline)
         if verdict == "settled":
             return data
@@ -692,7 +700,7 @@ def file_values(path: str, *, reloading: bool = False) -> dict[str, Any]:
     without any key (empty, or only comments): what a reload reads mid-rewrite, and never a change worth
     applying live (every key back to its default, ``remotes`` to none)."""
     try:
-        data = read_settled(path)
+        data = read_settled(path, wait_missing=reloading)
         values = tomllib.loads(data.decode())
     except OSError as e:
         raise ConfigError(f"config file {path}: {e.strerror}") from None

@@ -222,6 +222,39 @@ def test_a_reload_refuses_a_file_without_keys_a_start_takes_it(tmp_path, text):
 
 
 
+def test_a_reload_finds_a_file_an_editor_renamed_away_for_a_moment(tmp_path):
+    """An editor saving by renaming the old file away, then writing the new one (vim's backup by rename)
+    leaves the path missing for a moment: a SIGHUP then was refused with "No such file" although the file was
+    back milliseconds later. A reload looks again within the settle bound; a start-up, or a file that stays
+    missing, still fails, naming the file."""
+    import os
+    import threading
+    import time
+
+    path = tmp_path / "kv.toml"
+    path.write_text("default_timeout_s = 20.0\n")
+    os.rename(path, tmp_path / "kv.toml~")
+
+    def save() -> None:
+        time.sleep(0.15)
+        (tmp_path / "kv.new").write_text("default_timeout_s = 25.0\n")
+        os.rename(tmp_path / "kv.new", path)
+
+    editor = threading.Thread(target=save)
+    editor.start()
+    try:
+        assert c.load(str(path), environ={}, reloading=True).default_timeout_s == 25.0
+    finally:
+        editor.join(5)
+    os.remove(path)
+    t0 = time.monotonic()
+    with pytest.raises(c.ConfigError, match="kv.toml"):
+        c.load(str(path), environ={})  # start-up: at once
+    assert time.monotonic() - t0 < c.SETTLE_BOUND_S / 2
+    with pytest.raises(c.ConfigError, match="kv.toml"):
+        c.load(str(path), environ={}, reloading=True)  # missing for the whole bound
+
+
 def test_a_config_from_a_pipe_is_read_once_as_it_comes(tmp_path):
     """``serve --config FIFO`` (or ``<(render-config)``, an anonymous pipe, whose stamps kernels before 6.8
     update on each write too): the writes during the read changed its stamps, so the settle read opened it
