@@ -427,7 +427,9 @@ class Daemon:
             return
         if new is None:
             log.error("SIGHUP: configuration not reloaded: %s", error)
-            self._reloaded(covered, "refused", error, [], [])
+            # the file was not read: what the last readable one left pending still is
+            pending = self.last_reload.restart_pending if self.last_reload is not None else []
+            self._reloaded(covered, "refused", error, [], pending)
             return
         plan = plan_reload(self.config, new)
         if plan.restart:

@@ -385,6 +385,25 @@ def test_a_reload_of_an_emptied_file_keeps_the_running_config(tmp_path, caplog):
     assert len(errors) == 1 and "kv.toml has no keys (empty, 0 bytes)" in errors[0], errors
 
 
+def test_a_reload_of_an_unreadable_file_keeps_the_restart_still_pending(tmp_path):
+    """A reload refused because the file did not load said no restart was pending (Status, the gauge), though
+    the restart-only key the last readable file changed still waited for one: that file was not read."""
+    from sidecar.daemon.app import Daemon
+
+    path = tmp_path / "kv.toml"
+    path.write_text("default_timeout_s = 20.0\n")
+    running = config.load(str(path), environ={})
+    daemon = Daemon(running, bind=False, reload=lambda: config.load(str(path), environ={}, reloading=True))
+    path.write_text("default_timeout_s = 20.0\nmax_inflight = 8\n")
+    daemon.reload()  # SIGHUP
+    assert (daemon.last_reload.outcome, daemon.last_reload.restart_pending) == ("unchanged", ["max_inflight"])
+    path.write_text("default_timeout_s = 'twenty'\nmax_inflight = 8\n")
+    daemon.reload()
+    assert daemon.last_reload.outcome == "refused" and "default_timeout_s" in daemon.last_reload.reason
+    assert daemon.last_reload.restart_pending == ["max_inflight"]
+    assert daemon.metrics.config_restart_pending._value.get() == 1  # noqa: SLF001
+
+
 def test_a_sighup_reads_the_file_off_the_loop_and_applies_it_on_it(tmp_path):
     """The read waits SETTLE_S for the file to settle (up to SETTLE_BOUND_S): in a thread, so the loop keeps
     serving meanwhile. SIGHUPs while it reads make one more read, not one each."""
