@@ -383,15 +383,16 @@ class Daemon:
 
     def reload(self) -> None:
         """Re-read the configuration and apply what can change live, here and now. Reading waits for the file
-        to settle (at least config.SETTLE_S): the loop's SIGHUP handler reads in a thread (``on_sighup``)."""
+        to settle (at least ``settled_file.SETTLE_S``): the loop's SIGHUP handler reads in a thread
+        (``on_sighup``)."""
         self.sighups += 1
         self._apply_config(self.sighups, *self._read_config())
 
     def on_sighup(self) -> None:
         """SIGHUP, on the loop: read the configuration in a thread, then apply it on the loop. The read waits
-        config.SETTLE_S for the file to stay unchanged, up to config.SETTLE_BOUND_S while it keeps changing:
-        on the loop, that would hold every pull's polls and replies. A SIGHUP while one reads makes one more
-        read after it (the file may have changed since that read began)."""
+        ``settled_file.SETTLE_S`` for the file to stay unchanged, up to ``settled_file.SETTLE_BOUND_S`` while
+        it keeps changing: on the loop, that would hold every pull's polls and replies. A SIGHUP while one
+        reads makes one more read after it (the file may have changed since that read began)."""
         if self._stopping:  # one queued as the stop began: nothing left to reload
             return
         self.sighups += 1

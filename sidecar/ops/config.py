@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import math
 import os
-import stat
-import time
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal
 
 import msgspec
 import tomllib
 
+from sidecar.ops import settled_file
 from sidecar.wire.formats import PageFormat
 
 ENV_PREFIX = "KV_SIDECAR_"
@@ -35,11 +34,6 @@ ENV_NOT_KEYS = frozenset(
 DEFAULT_SOCKET_DIR = "/run/kv-sidecar"
 DEFAULT_METRICS_PORT = 9464  # GPU N's daemon serves its endpoint on this + N unless metrics_port is set
 MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
-# The config file is read only once it stays unchanged this long after the read (an editor or a config tool
-# rewriting it in place, truncate then write, would otherwise hand over a partial file that still parses) ...
-SETTLE_S = 0.05
-# ... and read again while it keeps changing, for at most about this long; then the read is refused.
-SETTLE_BOUND_S = 1.0
 # Keys SIGHUP may change; the others need a restart.
 DEFAULT_POLL_BUSY_S = 0.05  # poll_busy_s with a GPU when unset
 DEFAULT_INLINE_POST_DESCRIPTORS = 128  # inline_post_max_descriptors with a GPU when unset
@@ -623,85 +617,15 @@ def env_values(environ: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
-class FileStamp(NamedTuple):
-    """What stat says of a file that writing it, or replacing it by a rename, changes."""
-
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-    inode: int
-    device: int
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> FileStamp:
-        return cls(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
-
-
-Settle = Literal["settled", "retry", "unsettled"]
-
-
-def changed(a: FileStamp, b: FileStamp) -> list[str]:
-    """The fields of two stamps of one path that differ (an inode or device: the file was replaced)."""
-    return [name for name, x, y in zip(FileStamp._fields, a, b, strict=True) if x != y]
-
-
-def settle_verdict(before: FileStamp, after: FileStamp, later: FileStamp, *, out_of_time: bool) -> Settle:
-    """Whether bytes read between the stamps ``before`` and ``after``, with ``later`` taken SETTLE_S after
-    the read, are the file as written: settled when no stamp differs (nothing wrote or replaced the file from
-    before the read to SETTLE_S after it); else read again, or give up once ``out_of_time``."""
-    if before == after == later:
-        return "settled"
-    return "unsettled" if out_of_time else "retry"
-
-
-def _stamp(path: str) -> FileStamp:
-    return FileStamp.of(os.stat(path))
-
-
-def read_settled(path: str, *, wait_missing: bool = False) -> bytes:
-    """The bytes of ``path`` once a read of them is settled (``settle_verdict``): read, then wait SETTLE_S to
-    see the file unchanged; read again while it changes, for up to SETTLE_BOUND_S. Blocks for SETTLE_S at
-    least: not on the event loop (the daemon's SIGHUP reads in a thread). A path that is not a regular file
-    (a FIFO, ``<(...)``, a device) is read once, to its end: a pipe reopened would be drained, or wait for a
-    writer that is gone, and its stamps change with each write it carries. ``wait_missing`` (a reload): a
-    path that does not exist is looked for again within the same bound, as an editor that renames the old
-    file away before writing the new one leaves it missing for a moment."""
-    deadline = time.monotonic() + SETTLE_BOUND_S
-    while True:
-        try:
-            st = os.stat(path)
-            if not stat.S_ISREG(st.st_mode):
-                with open(path, "rb") as f:
-                    return f.read()
-            before = FileStamp.of(st)
-            with open(path, "rb") as f:
-                data = f.read()
-            after = _stamp(path)
-            time.sleep(SETTLE_S)
-            later = _stamp(path)
-        except FileNotFoundError:
-            if not wait_missing or time.monotonic() >= deadline:
-                raise
-            time.sleep(SETTLE_S)
-            continue
-        verdict = settle_verdict(before, after, later, out_of_time=time.monotonic() >= deadline)
-        if verdict == "settled":
-            return data
-        if verdict == "unsettled":
-            what = ", ".join(changed(before, after) or changed(after, later))
-            raise ConfigError(
-                f"config file {path} changed while being read (still changing after {SETTLE_BOUND_S:g} s: "
-                f"{what}); write it atomically: write a temp file, then rename it over this one"
-            )
-
-
 def file_values(path: str, *, reloading: bool = False) -> dict[str, Any]:
-    """The keys of the TOML file ``path``, read once settled (``read_settled``). ``reloading``: refuse a file
-    without any key (empty, or only comments): what a reload reads mid-rewrite, and never a change worth
-    applying live (every key back to its default, ``remotes`` to none)."""
+    """The keys of the TOML file ``path``, read once settled (``settled_file.read_settled``). ``reloading``:
+    refuse a file without any key (empty, or only comments): what a reload reads mid-rewrite, and never a
+    change worth applying live (every key back to its default, ``remotes`` to none)."""
     try:
-        data = read_settled(path, wait_missing=reloading)
+        data = settled_file.read_settled(path, wait_missing=reloading)
         values = tomllib.loads(data.decode())
+    except settled_file.Unsettled as e:
+        raise ConfigError(f"config file {e}") from None
     except OSError as e:
         raise ConfigError(f"config file {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from sidecar import cli
-from sidecar.ops import config
+from sidecar.ops import config, settled_file
 from sidecar.ops.config import Config
 
 
@@ -348,7 +348,7 @@ def test_a_reload_mid_rewrite_applies_the_whole_file_or_nothing(tmp_path, caplog
     daemon = Daemon(running, bind=False, reload=lambda: config.load(str(path), environ={}))  # main's serve's
     # The writer never pauses 50 ms on its own, but a loaded host can stall its thread that long, and the file
     # then looks settled (seen once, run beside a CI run on 2 cores); a 0.25 s stall is far rarer.
-    monkeypatch.setattr(config, "SETTLE_S", 0.25)
+    monkeypatch.setattr(settled_file, "SETTLE_S", 0.25)
     started, stop = threading.Event(), threading.Event() if over_and_over else None
     writer = threading.Thread(target=_rewrite_in_place, args=(path, chunks, started, stop))
     writer.start()

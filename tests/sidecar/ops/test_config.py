@@ -4,6 +4,7 @@ import msgspec
 import pytest
 
 from sidecar.ops import config as c
+from sidecar.ops import settled_file
 from sidecar.wire.formats import PageFormat
 
 
@@ -189,27 +190,6 @@ def test_every_kv_sidecar_variable_the_repo_reads_is_a_key_or_set_aside():
 # ---------------------------------------------------------------------------------------------- settled reads
 
 
-def test_a_read_is_settled_only_when_no_stamp_differs():
-    """Every pattern of the three stamps (before the read, after it, SETTLE_S later), each field changed in
-    turn, in and out of time: one unchanged stamp is the only settled read; a changed one is read again
-    while there is time, then refused."""
-    import itertools
-
-    base = c.FileStamp(size=120, mtime_ns=1_000, ctime_ns=1_000, inode=7, device=1)
-    for field in c.FileStamp._fields:
-        other = base._replace(**{field: getattr(base, field) + 1})
-        assert c.changed(base, other) == [field] and c.changed(other, base) == [field]
-        for stamps in itertools.product((base, other), repeat=3):
-            for out_of_time in (False, True):
-                verdict = c.settle_verdict(*stamps, out_of_time=out_of_time)
-                if stamps[0] == stamps[1] == stamps[2]:
-                    assert verdict == "settled", (field, stamps, out_of_time)
-                else:
-                    assert verdict == ("unsettled" if out_of_time else "retry"), (field, stamps, out_of_time)
-    assert c.changed(base, base) == []
-    assert c.changed(base, base._replace(size=0, inode=8)) == ["size", "inode"]
-
-
 @pytest.mark.parametrize("text", ["", "\n  \n", "# every key commented out\n# remotes = []\n"])
 def test_a_reload_refuses_a_file_without_keys_a_start_takes_it(tmp_path, text):
     """Reloaded, an empty file (a rewrite caught between its truncate and its first write, or a settled
@@ -250,7 +230,7 @@ def test_a_reload_finds_a_file_an_editor_renamed_away_for_a_moment(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(c.ConfigError, match="kv.toml"):
         c.load(str(path), environ={})  # start-up: at once
-    assert time.monotonic() - t0 < c.SETTLE_BOUND_S / 2
+    assert time.monotonic() - t0 < settled_file.SETTLE_BOUND_S / 2
     with pytest.raises(c.ConfigError, match="kv.toml"):
         c.load(str(path), environ={}, reloading=True)  # missing for the whole bound
 
