@@ -293,6 +293,7 @@ def check_completion_socket(socket_endpoint: str, timeout_s: float) -> DoctorChe
 
     import zmq
 
+    from sidecar.ops.control import new_nonce
     from sidecar.wire import protocol
 
     name = "completion socket"
@@ -320,7 +321,7 @@ def check_completion_socket(socket_endpoint: str, timeout_s: float) -> DoctorChe
             return DoctorCheck(
                 name, "warn", f"{path} refused the binding ({bound!r}): shims fall back to ZMQ"
             )
-        nonce = int.from_bytes(os.urandom(4), "little")
+        nonce = new_nonce()
         t0 = time.perf_counter()
         sock.send(protocol.encode(protocol.Ping(nonce=nonce)))
         pong = protocol.decode_to_shim(fast.recv(65536))
