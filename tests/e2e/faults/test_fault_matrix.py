@@ -138,12 +138,21 @@ def test_sighup_changing_the_remotes_under_load_loses_nothing(rig: Rig) -> None:
         text = f.read()
     rules = ('match = "127.0.0.1:*"', 'match = "127.0.0.*:*"')  # the same prefill, another rule's text
 
+    outcomes = ("SIGHUP: applied", "SIGHUP: nothing to apply", "SIGHUP: configuration not reloaded")
+
     def reload(wave: int) -> None:
         with open(path + ".new", "w") as f:  # replaced whole: a reload never reads it half written
             f.write(text.replace(rules[0], rules[(wave + 1) % 2]))
         os.replace(path + ".new", path)
         rig.daemon.signal(signal.SIGHUP)
-        time.sleep(0.05)  # one reload per wave (signals of one kind merge while pending)
+        # One reload per wave, read before the next wave's file: a read waits for the file to settle (50 ms),
+        # so a fixed sleep let the next rewrite land in it, and the rules, flipped back, read as unchanged.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            log = rig.daemon_log(lines=100_000)
+            if sum(log.count(o) for o in outcomes) > wave:
+                break
+            time.sleep(0.01)
 
     res = rig.batch(64, wave=8, between_waves=reload)
     assert_all_ok(res, rig, 64)
