@@ -223,7 +223,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pieces.install(cfg.loop_pieces, slow_s=cfg.loop_pieces_slow_us / 1e6)
 
     def reload() -> Any:  # the daemon calls it in a thread: it waits for the file to settle
-        return config_mod.load(args.config, overrides=overrides, reloading=not keyless_start)
+        return config_mod.load(args.config, overrides=overrides, reloading=True, keyless_ok=keyless_start)
 
     def announce(daemon: app.Daemon) -> None:
         port = daemon.metrics_server.port if daemon.metrics_server is not None else None

@@ -617,10 +617,11 @@ def env_values(environ: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
-def file_values(path: str, *, reloading: bool = False) -> dict[str, Any]:
+def file_values(path: str, *, reloading: bool = False, keyless_ok: bool = False) -> dict[str, Any]:
     """The keys of the TOML file ``path``, read once settled (``settled_file.read_settled``). ``reloading``:
-    refuse a file without any key (empty, or only comments): what a reload reads mid-rewrite, and never a
-    change worth applying live (every key back to its default, ``remotes`` to none)."""
+    look again for a file missing for a moment, and refuse a file without any key (empty, or only comments),
+    unless ``keyless_ok`` (the daemon started from one): what a reload reads mid-rewrite, and never a change
+    worth applying live (every key back to its default, ``remotes`` to none)."""
     try:
         data = settled_file.read_settled(path, wait_missing=reloading)
         values = tomllib.loads(data.decode())
@@ -632,7 +633,7 @@ def file_values(path: str, *, reloading: bool = False) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: invalid TOML: {e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {path}: not UTF-8 (TOML is): {e.reason} at byte {e.start}") from None
-    if reloading and not values:
+    if reloading and not keyless_ok and not values:
         what = "empty" if not data.strip() else "only comments"
         raise ConfigError(
             f"config file {path} has no keys ({what}, {len(data)} bytes): a reload does not set every key "
@@ -663,10 +664,14 @@ def load(
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
     reloading: bool = False,
+    keyless_ok: bool = False,
 ) -> Config:
     """File (``path`` or $KV_SIDECAR_CONFIG), then KV_SIDECAR_* variables, then ``overrides`` (flags).
-    ``reloading`` (SIGHUP): a file without any key is refused (``file_values``)."""
-    return load_keyless(path, environ=environ, overrides=overrides, reloading=reloading)[0]
+    ``reloading`` (SIGHUP): a missing file is looked for again, one without any key refused unless
+    ``keyless_ok`` (``file_values``)."""
+    return load_keyless(
+        path, environ=environ, overrides=overrides, reloading=reloading, keyless_ok=keyless_ok
+    )[0]
 
 
 def load_keyless(
@@ -675,6 +680,7 @@ def load_keyless(
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
     reloading: bool = False,
+    keyless_ok: bool = False,
 ) -> tuple[Config, bool]:
     """``load``'s config, and whether it came with a file that had no key: from the one read of the file
     (a pipe cannot be read twice: the second open of a named FIFO waits for a writer that is gone)."""
@@ -684,7 +690,7 @@ def load_keyless(
     sources = []
     keyless = False
     if path:
-        values = file_values(path, reloading=reloading)
+        values = file_values(path, reloading=reloading, keyless_ok=keyless_ok)
         keyless = not values
         merged.update(values)
         sources.append(f"file {path}")

@@ -470,6 +470,34 @@ def test_serve_refuses_to_reload_an_emptied_file_and_reloads_the_next_one(tmp_pa
         proc.proc.wait()
 
 
+@pytest.mark.e2e
+def test_a_daemon_started_from_a_keyless_file_finds_it_again_after_a_rename(tmp_path):
+    """A daemon started from a key-less file (every key from KV_SIDECAR_* variables) reloaded without the
+    wait for a file missing for a moment, the one editors' rename-saves need: its SIGHUP after a
+    rename-save was refused with "No such file" although the file was back milliseconds later."""
+    import signal
+    import time
+
+    toml = tmp_path / "kv.toml"
+    toml.write_text("# every key comes from the environment\n")
+    proc = cli.spawn_serve(["--config", str(toml), "--socket", f"ipc://{tmp_path}/s/cpu.sock",
+                            "--metrics-port", "-1"], env={"KV_SIDECAR_DEFAULT_TIMEOUT_S": "20"},
+                           stderr=subprocess.PIPE)
+    try:
+        err = _Lines(proc.proc.stderr)
+        os.rename(toml, tmp_path / "kv.toml~")  # the editor's backup by rename, then its save
+        proc.signal(signal.SIGHUP)
+        time.sleep(0.15)
+        (tmp_path / "kv.new").write_text("# every key comes from the environment, still\n")
+        os.rename(tmp_path / "kv.new", toml)
+        line = err.until("SIGHUP:", timeout_s=10)
+        assert line.rstrip().endswith("SIGHUP: nothing to apply"), line
+        assert proc.stop() == 0
+    finally:
+        proc.proc.kill()
+        proc.proc.wait()
+
+
 def test_serve_reads_a_config_pipe_once(tmp_path):
     """``serve --config FIFO``: start-up read the file a second time to see whether it had keys (a reload of
     a key-less file is refused unless the daemon started from one), after ``load`` had drained the pipe. The
