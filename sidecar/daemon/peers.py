@@ -3,7 +3,9 @@
 A handshake is cached until the prefill restarts (a newer registration generation or a new engine at the
 same address), the configuration changes what it was admitted under, or a read finds the peer gone. A
 failed or refused handshake is never cached: the next request tries again. A refusal by the admission rules
-is remembered, though, so the shim's heartbeats do not handshake again under the same rules (``refused``).
+is remembered, though, so the shim's heartbeats do not handshake again under the same rules (``refused``);
+a prefill the transport cannot load for what it has loaded already (``PeerConflict``) is not: that passes
+once the peer in its way is let go, and the pull is answered failed, not refused.
 A request we will not read still gets its notification, so the prefill frees its blocks now instead of at
 its lease's end.
 """
@@ -23,9 +25,10 @@ import msgspec
 from sidecar.daemon.errors import Failed, Inadmissible, Refused, reason_of
 from sidecar.daemon.port import Admission, PeerTarget, Runner, TransferPort
 from sidecar.nixl.admission import RemoteFormatRule
-from sidecar.nixl.errors import RemoteRefused
+from sidecar.nixl.errors import PeerConflict, RemoteRefused
 from sidecar.ops.config import Config
 from sidecar.ops.metrics import Metrics
+from sidecar.ops.ratelog import RateLimitedLog
 from sidecar.wire import prefill as vllm_wire
 
 log = logging.getLogger("kv_sidecar.peers")
@@ -116,6 +119,7 @@ class Peers:
         self._generation = 0  # bumped when what peers were admitted under changes
         self._telling: set[asyncio.Task] = set()  # notifications waiting for their handshake (``told``)
         self._unawaited: set[asyncio.Task] = set()  # running handshakes of ``start_unawaited``
+        self._ratelog = RateLimitedLog(log)  # conflicts repeat with each heartbeat while they last
 
     def invalidate(self) -> None:
         """Re-admit every cached prefill once idle (new caches, or a reload changed the rules)."""
@@ -146,7 +150,8 @@ class Peers:
 
     def refused(self, target: PeerTarget) -> bool:
         """Whether the rules in force refused the last handshake with ``target`` (the same rank, address and
-        TP): asked again, it would be refused again until a reload or new caches (``invalidate``)."""
+        TP): asked again, it would be refused again until a reload or new caches (``invalidate``). Not a
+        handshake that failed, nor one the transport could not load for a peer in its way (``_handshake``)."""
         refused = self._refusals.get((target.engine_id, target.tp_rank))
         return refused is not None and refused == msgspec.structs.replace(
             target, generation=refused.generation
@@ -273,6 +278,17 @@ class Peers:
         except RemoteRefused as exc:
             self._metrics.handshake("refused")
             raise Inadmissible(exc.field or "remote", exc.reason, getattr(exc, "peer", None)) from None
+        except PeerConflict as exc:
+            # admitted, but a peer loaded already stands in its way (an older generation than the loaded one,
+            # an agent name another engine's peer reads through): no rule of ours, so not remembered
+            # (``refused``) nor counted refused, and its pull fails rather than being refused (its field is
+            # no page format or identity that does not fit: KvSidecarRefusing)
+            self._metrics.handshake("failed")
+            self._ratelog.log(
+                f"conflict:{exc.field}", logging.INFO, "prefill %s rank %d at %s not loaded: %s",
+                target.engine_id, target.tp_rank, target.address, exc,
+            )
+            raise Failed(f"handshake with {target.address}: {exc}") from None
         except vllm_wire.HandshakeRefused as exc:
             self._metrics.handshake("failed")
             raise Refused(exc.field, exc.reason) from None

@@ -19,6 +19,12 @@ class RemoteRefused(TransferError):
     """The remote cannot be read: its metadata, format, identity or geometry disagree (at handshake)."""
 
 
+class PeerConflict(TransferError):
+    """An admitted remote the transport cannot load now: it conflicts with a prefill loaded already (a
+    registration generation older than the loaded one's, an agent name another engine's peer reads
+    through). What is loaded, not a rule: once that peer is let go, the same handshake may load."""
+
+
 class RemoteDisconnected(TransferError):
     """The remote agent is gone (NIXL_ERR_REMOTE_DISCONNECT)."""
 

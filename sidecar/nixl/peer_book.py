@@ -7,7 +7,8 @@ Pure bookkeeping, no NIXL: ``RemotePeers`` makes the NIXL calls around it. The r
   it).
 - A higher generation, other metadata, or another engine at the same address and rank (a restarted prefill)
   replaces the current one, and any a re-admission left readable, at once: they are *unloaded* (no read goes
-  through them) but stay loaded, their mappings open, until removed. A lower generation is refused.
+  through them) but stay loaded, their mappings open, until removed. A lower generation is refused
+  (``PeerConflict``: what is loaded, not the admission rules).
 - Loaded peers may share one NIXL remote agent (the same metadata bytes); the agent is let go once no current
   peer uses it.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sidecar.nixl.errors import RemoteRefused
+from sidecar.nixl.errors import PeerConflict
 
 Key = tuple[str, int]  # (engine id, prefill rank)
 
@@ -43,10 +44,10 @@ class PeerBook:
     ) -> list[Any]:
         """The readable peers a new admission of ``key`` replaces at once (to unload), by the rules above: the
         current one and any a re-admission left readable, since a pull may still read through those too;
-        RemoteRefused for a generation older than the current one's."""
+        PeerConflict for a generation older than the current one's."""
         old = self._current.get(key)
         if old is not None and generation < old.generation:
-            raise RemoteRefused(
+            raise PeerConflict(
                 f"generation {generation} is older than the loaded {old.generation}",
                 "remote_registration_generation",
             )

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sidecar.nixl.calls import locked, nixl_call
-from sidecar.nixl.errors import RemoteRefused, TransferError
+from sidecar.nixl.errors import PeerConflict, RemoteRefused, TransferError
 from sidecar.nixl.geometry import GeometryError, Mode, PairGeometry, RemoteRegions, StagingPool
 from sidecar.nixl.peer_book import PeerBook
 from sidecar.wire.formats import Plan
@@ -85,7 +85,8 @@ class RemotePeers:
         """Load a checked remote (see ``admit_remote``) as the current peer of (engine id, rank); what it
         replaces, and which remote agent it shares, by ``PeerBook``'s rules: a replaced peer is let go by NIXL
         at once (``_unload``) or, re-admitted alike, reads on; either way its mapping stays until
-        ``remove_peer``."""
+        ``remove_peer``. PeerConflict when a loaded peer stands in its way (a newer generation of the rank,
+        another engine's peer on the same agent name)."""
         key = (engine_id, tp_rank)
         for old in self._book.replaced_by(key, generation, agent_metadata, address, tp_rank):
             if old.key != key:
@@ -97,7 +98,7 @@ class RemotePeers:
             name = nixl_call("add_remote_agent", self.agent.add_remote_agent, agent_metadata)
             name = name.decode() if isinstance(name, bytes) else str(name)
             if self._book.agent_in_use(name):
-                raise RemoteRefused(
+                raise PeerConflict(
                     f"agent name {name!r} is already loaded for another engine", "agent_metadata"
                 )
             try:

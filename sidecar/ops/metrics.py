@@ -29,8 +29,10 @@ READ_MODES = ("direct", "staged", "mapped", "plain")  # how a Pull's pages came 
 MAPPING_OUTCOMES = ("mapped", "unavailable")  # a prefill rank's pages mapped here, or not (daemon/mapped.py)
 GAP_SPAN_WAIT_OUTCOMES = ("taken", "gave_up")  # a staged pull that waited for its gap span (staging.py)
 RELOAD_OUTCOMES = ("applied", "unchanged", "refused")  # a SIGHUP's (daemon/app.py Daemon.reload)
-# a handshake admitted, broken (unreachable, timed out, a bad reply), or answered but refused by this daemon's
-# admission rules (remotes, model identity, format, geometry): an operator's choice, not a fault
+# a handshake admitted, broken (unreachable, timed out, a bad reply, or one the transport cannot load for a
+# prefill loaded already in its way: an older registration generation, an agent name taken), or answered but
+# refused by this daemon's admission rules (remotes, model identity, format, geometry): an operator's choice,
+# not a fault
 HANDSHAKE_OUTCOMES = ("ok", "failed", "refused")
 STAGES = ("handshake", "queue", "transfer", "convert", "signal", "end_to_end", "delivery")
 # 50 µs .. ~100 s, roughly x2.5 per bucket: signal latencies and multi-second pulls both resolve.
@@ -107,8 +109,8 @@ class Metrics:
         )
         self.handshakes = Counter(
             "kv_sidecar_handshakes",
-            "Side-channel handshakes, by outcome: ok, failed (no reply, or a bad one), refused (by this "
-            "daemon's admission rules)",
+            "Side-channel handshakes, by outcome: ok, failed (no reply, a bad one, or one that conflicts "
+            "with a prefill loaded already), refused (by this daemon's admission rules)",
             ["outcome"],
             registry=r,
         )

@@ -21,6 +21,7 @@ import pytest
 from sidecar.daemon import conversion as conversion_mod
 from sidecar.daemon import reads as reads_module
 from sidecar.daemon.app import Daemon
+from sidecar.nixl.peer_book import PeerBook
 from sidecar.ops.config import Config
 from sidecar.standins.fake_transfer import FakePort
 from sidecar.wire import ipc
@@ -1894,6 +1895,67 @@ def test_a_remembered_refusal_holds_neither_the_released_caches_nor_an_old_rule_
             gc.collect()
             assert caches() is None, [type(r).__name__ for r in gc.get_referrers(caches())]
             assert not h.daemon.peers._refusals  # noqa: SLF001 - forgotten with the rules they held under
+
+    run(main())
+
+
+def _loaded_by_a_peer_book(port: FakePort) -> None:
+    """The fake's loads and removals kept by a real ``PeerBook``, as ``RemotePeers`` keeps NIXL's: a load the
+    book turns down raises what NIXL's side raises. One agent, its metadata unchanged (no restart)."""
+    book = PeerBook()
+    load, remove = port._load, port.remove_peer  # noqa: SLF001
+
+    def loaded(peer: Any) -> Any:
+        key = (peer.engine_id, peer.tp_rank)
+        for old in book.replaced_by(key, peer.generation, b"agent-md", peer.address, peer.tp_rank):
+            book.unload(old)
+        peer.key, peer.agent_name, peer.agent_metadata = key, "agent", b"agent-md"
+        book.add(peer)
+        return load(peer)
+
+    def removed(peer: Any) -> None:
+        if book.forget(peer):
+            book.unload(peer)
+        remove(peer)
+
+    port._load, port.remove_peer = loaded, removed  # noqa: SLF001
+
+
+def test_a_handshake_a_loaded_peer_stands_in_the_way_of_fails_and_is_not_remembered_as_refused():
+    """A pull naming an older registration generation than the peer a running pull still reads through
+    (replaced by a reload, not yet removed): the transport cannot load it. That is what is loaded, not a rule
+    of ours, yet it was counted a refused handshake, answered refused on remote_registration_generation
+    (KvSidecarRefusing) and remembered as the rules' refusal: the shim's heartbeats for that rank started no
+    handshake and reached no prefill until the next pull or reload, though the peer in the way was gone."""
+    beat = p.Heartbeat(targets=[p.HeartbeatTarget(
+        remote_engine_id="prefill-0", remote_host="127.0.0.1", remote_port=5600, remote_request_ids=["r-w"])])
+
+    async def main():
+        async with started() as h:
+            sample = h.daemon.metrics.registry.get_sample_value
+            _loaded_by_a_peer_book(h.port)
+            h.port.auto_land = False  # "a" reads through the generation 2 peer until the test lands it
+            h.pull("a", remote_registration_generation=2)
+            await h.until_stage("a", "transfer")
+            h.daemon.peers.invalidate()  # as a reload that changes the remotes does
+            h.pull("b", [4], remote_registration_generation=1)
+            done = await h.reply(p.Done, "b")
+            assert not done.ok and "generation 1 is older than the loaded 2" in done.reason, done
+            assert not h.daemon.peers.refused(h.port.targets[-1])
+            assert sample("kv_sidecar_handshakes_total", {"outcome": "refused"}) == 0
+            assert sample("kv_sidecar_handshakes_total", {"outcome": "failed"}) == 1
+            assert sample("kv_sidecar_requests_total", {"outcome": "failed"}) == 1
+            assert sample("kv_sidecar_refusals_total", {"field": "remote_registration_generation"}) is None
+            h.port.auto_land = True
+            assert (await h.reply(p.Done, "a")).ok
+            old = h.port.peers[0]
+            while not old.removed:  # "a" let go: the peer in the way goes
+                await asyncio.sleep(0.005)
+            connects = h.port.connects
+            for _ in range(3):
+                h.send(beat)
+                await asyncio.sleep(0.05)
+            assert h.port.connects == connects + 1 and ["r-w"] in h.port.heartbeats
 
     run(main())
 

@@ -18,6 +18,7 @@ from sidecar.daemon.leases import LeaseTracker
 from sidecar.nixl.admission import AdmissionRules, RemoteFormatRule, admit_remote
 from sidecar.nixl.agent import NixlTransfer, TransferSettings
 from sidecar.nixl.errors import (
+    PeerConflict,
     RemoteDisconnected,
     RemoteRefused,
     RequestRefused,
@@ -627,7 +628,7 @@ def test_peer_cache_by_engine_generation_and_address(emu, tx, planes):
     assert "direct" in peer.remote_handles and peer.prep_seconds["direct"] >= 0
     newer = tx.add_peer(engine_id=emu.ready.engine_id, generation=2, **kw)
     assert newer is not peer and peer.remote_handles == {} and tx.peer(emu.ready.engine_id, 0) is newer
-    with pytest.raises(RemoteRefused) as e:
+    with pytest.raises(PeerConflict) as e:
         tx.add_peer(engine_id=emu.ready.engine_id, generation=1, **kw)
     assert e.value.field == "remote_registration_generation"
     # a restarted prefill answers at the same address with a fresh engine id: the old entry goes

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from sidecar.nixl.errors import RemoteRefused
+from sidecar.nixl.errors import PeerConflict, RemoteRefused
 from sidecar.nixl.peer_book import PeerBook
 
 
@@ -32,11 +32,14 @@ def book_with(*peers: P) -> PeerBook:
     return book
 
 
-def test_an_older_generation_is_refused_naming_the_field():
+def test_an_older_generation_is_refused_naming_the_field_as_a_conflict_not_a_rule():
+    """What is loaded turns it down, not the admission rules (``RemoteRefused``): the daemon does not
+    remember it as their refusal."""
     book = book_with(P("e", generation=2))
-    with pytest.raises(RemoteRefused) as e:
+    with pytest.raises(PeerConflict) as e:
         book.replaced_by(("e", 0), 1, b"meta-a", "10.0.0.1:5600", 0)
     assert e.value.field == "remote_registration_generation"
+    assert not isinstance(e.value, RemoteRefused)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,61 @@
+"""``RemotePeers`` on a stand-in NIXL agent: what a load turns down for what is loaded already."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from sidecar.nixl.errors import PeerConflict, RemoteRefused
+from sidecar.nixl.remote_peers import RemotePeers
+
+
+class Agent:
+    """NIXL's remote-agent calls, by name: each metadata names the agent it was made from."""
+
+    def __init__(self, names: dict[bytes, str]) -> None:
+        self.names = names
+        self.loaded: list[str] = []
+        self.removed: list[str] = []
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        name = self.names[metadata]
+        self.loaded.append(name)
+        return name.encode()
+
+    def make_connection(self, name: str) -> None:
+        pass
+
+    def remove_remote_agent(self, name: str) -> None:
+        self.removed.append(name)
+
+
+def _add(peers: RemotePeers, engine_id: str, metadata: bytes, address: str, generation: int = 1):
+    return peers.add_peer(engine_id=engine_id, tp_rank=0, generation=generation, address=address,
+                          agent_metadata=metadata, plan=None, regions=None)
+
+
+def test_an_agent_name_another_engines_peer_reads_through_is_a_conflict_not_a_rule():
+    """Other metadata under an agent name a current peer of another engine reads through: what is loaded
+    turns it down, not the admission rules (``RemoteRefused``), so the daemon does not remember it as their
+    refusal; the other engine's peer reads on through its agent."""
+    agent = Agent({b"meta-a": "agent-x", b"meta-b": "agent-x"})
+    peers = RemotePeers(agent, threading.RLock())
+    first = _add(peers, "engine-a", b"meta-a", "10.0.0.1:5600")
+    with pytest.raises(PeerConflict) as e:
+        _add(peers, "engine-b", b"meta-b", "10.0.0.2:5600")
+    assert e.value.field == "agent_metadata" and not isinstance(e.value, RemoteRefused)
+    assert peers.peer("engine-a", 0) is first and not first.unloaded and agent.removed == []
+    assert peers.peer("engine-b", 0) is None
+    peers.remove_peer(first)  # the peer in the way let go: the same load goes through
+    assert _add(peers, "engine-b", b"meta-b", "10.0.0.2:5600").agent_name == "agent-x"
+
+
+def test_an_older_generation_than_the_loaded_one_is_a_conflict_and_leaves_the_loaded_peer():
+    agent = Agent({b"meta-a": "agent-a"})
+    peers = RemotePeers(agent, threading.RLock())
+    newer = _add(peers, "e", b"meta-a", "10.0.0.1:5600", generation=2)
+    with pytest.raises(PeerConflict) as e:
+        _add(peers, "e", b"meta-a", "10.0.0.1:5600", generation=1)
+    assert e.value.field == "remote_registration_generation"
+    assert peers.peer("e", 0) is newer and not newer.unloaded and agent.loaded == ["agent-a"]
