@@ -12,7 +12,8 @@ backend whose plugin it lacks with only a warning, so a missing one is refused a
 (``nixl_backends``). The parts share the agent and its lock, each owning its state:
 
 - ``local_memory.LocalMemory``: registrations, the destinations read into, staging pools;
-- ``remote_peers.RemotePeers``: the prefill ranks loaded (their remote agents), geometries, prepared lists;
+- ``remote_peers.RemotePeers``: the prefill ranks loaded (their remote agents), geometries, prepared lists,
+  and the refused ones loaded only to be notified;
 - ``reads.NixlReads``: a request's READs posted, polled, released and aborted (``ReadOp``);
 - ``notifications.Notifier``: completion notifications, heartbeats and progress (without its thread).
 
@@ -24,8 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -37,7 +39,7 @@ from sidecar.nixl.geometry import DescIndices, LocalRegions, Mode, PairGeometry,
 from sidecar.nixl.local_memory import Destination, LocalMemory, Registration
 from sidecar.nixl.notifications import Notifier
 from sidecar.nixl.reads import NixlReads, ReadOp
-from sidecar.nixl.remote_peers import Peer, RemotePeers
+from sidecar.nixl.remote_peers import NotifyOnlyPeer, Peer, RemotePeers
 from sidecar.nixl.runs import Descs
 
 
@@ -74,16 +76,19 @@ def _create_agent(name: str, settings: TransferSettings) -> Any:
 
 class NixlTransfer:
     """A NIXL agent used to pull KV pages from prefills. Any thread may call it: calls into NIXL are
-    serialised by ``lock`` (the daemon posts from its poster thread and polls from its loop)."""
+    serialised by ``lock`` (the daemon posts from its poster thread and polls from its loop). ``clock``: when
+    a notify-only load was last used (``let_go_notify_only``)."""
 
-    def __init__(self, settings: TransferSettings | None = None) -> None:
+    def __init__(
+        self, settings: TransferSettings | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.settings = settings or TransferSettings()
         if self.settings.cuda_device is not None:
             init_cuda_context(self.settings.cuda_device)
         self.name = f"{self.settings.name_prefix}-{uuid.uuid4().hex}"
         self.lock = threading.RLock()
         self.agent = Serialized(_create_agent(self.name, self.settings), self.lock)
-        self.remote_peers = RemotePeers(self.agent, self.lock)
+        self.remote_peers = RemotePeers(self.agent, self.lock, clock)
         self.memory = LocalMemory(
             self.agent,
             self.lock,
@@ -147,11 +152,14 @@ class NixlTransfer:
     def remove_peer(self, peer: Peer) -> None:
         self.remote_peers.remove_peer(peer)
 
-    def load_agent(self, agent_metadata: bytes) -> str:
-        return self.remote_peers.load_agent(agent_metadata)
+    def load_notify_only(self, **rank: Any) -> NotifyOnlyPeer:
+        return self.remote_peers.load_notify_only(**rank)
 
-    def remove_agent(self, agent_name: str) -> None:
-        self.remote_peers.remove_agent(agent_name)
+    def mark_used(self, told: NotifyOnlyPeer) -> None:
+        self.remote_peers.mark_used(told)
+
+    def let_go_notify_only(self, idle_s: float) -> int:
+        return self.remote_peers.let_go_notify_only(idle_s)
 
     def geometry(
         self, peer: Peer, dest: Destination, mode: Mode, pool: StagingPool | None = None

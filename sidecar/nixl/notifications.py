@@ -40,7 +40,7 @@ class Notifier:
         self.notify_agent(peer.agent_name, remote_request_id, readers)
 
     def notify_agent(self, agent_name: str, remote_request_id: str, readers: int = 1) -> None:
-        """A notification to any loaded agent (also one whose prefill was refused, see ``load_agent``)."""
+        """A notification to any loaded agent (a refused prefill's too: ``RemotePeers.load_notify_only``)."""
         msg = _encode(vllm_wire.encode_notification, remote_request_id, readers)
         nixl_call("send_notif", self.agent.send_notif, agent_name, msg)
 

@@ -19,23 +19,10 @@ from sidecar.nixl.errors import MappingUnavailable, RemoteRefused, TransferError
 from sidecar.nixl.geometry import BlockPairs, LocalRegions, StagingPool, regions_per_layer
 from sidecar.nixl.mapping import MappedPages, map_pages, mapping_layout
 from sidecar.nixl.reads import ReadOp
-from sidecar.nixl.remote_peers import Peer
+from sidecar.nixl.remote_peers import NotifyOnlyPeer, Peer
 from sidecar.wire import prefill as vllm_wire
 
 log = logging.getLogger("kv_sidecar.nixl")
-
-
-@dataclass(eq=False)
-class NotifyOnlyPeer:
-    """A prefill rank we refused after its handshake decoded: loaded in NIXL only to be notified, so it
-    frees the blocks of requests we will not read at once instead of at its lease's end."""
-
-    engine_id: str
-    tp_rank: int
-    address: str
-    agent_name: str
-    notif_count: int = 1
-    used_at: float = 0.0  # when last loaded, found again or notified through (the port's clock)
 
 
 @dataclass(eq=False)
@@ -148,10 +135,8 @@ class NixlPort:
     """A thin adapter: one ``NixlTransfer`` (the agent) plus the handshake over the prefill's side channel."""
 
     def __init__(self, settings: TransferSettings, clock: Callable[[], float] = time.monotonic) -> None:
-        self.agent = NixlTransfer(settings)
-        self._clock = clock  # when a notify-only load was last used (``let_go_notify_only``)
+        self.agent = NixlTransfer(settings, clock)
         self.local_mem_type = "DRAM" if settings.cuda_device is None else "VRAM"
-        self._notify_only: dict[bytes, NotifyOnlyPeer] = {}  # agent metadata -> its loaded agent
         # (agent, remote request id) already notified by a read that failed while posting: the daemon's
         # own notification for that request must not go out a second time.
         self._spent: dict[tuple[str, str], None] = {}
@@ -190,83 +175,37 @@ class NixlPort:
     def _load(
         self, target: PeerTarget, metadata: bytes, plan: Any, regions: Any, source: Any, count: int
     ) -> Peer:
-        """``connect``'s transport calls: the admitted prefill's agent loaded (a notify-only load of it let
-        go first, unless a peer still reads through it; best effort, as the peer loads it again anyway), and
-        the notify-only loads of the rank's earlier agents let go once it is admitted."""
-        with self.agent.hold():  # the notify-only loads against ``let_go_notify_only`` on another thread
-            stale = self._notify_only.pop(metadata, None)
-            if stale is not None:  # refused before, admitted now (a reload): load it as a full peer
-                self._let_go(stale)
-            peer = self.agent.add_peer(
-                engine_id=target.engine_id,
-                tp_rank=target.tp_rank,
-                generation=target.generation,
-                address=target.address,
-                agent_metadata=metadata,
-                plan=plan,
-                regions=regions,
-                source=source,
-                notif_count=count,
-            )
-            self._forget_replaced(target, metadata)
-            return peer
+        """``connect``'s transport call for an admitted rank (``RemotePeers.add_peer``, which lets its
+        notify-only loads go)."""
+        return self.agent.add_peer(
+            engine_id=target.engine_id,
+            tp_rank=target.tp_rank,
+            generation=target.generation,
+            address=target.address,
+            agent_metadata=metadata,
+            plan=plan,
+            regions=regions,
+            source=source,
+            notif_count=count,
+        )
 
     def _notify_only_peer(
         self, target: PeerTarget, agent_metadata: bytes, count: int = 1
     ) -> NotifyOnlyPeer | None:
-        with self.agent.hold():  # against ``let_go_notify_only`` on another thread
-            peer = self._notify_only.get(agent_metadata)
-            if peer is None:
-                try:
-                    name = self.agent.load_agent(agent_metadata)
-                except TransferError:
-                    return None  # e.g. already loaded as an admitted peer; the lease frees the blocks
-                peer = NotifyOnlyPeer(target.engine_id, target.tp_rank, target.address, name, count)
-                self._notify_only[agent_metadata] = peer
-                self._forget_replaced(target, agent_metadata, keep=name)
-            peer.used_at = self._clock()  # a new refusal to tell it of: kept for another lease
-            return peer
+        """``connect``'s transport call for a refused rank: its agent loaded (or found) to be notified."""
+        try:
+            return self.agent.load_notify_only(
+                engine_id=target.engine_id,
+                tp_rank=target.tp_rank,
+                address=target.address,
+                agent_metadata=agent_metadata,
+                notif_count=count,
+            )
+        except TransferError:
+            return None  # NIXL cannot load it: the prefill's lease frees the blocks
 
     def let_go_notify_only(self, idle_s: float) -> int:
-        """Let go the notify-only loads not used (loaded, found again or notified through) for ``idle_s``,
-        the prefills' lease and a margin: by then their prefill has freed the refused requests' blocks on its
-        own, and nothing tells it of a new one without using the load again. Else a refused prefill gone for
-        good (scaled down) kept its agent loaded, a UCX endpoint to a dead process, until the daemon exited.
-        An agent a peer reads through (``RemotePeers.remove_agent``) or a kept load shares stays loaded.
-        How many loads were let go. The daemon calls it on its poster thread (``Peers``)."""
-        with self.agent.hold():
-            now = self._clock()
-            idle = {md: old for md, old in self._notify_only.items() if now - old.used_at > idle_s}
-            for md in idle:
-                del self._notify_only[md]
-            kept = {p.agent_name for p in self._notify_only.values()}
-            for name, old in {old.agent_name: old for old in idle.values()}.items():
-                if name in kept:
-                    continue
-                log.info("prefill %s rank %d at %s: its notify-only agent let go after %.0f s unused",
-                         old.engine_id, old.tp_rank, old.address, now - old.used_at)
-                self._let_go(old)
-            return len(idle)
-
-    def _forget_replaced(self, target: PeerTarget, metadata: bytes, keep: str | None = None) -> None:
-        """The notify-only loads of ``target``'s prefill rank (its address or its engine, as ``PeerBook``
-        matches a restart) from other metadata: it restarted or re-registered since, so nothing notifies
-        their agent any more. Let go, but for an agent named ``keep`` (NIXL loaded the same one again)."""
-        for md, old in list(self._notify_only.items()):
-            if md == metadata or old.tp_rank != target.tp_rank:
-                continue
-            if old.address != target.address and old.engine_id != target.engine_id:
-                continue
-            del self._notify_only[md]
-            if old.agent_name != keep:
-                self._let_go(old)
-
-    def _let_go(self, peer: NotifyOnlyPeer) -> None:
-        """Let a notify-only load go (unless a peer reads through its agent); best effort."""
-        try:
-            self.agent.remove_agent(peer.agent_name)
-        except TransferError as exc:
-            log.warning("letting the notify-only agent %s go: %s", peer.agent_name, exc)
+        return self.agent.let_go_notify_only(idle_s)
 
     def remove_peer(self, peer: Peer) -> None:
         self.agent.remove_peer(peer)
@@ -416,8 +355,8 @@ class NixlPort:
             self._notify_one(m, remote_request_id)
 
     def _notify_one(self, peer: Peer | NotifyOnlyPeer, remote_request_id: str) -> None:
-        if isinstance(peer, NotifyOnlyPeer):  # under the agent's lock, or on the poster thread (``Peers``)
-            peer.used_at = self._clock()
+        if isinstance(peer, NotifyOnlyPeer):
+            self.agent.mark_used(peer)
         self.agent.notify_agent(peer.agent_name, remote_request_id, peer.notif_count)
 
     def heartbeat(self, peer: Peer, remote_request_ids: Sequence[str]) -> None:

@@ -1,11 +1,13 @@
 """The prefill ranks' NIXL side (``RemotePeers``): each rank a ``Peer``, its remote agent loaded and let go
-by ``PeerBook``'s rules, its checked geometries and its prepared remote descriptor lists."""
+by ``PeerBook``'s rules, its checked geometries and its prepared remote descriptor lists; each refused rank
+whose agent is loaded only to be notified a ``NotifyOnlyPeer``."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,17 +51,33 @@ class Peer:
         return (self.engine_id, self.tp_rank)
 
 
+@dataclass(eq=False)
+class NotifyOnlyPeer:
+    """A prefill rank we refused after its handshake decoded: loaded in NIXL only to be notified, so it
+    frees the blocks of requests we will not read at once instead of at its lease's end."""
+
+    engine_id: str
+    tp_rank: int
+    address: str
+    agent_name: str
+    notif_count: int = 1
+    used_at: float = 0.0  # when last loaded, found again or notified through (``RemotePeers``' clock)
+
+
 class RemotePeers:
     """The loaded prefill ranks and NIXL's side of them: ``PeerBook`` keeps which are loaded and current, this
     makes the NIXL calls around it."""
 
-    def __init__(self, agent: Any, lock: threading.RLock) -> None:
+    def __init__(
+        self, agent: Any, lock: threading.RLock, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.agent = agent  # the serialized NIXL agent
         self.lock = lock
         self._book = PeerBook()  # the loaded peers, and the current one of each (engine id, rank)
-        # remote agents loaded only to notify (``load_agent``), until ``remove_agent``: NIXL does not count
-        # loads, so a peer let go must not remove one of these under them
-        self._notify_only: set[str] = set()
+        # the refused ranks loaded only to be notified, by agent metadata: NIXL does not count loads, so an
+        # agent is removed only once neither a peer nor one of these needs it (``_needed``)
+        self._notify_only: dict[bytes, NotifyOnlyPeer] = {}
+        self._clock = clock  # when a notify-only load was last used (``let_go_notify_only``)
 
     def peer(self, engine_id: str, tp_rank: int) -> Peer | None:
         return self._book.current((engine_id, tp_rank))
@@ -85,9 +103,14 @@ class RemotePeers:
         """Load a checked remote (see ``admit_remote``) as the current peer of (engine id, rank); what it
         replaces, and which remote agent it shares, by ``PeerBook``'s rules: a replaced peer is let go by NIXL
         at once (``_unload``) or, re-admitted alike, reads on; either way its mapping stays until
-        ``remove_peer``. PeerConflict when a loaded peer stands in its way (a newer generation of the rank,
-        another engine's peer on the same agent name)."""
+        ``remove_peer``. The rank's notify-only loads go: of these metadata first (best effort, as the peer
+        loads the agent again anyway), of others once it is loaded (``_forget_replaced``). PeerConflict when
+        a loaded peer stands in its way (a newer generation of the rank, another engine's peer on the same
+        agent name)."""
         key = (engine_id, tp_rank)
+        stale = self._notify_only.pop(agent_metadata, None)
+        if stale is not None:  # refused before, admitted now (a reload): loaded again below as a full peer
+            self._let_go(stale)
         for old in self._book.replaced_by(key, generation, agent_metadata, address, tp_rank):
             if old.key != key:
                 log.info("prefill at %s rank %d restarted: dropping engine %s", address, tp_rank,
@@ -104,7 +127,7 @@ class RemotePeers:
             try:
                 nixl_call("make_connection", self.agent.make_connection, name)
             except TransferError:
-                if name not in self._notify_only:  # loaded just now, and no peer records it: let it go
+                if not self._needed(name):  # loaded just now, and nothing records it: let it go
                     self._remove_agent(name)
                 raise
         peer = Peer(
@@ -120,6 +143,7 @@ class RemotePeers:
             agent_metadata=agent_metadata,
         )
         self._book.add(peer)
+        self._forget_replaced(engine_id, tp_rank, address, agent_metadata)
         return peer
 
     @locked
@@ -148,9 +172,13 @@ class RemotePeers:
                 log.warning("releasing a dlist of %s: %s", peer.agent_name, exc)
         peer.remote_handles.clear()
         peer.geometries.clear()
-        if self._book.agent_in_use(peer.agent_name) or peer.agent_name in self._notify_only:
-            return  # a peer that replaced it reads through the same agent, or a notify-only load notifies it
-        self._remove_agent(peer.agent_name)
+        if not self._needed(peer.agent_name):  # else a peer that replaced it or a notify-only load shares it
+            self._remove_agent(peer.agent_name)
+
+    def _needed(self, name: str) -> bool:
+        """Whether a current peer reads through the remote agent ``name`` or a notify-only load notifies it:
+        NIXL does not count loads, so removing it would unload it under them."""
+        return self._book.agent_in_use(name) or any(t.agent_name == name for t in self._notify_only.values())
 
     def _remove_agent(self, name: str) -> None:
         """NIXL's removal of the remote agent ``name``, best effort (a failure is logged)."""
@@ -160,23 +188,62 @@ class RemotePeers:
             log.warning("removing agent %s: %s", name, exc)
 
     @locked
-    def load_agent(self, agent_metadata: bytes) -> str:
-        """Load a remote agent only to notify it (its prefill was refused, its metadata decoded fine), until
-        ``remove_agent``. NIXL loads metadata it has loaded already again, under the same name: a peer may
-        share the agent."""
-        name = nixl_call("add_remote_agent", self.agent.add_remote_agent, agent_metadata)
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        self._notify_only.add(name)
-        return name
+    def load_notify_only(
+        self, *, engine_id: str, tp_rank: int, address: str, agent_metadata: bytes, notif_count: int = 1
+    ) -> NotifyOnlyPeer:
+        """A refused prefill rank (its metadata decoded fine) loaded only to be notified, or its load found
+        again; marked used. NIXL loads metadata it has loaded already again, under the same name: a peer may
+        share the agent. The rank's loads from other metadata go (``_forget_replaced``). TransferError if
+        NIXL cannot load it."""
+        told = self._notify_only.get(agent_metadata)
+        if told is None:
+            name = nixl_call("add_remote_agent", self.agent.add_remote_agent, agent_metadata)
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            told = NotifyOnlyPeer(engine_id, tp_rank, address, name, notif_count)
+            self._notify_only[agent_metadata] = told
+            self._forget_replaced(engine_id, tp_rank, address, agent_metadata)
+        told.used_at = self._clock()  # a new refusal to tell it of: kept for another lease
+        return told
 
     @locked
-    def remove_agent(self, name: str) -> None:
-        """Let a remote agent loaded only to notify (``load_agent``) go, unless a peer reads through it: NIXL
-        does not count loads, and removing it would unload it under that peer. TransferError if NIXL fails."""
-        self._notify_only.discard(name)
-        if self._book.agent_in_use(name):
-            return
-        nixl_call("remove_remote_agent", self.agent.remove_remote_agent, name)
+    def mark_used(self, told: NotifyOnlyPeer) -> None:
+        """``told`` notified through now: kept for another lease (``let_go_notify_only``)."""
+        told.used_at = self._clock()
+
+    @locked
+    def let_go_notify_only(self, idle_s: float) -> int:
+        """Let go the notify-only loads not used (loaded, found again or notified through) for ``idle_s``,
+        the prefills' lease and a margin: by then their prefill has freed the refused requests' blocks on its
+        own, and nothing tells it of a new one without using the load again. Else a refused prefill gone for
+        good (scaled down) kept its agent loaded, a UCX endpoint to a dead process, until the daemon exited.
+        An agent a peer reads through or a kept load shares stays loaded (``_needed``). How many loads were
+        let go."""
+        now = self._clock()
+        idle = [md for md, told in self._notify_only.items() if now - told.used_at > idle_s]
+        for md in idle:
+            told = self._notify_only.pop(md)
+            if not self._needed(told.agent_name):
+                log.info("prefill %s rank %d at %s: its notify-only agent let go after %.0f s unused",
+                         told.engine_id, told.tp_rank, told.address, now - told.used_at)
+                self._remove_agent(told.agent_name)
+        return len(idle)
+
+    def _forget_replaced(self, engine_id: str, tp_rank: int, address: str, metadata: bytes) -> None:
+        """Let go the notify-only loads of the prefill rank (at ``address`` or of ``engine_id``, as
+        ``PeerBook`` matches a restart) from other metadata than ``metadata``: it restarted or re-registered
+        since, so nothing notifies their agent any more (kept where NIXL loaded the same one again)."""
+        for md, old in list(self._notify_only.items()):
+            if md == metadata or old.tp_rank != tp_rank:
+                continue
+            if old.address != address and old.engine_id != engine_id:
+                continue
+            del self._notify_only[md]
+            self._let_go(old)
+
+    def _let_go(self, told: NotifyOnlyPeer) -> None:
+        """Let a notify-only load's agent go, unless something still needs it (``_needed``); best effort."""
+        if not self._needed(told.agent_name):
+            self._remove_agent(told.agent_name)
 
     def geometry(
         self, peer: Peer, dest: Destination, mode: Mode, pool: StagingPool | None = None

@@ -79,7 +79,6 @@ class Unsliced:
 def port_with(agent: StubAgent) -> NixlPort:
     port = NixlPort.__new__(NixlPort)  # no NIXL agent: the stub stands in for NixlTransfer
     port.agent = agent
-    port._notify_only = {}
     port._spent = {}
     return port
 

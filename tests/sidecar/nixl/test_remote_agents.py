@@ -108,14 +108,16 @@ def test_a_peer_let_go_leaves_a_notify_only_load_of_its_agent_loaded(emu, fresh)
     notifications: before, each refused request's notification failed (``send_notif: not found``) and the
     prefill held its blocks until their lease ended."""
     held = connect(fresh, emu)
-    name = fresh.load_agent(held.agent_metadata)
+    told = fresh.load_notify_only(engine_id=held.engine_id, tp_rank=held.tp_rank, address=held.address,
+                                  agent_metadata=held.agent_metadata)
+    name = told.agent_name
     assert name == held.agent_name
     fresh.remove_peer(held)
     _, params = new_request(emu, 2)
     rid = params.remote_request_id
     fresh.notify_agent(name, rid)
     assert emu.client.wait_state(rid, "freed_by_notif", 10).notif_counts == [1]
-    fresh.remove_agent(name)  # the notify-only load let go: now NIXL unloads it
+    assert fresh.let_go_notify_only(0.0) == 1  # the notify-only load let go: now NIXL unloads it
     assert not fresh.agent.check_remote_metadata(name)
 
 
