@@ -9,6 +9,9 @@ Pure bookkeeping, no NIXL: ``RemotePeers`` makes the NIXL calls around it. The r
   replaces the current one, and any a re-admission left readable, at once: they are *unloaded* (no read goes
   through them) but stay loaded, their mappings open, until removed. A lower generation is refused
   (``PeerConflict``: what is loaded, not the admission rules).
+- Generation 0 is unknown (a heartbeat's handshake names none; nor does a prefill older than vLLM's
+  connector v15, which starts at 1): neither higher nor lower than another, so only the metadata tells
+  whether it replaces a peer, and it is never refused.
 - Loaded peers may share one NIXL remote agent (the same metadata bytes); the agent is let go once no current
   peer uses it.
 """
@@ -44,17 +47,16 @@ class PeerBook:
     ) -> list[Any]:
         """The readable peers a new admission of ``key`` replaces at once (to unload), by the rules above: the
         current one and any a re-admission left readable, since a pull may still read through those too;
-        PeerConflict for a generation older than the current one's."""
-        old = self._current.get(key)
-        if old is not None and generation < old.generation:
+        PeerConflict for a generation older than a readable one's of ``key``."""
+        newest = max((p.generation for p in self._readable() if p.key == key), default=0)
+        if 0 < generation < newest:
             raise PeerConflict(
-                f"generation {generation} is older than the loaded {old.generation}",
-                "remote_registration_generation",
+                f"generation {generation} is older than the loaded {newest}", "remote_registration_generation"
             )
         out = []
         for p in self._readable():
             if p.key == key:
-                if generation > p.generation or metadata != p.agent_metadata:
+                if generation > p.generation > 0 or metadata != p.agent_metadata:
                     out.append(p)
             elif p.address == address and p.tp_rank == tp_rank:
                 out.append(p)

@@ -1960,6 +1960,46 @@ def test_a_handshake_a_loaded_peer_stands_in_the_way_of_fails_and_is_not_remembe
     run(main())
 
 
+def test_a_heartbeats_handshake_re_admits_a_prefill_whose_known_generation_a_pull_holds():
+    """The shim's heartbeats name no registration generation (0: unknown). A pull holds the generation 2 peer
+    after a reload, and the re-handshake that would have replaced its entry failed; a heartbeat then
+    handshakes, and a pull naming generation 2 joins that handshake. Generation 0 counted as older than the
+    loaded 2: the heartbeat's handshake failed (the prefill's lease went unrenewed) and so did the pull that
+    joined it ("generation 0 is older than the loaded 2"), though the prefill was the same registration."""
+    beat = p.Heartbeat(targets=[p.HeartbeatTarget(
+        remote_engine_id="prefill-0", remote_host="127.0.0.1", remote_port=5600, remote_request_ids=["r-w"])])
+
+    async def main():
+        async with started() as h:
+            _loaded_by_a_peer_book(h.port)
+            h.port.auto_land = False  # "a" reads through the generation 2 peer until the test lands it
+            h.pull("a", remote_registration_generation=2)
+            await h.until_stage("a", "transfer")
+            h.daemon.peers.invalidate()  # as a reload that changes the remotes does
+            h.port.fail_handshake = True  # the re-handshake fails: the rank's entry is forgotten
+            h.pull("b", [4], remote_registration_generation=2)
+            assert not (await h.reply(p.Done, "b")).ok
+            assert not h.daemon.peers.known(("prefill-0", 0))
+            h.port.fail_handshake = False
+            h.port.handshake_gate = asyncio.Event()
+            connects = h.port.connects
+            h.send(beat)  # handshakes, generation 0
+            while h.port.connects == connects:
+                await asyncio.sleep(0.005)
+            assert h.port.targets[-1].generation == 0
+            h.pull("c", [5], remote_registration_generation=2)  # joins the heartbeat's handshake
+            await h.until_stage("c", "handshake")
+            h.port.handshake_gate.set()
+            h.port.auto_land = True
+            done = await h.reply(p.Done, "c")
+            assert done.ok, done
+            assert h.port.connects == connects + 1
+            assert ["r-w"] in h.port.heartbeats  # the heartbeat went out through the admitted peer
+            assert (await h.reply(p.Done, "a")).ok
+
+    run(main())
+
+
 @pytest.mark.parametrize("how", ["heartbeat", "expired pulls"])
 def test_handshakes_no_pull_waits_for_are_bounded_and_leave_room_for_a_pulls(how):
     """Heartbeats naming 1,000 prefills started 1,000 handshakes at once (and expired Pulls one each, to

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import pytest
@@ -42,15 +43,68 @@ def test_an_older_generation_is_refused_naming_the_field_as_a_conflict_not_a_rul
     assert not isinstance(e.value, RemoteRefused)
 
 
-@pytest.mark.parametrize(
-    ("generation", "metadata", "replaced"),
-    [(1, b"meta-a", False), (2, b"meta-a", True), (1, b"meta-b", True)],
-    ids=["re-admitted alike", "newer generation", "other metadata"],
-)
-def test_the_same_engine_is_replaced_by_a_newer_generation_or_other_metadata(generation, metadata, replaced):
-    old = P("e")
+# (loaded generation, admitted generation, metadata) -> what the admission does to the loaded peer. 0 is
+# unknown (a heartbeat's handshake, a prefill before vLLM's connector v15): neither older nor newer than any.
+OUTCOMES = {  # every pair of loaded (0, 2) and admitted (0 to 3) generations, with either metadata
+    (2, 0, b"meta-a"): "alike",
+    (2, 0, b"meta-b"): "replaced",
+    (2, 1, b"meta-a"): "conflict",
+    (2, 1, b"meta-b"): "conflict",
+    (2, 2, b"meta-a"): "alike",
+    (2, 2, b"meta-b"): "replaced",
+    (2, 3, b"meta-a"): "replaced",
+    (2, 3, b"meta-b"): "replaced",
+    (0, 0, b"meta-a"): "alike",
+    (0, 0, b"meta-b"): "replaced",
+    (0, 1, b"meta-a"): "alike",
+    (0, 1, b"meta-b"): "replaced",
+    (0, 2, b"meta-a"): "alike",
+    (0, 2, b"meta-b"): "replaced",
+    (0, 3, b"meta-a"): "alike",
+    (0, 3, b"meta-b"): "replaced",
+}
+
+
+@pytest.mark.parametrize(("loaded", "generation", "metadata"), list(OUTCOMES))
+def test_the_same_engine_is_replaced_by_a_newer_known_generation_or_other_metadata(
+    loaded, generation, metadata
+):
+    old = P("e", generation=loaded)
     book = book_with(old)
-    assert book.replaced_by(("e", 0), generation, metadata, old.address, 0) == ([old] if replaced else [])
+    outcome = OUTCOMES[(loaded, generation, metadata)]
+    if outcome == "conflict":
+        with pytest.raises(PeerConflict, match=f"generation {generation} is older than the loaded {loaded}"):
+            book.replaced_by(("e", 0), generation, metadata, old.address, 0)
+    else:
+        replaced = book.replaced_by(("e", 0), generation, metadata, old.address, 0)
+        assert replaced == ([old] if outcome == "replaced" else [])
+
+
+def test_an_unknown_generation_re_admitted_alike_leaves_the_known_one_in_force():
+    """A heartbeat's handshake (generation 0) re-admits a prefill whose generation 2 peer a pull still reads
+    through: it is current, but says nothing of the generation, so an older one is still refused and a newer
+    one still replaces the generation 2 peer (the unknown one, the same metadata, reads on)."""
+    known = P("e", generation=2)
+    book = book_with(known)
+    assert book.replaced_by(("e", 0), 0, b"meta-a", known.address, 0) == []
+    book.add(unknown := P("e", generation=0))
+    assert book.current(("e", 0)) is unknown
+    with pytest.raises(PeerConflict, match="generation 1 is older than the loaded 2"):
+        book.replaced_by(("e", 0), 1, b"meta-a", known.address, 0)
+    assert book.replaced_by(("e", 0), 0, b"meta-a", known.address, 0) == []
+    assert book.replaced_by(("e", 0), 2, b"meta-a", known.address, 0) == []
+    assert book.replaced_by(("e", 0), 3, b"meta-a", known.address, 0) == [known]
+    assert book.replaced_by(("e", 0), 0, b"meta-b", known.address, 0) == [known, unknown]
+    assert book.unload(known)  # its pull let go: nothing of a known generation is loaded
+    assert book.replaced_by(("e", 0), 1, b"meta-a", known.address, 0) == []
+
+
+def test_another_engine_at_the_same_address_and_rank_is_replaced_whatever_either_generation():
+    """Another engine at the same address and rank is replaced whatever either generation is."""
+    for loaded, generation in itertools.product([0, 2], [0, 1, 2, 3]):
+        old = P("old", generation=loaded)
+        book = book_with(old)
+        assert book.replaced_by(("new", 0), generation, b"meta-n", old.address, 0) == [old]
 
 
 def test_another_engine_at_the_same_address_and_rank_replaces_it_not_at_another_rank():
