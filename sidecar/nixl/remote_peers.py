@@ -103,33 +103,32 @@ class RemotePeers:
         """Load a checked remote (see ``admit_remote``) as the current peer of (engine id, rank); what it
         replaces, and which remote agent it shares, by ``PeerBook``'s rules: a replaced peer is let go by NIXL
         at once (``_unload``) or, re-admitted alike, reads on; either way its mapping stays until
-        ``remove_peer``. The rank's notify-only loads go: of these metadata first (best effort, as the peer
-        loads the agent again anyway), of others once it is loaded (``_forget_replaced``). PeerConflict when
-        a loaded peer stands in its way (a newer generation of the rank, another engine's peer on the same
-        agent name)."""
+        ``remove_peer``. A notify-only load of these metadata becomes the peer's; the rank's loads of others
+        go once it is in (``_forget_replaced``). PeerConflict when a loaded peer stands in its way (a newer
+        generation of the rank, another engine's peer on the same agent name)."""
         key = (engine_id, tp_rank)
-        stale = self._notify_only.pop(agent_metadata, None)
-        if stale is not None:  # refused before, admitted now (a reload): loaded again below as a full peer
-            self._let_go(stale)
-        for old in self._book.replaced_by(key, generation, agent_metadata, address, tp_rank):
-            if old.key != key:
-                log.info("prefill at %s rank %d restarted: dropping engine %s", address, tp_rank,
-                         old.engine_id)
-            self._unload(old)
+        replaced = self._book.replaced_by(key, generation, agent_metadata, address, tp_rank)
+        # the same metadata as a loaded peer's (a newer generation of an unchanged registration) or as a
+        # notify-only load's (refused before, admitted now) is the same remote agent: shared, not loaded
+        # again, and what it replaces let go once this peer is in, so a failure leaves the rank as it was
         name = self._book.agent_for(agent_metadata)
+        told = self._notify_only.get(agent_metadata)
+        if name is None and told is not None and all(old.agent_name != told.agent_name for old in replaced):
+            name = self._connected(self._unshared(told.agent_name))
         if name is None:
+            # other metadata: what it replaces goes first, though the load may still fail (they are stale
+            # either way: re-registered or restarted). A re-registered prefill's agent keeps its name, and
+            # NIXL loads other metadata over a loaded name: it keeps the regions it holds, with their old
+            # keys, and refuses other connection info (nixlAgent::loadRemoteMD); a notify-only load merged
+            # over a replaced peer's agent so goes with it
+            self._replace(replaced, key, address)
+            replaced = []
+            if told is not None:
+                del self._notify_only[agent_metadata]
+                self._let_go(told)
             name = nixl_call("add_remote_agent", self.agent.add_remote_agent, agent_metadata)
             name = name.decode() if isinstance(name, bytes) else str(name)
-            if self._book.agent_in_use(name):
-                raise PeerConflict(
-                    f"agent name {name!r} is already loaded for another engine", "agent_metadata"
-                )
-            try:
-                nixl_call("make_connection", self.agent.make_connection, name)
-            except TransferError:
-                if not self._needed(name):  # loaded just now, and nothing records it: let it go
-                    self._remove_agent(name)
-                raise
+            name = self._connected(self._unshared(name))
         peer = Peer(
             engine_id=engine_id,
             tp_rank=tp_rank,
@@ -143,8 +142,34 @@ class RemotePeers:
             agent_metadata=agent_metadata,
         )
         self._book.add(peer)
+        self._replace(replaced, key, address)
+        self._notify_only.pop(agent_metadata, None)  # the peer's agent: notified through the peer from now on
         self._forget_replaced(engine_id, tp_rank, address, agent_metadata)
         return peer
+
+    def _unshared(self, name: str) -> str:
+        """``name``, unless a current peer of other metadata reads through that agent (PeerConflict)."""
+        if self._book.agent_in_use(name):
+            raise PeerConflict(f"agent name {name!r} is already loaded for another engine", "agent_metadata")
+        return name
+
+    def _connected(self, name: str) -> str:
+        """``name``, connected (``make_connection``); a load nothing else needs is let go if that fails."""
+        try:
+            nixl_call("make_connection", self.agent.make_connection, name)
+        except TransferError:
+            if not self._needed(name):  # loaded just now, and nothing records it: let it go
+                self._remove_agent(name)
+            raise
+        return name
+
+    def _replace(self, replaced: list[Peer], key: tuple[str, int], address: str) -> None:
+        """Unload the peers an admission of ``key`` at ``address`` replaces (``PeerBook.replaced_by``)."""
+        for old in replaced:
+            if old.key != key:
+                log.info("prefill at %s rank %d restarted: dropping engine %s", address, key[1],
+                         old.engine_id)
+            self._unload(old)
 
     @locked
     def remove_peer(self, peer: Peer) -> None:

@@ -6,8 +6,10 @@ own agent, so no peer another test left loaded shares the emulator's agent."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import msgspec
+import numpy as np
 import pytest
 
 from sidecar.daemon.port import Admission, PeerTarget
@@ -22,6 +24,7 @@ from tests.sidecar.nixl.test_agent import (
     ShmPlanes,
     _spawn,
     _stop,
+    address,
     check_planes,
     connect,
     local_factors,
@@ -139,6 +142,70 @@ def test_a_failed_connection_unloads_the_agent_it_loaded(emu, fresh, monkeypatch
     rid = params.remote_request_id
     fresh.notify(peer, rid)
     assert emu.client.wait_state(rid, "freed_by_notif", 10).notif_counts == [1]
+
+
+def test_a_newer_generation_of_unchanged_metadata_shares_the_loaded_agent(emu, fresh, monkeypatch):
+    """A newer registration generation whose rank's agent metadata did not change: the peer it replaces is
+    unloaded (reads through it refused), and the new one reads through the agent already loaded. Before, the
+    old peer's agent was removed first and loaded again: were the load or connection then to fail (here
+    ``make_connection``), the rank was left with neither peer, the old one's pulls failing with it."""
+    planes = ShmPlanes()
+    try:
+        reg = fresh.register([(planes.base, planes.arr.nbytes, 0)], "DRAM")
+        dest = fresh.destination(reg, planes.planes())
+        old = connect(fresh, emu)  # generation 1
+        failing = ConnectionFails(fresh.remote_peers.agent)
+        monkeypatch.setattr(fresh.remote_peers, "agent", failing)
+        newer = fresh.add_peer(engine_id=emu.ready.engine_id, tp_rank=0, generation=2, address=address(emu),
+                               agent_metadata=old.agent_metadata, plan=old.plan, regions=old.regions)
+        monkeypatch.undo()
+        assert failing.loaded == [] and newer.agent_name == old.agent_name
+        assert old.unloaded and fresh.peer(emu.ready.engine_id, 0) is newer
+        reply, params = new_request(emu, 4)
+        rid = params.remote_request_id
+        fresh.wait(fresh.pull(newer, dest, "direct", [0, 1, 2, 3], params.remote_block_ids[0], rid))
+        check_planes(planes.arr, reply, [0, 1, 2, 3])
+        fresh.remove_peer(old)  # its pull let go: the agent stays for the newer peer
+        assert fresh.agent.check_remote_metadata(newer.agent_name)
+        fresh.remove_peer(newer)
+        assert not fresh.agent.check_remote_metadata(newer.agent_name)
+        fresh.deregister(reg)
+    finally:
+        planes.close()
+
+
+def test_nixl_loads_other_metadata_over_a_loaded_name_and_keeps_its_regions():
+    """Why ``add_peer`` unloads what an admission of other metadata replaces before loading it: a prefill
+    that registers again keeps its agent's name, and NIXL loads the new metadata over the old one's regions,
+    keeping each region it holds as first loaded (nixlRemoteSection::addDescList skips those it has): a region
+    the prefill let go stays readable until the agent is removed."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    conf = nixl_agent_config(backends=["UCX"])
+    prefill = nixl_agent(f"prefill-{uuid.uuid4()}", conf)
+    decoder = nixl_agent(f"decoder-{uuid.uuid4()}", conf)
+    first, second = np.zeros(4096, np.uint8), np.zeros(4096, np.uint8)
+    reg = prefill.register_memory([(first.ctypes.data, first.nbytes, 0, "")], "DRAM")
+    before = prefill.get_agent_metadata()
+    prefill.deregister_memory(reg)
+    reg = prefill.register_memory([(second.ctypes.data, second.nbytes, 0, "")], "DRAM")
+    after = prefill.get_agent_metadata()
+    name = decoder.add_remote_agent(before)
+    assert decoder.add_remote_agent(after) == name
+
+    def prep(buf: np.ndarray) -> None:
+        decoder.release_dlist_handle(
+            decoder.prep_xfer_dlist(name, np.array([[buf.ctypes.data, 64, 0]], np.uint64), "DRAM")
+        )
+
+    prep(first)  # let go by the prefill, still there
+    prep(second)
+    decoder.remove_remote_agent(name)
+    decoder.add_remote_agent(after)
+    with pytest.raises(Exception, match="NIXL_ERR_NOT_FOUND"):
+        prep(first)
+    prep(second)
+    prefill.deregister_memory(reg)
 
 
 @pytest.mark.parametrize("then", ["refused", "admitted"])
