@@ -9,6 +9,7 @@ when it bound one (``completions.py``), else over ZMQ.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -37,6 +38,15 @@ CLOSE_LINGER_MS = 500  # at close, how long answers still queued for a shim may 
 # Sessions remembered: ZMQ does not tell a ROUTER that a peer left, and each shim (re)start and doctor run
 # comes with a new routing id. Past this many, the longest idle that hold nothing are forgotten.
 MAX_SESSIONS = 1024
+# Replies queued for one peer that does not read them: ZMQ's SNDHWM per connection (ROUTER_MANDATORY makes
+# a full queue an EAGAIN we count, not a silent drop). A shim is owed at most one reply per message it sent
+# whose answer it has not read yet: a Done per Pull (the decoder's loads at once: thousands at most, bounded
+# by vLLM's running requests and KV cache; the daemon works max_inflight + max_queued, 320 by default, and
+# answers the rest at once), an Aborted per Abort, a few control replies. 16,384 is 4x a decoder of 2,048
+# loads each pulled and aborted, and ZMQ holds the shim's own RCVHWM (1,000) and the kernel's buffer beyond
+# it. A peer that never reads holds at most that many replies of the daemon's memory per connection: ~2 MB
+# of ~130-byte Errors, ~6 MB of ~380-byte Dones, ~100 MB should every reply quote a 4,096-character reason.
+REPLY_BACKLOG = 16384
 
 
 class Router:
@@ -50,13 +60,17 @@ class Router:
         *,
         keep: Callable[[Session], bool] = lambda _session: False,
         max_sessions: int = MAX_SESSIONS,
+        reply_backlog: int = REPLY_BACKLOG,
     ) -> None:
+        """``reply_backlog``: replies queued for a peer that does not read them before more are dropped; read
+        at ``bind``."""
         self._metrics = metrics
         self._ratelog = RateLimitedLog(log, on_suppressed=metrics.logs_suppressed.inc)
         self._handlers: dict[type, Handler] = {}
         self._sessions: dict[bytes, Session] = {}
         self._keep = keep
         self._max_sessions = max_sessions
+        self.reply_backlog = reply_backlog
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._path = ""
@@ -84,7 +98,8 @@ class Router:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.SNDHWM, self.reply_backlog)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply that cannot be queued raises: counted, not lost
         sock.setsockopt(zmq.RCVHWM, 0)
         try:
             self._path_id = bind_socket_file(lambda: sock.bind(endpoint), path, gid)
@@ -232,10 +247,37 @@ class Router:
         try:
             fut = self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            log.warning("could not send a reply: %s", exc)
+            self._not_sent(frames[0], exc)
             return
-        if isinstance(fut, asyncio.Future):
-            fut.add_done_callback(_log_send_failure)
+        if not isinstance(fut, asyncio.Future):
+            return
+        if fut.done():  # NOBLOCK: tried at once (no send ever waits behind another), so counted at once
+            self._check_sent(frames[0], fut)
+        else:
+            fut.add_done_callback(functools.partial(self._check_sent, frames[0]))
+
+    def _check_sent(self, identity: bytes, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            self._not_sent(identity, fut.exception())
+
+    def _not_sent(self, identity: bytes, exc: BaseException) -> None:
+        """A reply ZMQ did not take: counted, and logged at most once per ``RateLimitedLog`` interval. Never
+        raises: the pipeline answers a pull before it releases what the pull held."""
+        if isinstance(exc, zmq.Again):
+            self._metrics.reply_dropped("backlog")
+            self._ratelog.log(
+                "zmq-backlog",
+                logging.WARNING,
+                "reply to %r dropped: %d replies it has not read wait already; a peer that does not read "
+                "its socket loses its answers",
+                identity, self.reply_backlog,
+            )
+        elif isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH:
+            self._metrics.reply_dropped("gone")
+            self._ratelog.log("zmq-gone", logging.INFO, "reply to %r dropped: it has disconnected", identity)
+        else:
+            self._metrics.reply_dropped("error")
+            self._ratelog.log("zmq-error", logging.WARNING, "could not send a reply to %r: %s", identity, exc)
 
     def close(self) -> None:
         if self.completions is not None:
@@ -259,8 +301,3 @@ def _peek(payload: bytes) -> tuple[str | None, str | None]:
 def _short(value: Any) -> str | None:
     """``value`` if a str no valid message would refuse as too long (an Error echoing it must stay small)."""
     return value if isinstance(value, str) and len(value) <= p.MAX_ID_CHARS else None
-
-
-def _log_send_failure(fut: asyncio.Future) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
-        log.warning("could not send a reply: %s", fut.exception())

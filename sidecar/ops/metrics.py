@@ -34,6 +34,9 @@ RELOAD_OUTCOMES = ("applied", "unchanged", "refused")  # a SIGHUP's (daemon/app.
 # refused by this daemon's admission rules (remotes, model identity, format, geometry): an operator's choice,
 # not a fault
 HANDSHAKE_OUTCOMES = ("ok", "failed", "refused")
+# a reply not delivered: the peer left too many unread (daemon/router.py REPLY_BACKLOG), had disconnected, or
+# another send error
+REPLY_DROP_REASONS = ("backlog", "gone", "error")
 STAGES = ("handshake", "queue", "transfer", "convert", "signal", "end_to_end", "delivery")
 # 50 µs .. ~100 s, roughly x2.5 per bucket: signal latencies and multi-second pulls both resolve.
 BUCKETS = (
@@ -120,6 +123,14 @@ class Metrics:
         self.connections_refused = Counter(
             "kv_sidecar_connections_refused",
             "Completion-socket connections refused (over max_connections, or out of file descriptors)",
+            registry=r,
+        )
+        self.replies_dropped = Counter(
+            "kv_sidecar_replies_dropped",
+            "Replies to a shim (or a doctor) not delivered, by reason: backlog (it left 16,384 replies "
+            "unread: ZMQ's queue for it was full), gone (it had disconnected), error (another send error; "
+            "the log says)",
+            ["reason"],
             registry=r,
         )
         self.foreign_messages = Counter(
@@ -223,6 +234,7 @@ class Metrics:
             self.peer_mappings.labels(outcome=outcome)
         for outcome in RELOAD_OUTCOMES:
             self.config_reloads.labels(outcome=outcome)
+        self._replies_dropped = {why: self.replies_dropped.labels(reason=why) for why in REPLY_DROP_REASONS}
 
     def answered(self, outcome: str, timings: dict[str, float] | None = None) -> None:
         """One Pull answered: count its outcome and observe its stage timings."""
@@ -239,6 +251,10 @@ class Metrics:
             child = stages.get(stage)
             if child is not None:
                 child.observe(seconds)
+
+    def reply_dropped(self, reason: str, count: int = 1) -> None:
+        """``count`` replies not delivered, by ``REPLY_DROP_REASONS`` reason."""
+        self._replies_dropped[reason].inc(count)
 
     def fp8_reencode(self, saturated: int, nan: int) -> None:
         """Count one conversion's flagged elements (``PlaneSet.convert``'s returned (saturated, NaN))."""

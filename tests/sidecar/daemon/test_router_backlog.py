@@ -1,0 +1,124 @@
+"""Replies to a peer that does not read them: at most ``reply_backlog`` wait for it, the rest are dropped and
+counted. Real sockets, an in-process daemon on ``FakePort``, a small backlog."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import zmq
+
+from sidecar.daemon.app import Daemon
+from sidecar.ops.config import Config
+from sidecar.standins.fake_transfer import FakePort
+from sidecar.wire import protocol as p
+
+BACKLOG = 50
+HELLO = p.Hello(protocol_version=p.PROTOCOL_VERSION, package_version="test")
+
+
+@contextlib.asynccontextmanager
+async def serving(tmp_path):
+    """A started daemon whose router lets ``BACKLOG`` replies wait for a peer; its ZMQ endpoint."""
+    path = f"{tmp_path}/gpu0.sock"
+    daemon = Daemon(Config(socket=f"ipc://{path}", metrics_port=-1), make_port=lambda _c: FakePort())
+    daemon.router.reply_backlog = BACKLOG
+    await daemon.start()
+    try:
+        yield daemon, f"ipc://{path}"
+    finally:
+        await daemon.shutdown(0)
+
+
+def sample(daemon: Daemon, name: str, **labels: str) -> float:
+    value = daemon.metrics.registry.get_sample_value(name, labels)
+    assert value is not None, name
+    return value
+
+
+def dropped(daemon: Daemon, reason: str = "backlog") -> float:
+    return sample(daemon, "kv_sidecar_replies_dropped_total", reason=reason)
+
+
+async def until(condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+def dealer(ctx: zmq.Context, endpoint: str, routing_id: bytes) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    sock.setsockopt(zmq.RCVHWM, 1)  # hold as little as the client side may: the daemon holds the rest
+    sock.connect(endpoint)
+    return sock
+
+
+def ask(sock: zmq.Socket, msg, timeout_s: float = 5.0):
+    sock.send(p.encode(msg))
+    assert sock.poll(int(timeout_s * 1000)), f"no answer to {type(msg).__name__}"
+    return p.decode_to_shim(sock.recv())
+
+
+def drain(sock: zmq.Socket, quiet_ms: int = 300) -> list[p.ToShim]:
+    got = []
+    while sock.poll(quiet_ms):
+        got.append(p.decode_to_shim(sock.recv()))
+    return got
+
+
+def test_a_peer_that_never_reads_is_dropped_past_the_backlog_while_others_are_served(tmp_path):
+    """Main: SNDHWM=0 queued every reply for a peer that never read them (~200 bytes an Error, without
+    bound). Now the daemon's queue for it stops growing once full: every later reply is dropped and counted,
+    each one accounted for (delivered once it reads, or counted), and another client is served throughout."""
+    rounds, flood = 8, 2000
+
+    async def main():
+        async with serving(tmp_path) as (daemon, endpoint):
+            ctx = zmq.Context()
+            stuck, good = dealer(ctx, endpoint, b"stuck"), dealer(ctx, endpoint, b"good")
+            sent = 0
+
+            def invalid() -> float:
+                return sample(daemon, "kv_sidecar_invalid_messages_total")
+
+            async def flood_once() -> int:
+                """``flood`` frames, each answered with an Error; how many of them went into a queue."""
+                nonlocal sent
+                before, lost = invalid(), dropped(daemon)
+                await asyncio.to_thread(lambda: [stuck.send(b"\xc1") for _ in range(flood)])
+                sent += flood
+                await until(lambda: invalid() == before + flood)
+                await asyncio.sleep(0.1)  # ZMQ's I/O thread moves what it can into the kernel's buffer
+                return flood - int(dropped(daemon) - lost)
+
+            try:
+                assert isinstance(await asyncio.to_thread(ask, good, HELLO), p.Welcome)
+                flooding = asyncio.ensure_future(flood_once())
+                for nonce in range(5):  # served while the flood is worked through
+                    pong = await asyncio.to_thread(ask, good, p.Ping(nonce=nonce))
+                    assert isinstance(pong, p.Pong) and pong.nonce == nonce
+                queued = [await flooding]
+                while queued[-1] and len(queued) < rounds:
+                    queued.append(await flood_once())
+                assert queued[-1] == 0, f"the queue kept growing: {queued}"
+                assert await flood_once() == 0  # full stays full: no reply more is held
+                assert dropped(daemon) > 0 and dropped(daemon, "gone") == dropped(daemon, "error") == 0
+                assert isinstance(await asyncio.to_thread(ask, good, p.Ping(nonce=9)), p.Pong)
+
+                received = await asyncio.to_thread(drain, stuck)
+                assert all(isinstance(m, p.Error) and "malformed" in m.reason for m in received)
+                assert len(received) + dropped(daemon) == sent, "a reply neither delivered nor counted"
+                assert BACKLOG <= len(received) < sent // 2, (len(received), sent)
+                # read, it is served again
+                assert isinstance(await asyncio.to_thread(ask, stuck, p.Ping(nonce=1)), p.Pong)
+            finally:
+                stuck.close(0)
+                good.close(0)
+                ctx.term()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
