@@ -32,6 +32,10 @@ READS_PER_WAKE = 64  # packets taken per readable callback before letting other 
 BIND_WITHIN_S = 5.0  # a connection that has not bound by then is closed (idle ones would hold fds)
 ACCEPT_PAUSE_S = 0.1  # out of file descriptors: stop accepting this long instead of spinning
 SEND_BUFFER = 1 << 20  # room for thousands of Done packets before a slow shim makes us queue
+# What may wait behind the kernel's buffer for a shim that does not read, besides a count (``max_backlog``,
+# the router's REPLY_BACKLOG): packets are up to MAX_PACKET long, so 16,384 of them could hold 1 GB, where
+# 16,384 Dones of ~380 bytes are ~6 MB.
+MAX_BACKLOG_BYTES = 32 << 20
 
 
 def completion_path(zmq_socket_path: str) -> str:
@@ -45,12 +49,20 @@ class _Conn:
         self.sock = sock
         self.routing_id: bytes | None = None
         self.pending: deque[bytes] = deque()
+        self.pending_bytes = 0
 
 
 class CompletionSocket:
     """Listen at ``path``. ``may_bind(routing_id)`` says whether that ZMQ peer has said Hello (None) or why
     not (the reason sent back); ``fallback(routing_id, data)`` sends over ZMQ what a broken connection left
-    unsent, so no reply is lost while the shim lives."""
+    unsent, so no reply is lost while the shim lives.
+
+    A shim that leaves ``max_backlog`` replies (or ``MAX_BACKLOG_BYTES``) waiting behind the kernel's buffer
+    is cut off: its connection is closed and those replies are dropped, not moved to ZMQ, and
+    ``on_backlog(routing_id, dropped)`` is told. Its shim, if it lives, takes that as any broken completion
+    socket (vllm_glue's client: Hello, bind and register again; the loads of the old connection end as the
+    re-registration and their Aborts answer them, not at their deadlines); ``on_closed`` is told as for any
+    close."""
 
     def __init__(
         self,
@@ -64,6 +76,8 @@ class CompletionSocket:
         on_refused: Callable[[str], None] | None = None,
         on_closed: Callable[[bytes], None] | None = None,
         on_request: Callable[[bytes, bytes, float], None] | None = None,
+        max_backlog: int,
+        on_backlog: Callable[[bytes, int], None] | None = None,
     ) -> None:
         self.path = path
         self._loop = loop
@@ -73,6 +87,8 @@ class CompletionSocket:
         self._on_refused = on_refused or (lambda _why: None)
         self._on_closed = on_closed or (lambda _rid: None)
         self._on_request = on_request
+        self._max_backlog = max_backlog
+        self._on_backlog = on_backlog or (lambda _rid, _n: None)
         self._by_id: dict[bytes, _Conn] = {}
         self._conns: set[_Conn] = set()
         remove_stale_socket(path)  # the caller has checked that no live daemon serves this socket
@@ -83,7 +99,8 @@ class CompletionSocket:
         loop.add_reader(self._listener.fileno(), self._accept)
 
     def send(self, routing_id: bytes, data: bytes) -> bool:
-        """Send one reply to a bound shim, in order. False when it has no completion socket (use ZMQ)."""
+        """Send one reply to a bound shim, in order. False when it has no completion socket (use ZMQ). True
+        also when it is dropped, cutting the shim off: one that left too many unread."""
         conn = self._by_id.get(routing_id)
         if conn is None:
             return False
@@ -92,12 +109,17 @@ class CompletionSocket:
                         routing_id, MAX_PACKET)
             return False
         if conn.pending:  # keep order behind what waits for room
+            if len(conn.pending) >= self._max_backlog or conn.pending_bytes + len(data) > MAX_BACKLOG_BYTES:
+                self._cut_off(conn)
+                return True
             conn.pending.append(data)
+            conn.pending_bytes += len(data)
             return True
         try:
             conn.sock.send(data)
         except BlockingIOError:
             conn.pending.append(data)
+            conn.pending_bytes += len(data)
             self._loop.add_writer(conn.sock.fileno(), self._flush, conn)
         except OSError as exc:  # the shim is gone or closed its end: it will hear from ZMQ
             self._drop(conn, f"send failed: {exc}")
@@ -212,8 +234,17 @@ class CompletionSocket:
             except OSError as exc:
                 self._drop(conn, f"send failed: {exc}")
                 return
-            conn.pending.popleft()
+            conn.pending_bytes -= len(conn.pending.popleft())
         self._loop.remove_writer(conn.sock.fileno())
+
+    def _cut_off(self, conn: _Conn) -> None:
+        """Close the connection of a shim that does not read, dropping its replies (this one too)."""
+        assert conn.routing_id is not None  # only a bound connection has replies queued
+        dropped = len(conn.pending) + 1
+        conn.pending.clear()
+        conn.pending_bytes = 0
+        self._on_backlog(conn.routing_id, dropped)
+        self._drop(conn, None)
 
     def _drop(self, conn: _Conn, reason: str | None) -> None:
         if conn not in self._conns:
@@ -232,5 +263,6 @@ class CompletionSocket:
         if conn.routing_id is not None:
             while conn.pending:
                 self._fallback(conn.routing_id, conn.pending.popleft())
+            conn.pending_bytes = 0
             if self._by_id.get(conn.routing_id) is None and reason != "replaced by a new binding":
                 self._on_closed(conn.routing_id)

@@ -19,7 +19,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from sidecar.daemon.completions import CompletionSocket, completion_path
+from sidecar.daemon.completions import MAX_BACKLOG_BYTES, CompletionSocket, completion_path
 from sidecar.daemon.jobs import Session
 from sidecar.ops.errors import StartupError
 from sidecar.ops.metrics import Metrics
@@ -39,13 +39,15 @@ CLOSE_LINGER_MS = 500  # at close, how long answers still queued for a shim may 
 # comes with a new routing id. Past this many, the longest idle that hold nothing are forgotten.
 MAX_SESSIONS = 1024
 # Replies queued for one peer that does not read them: ZMQ's SNDHWM per connection (ROUTER_MANDATORY makes
-# a full queue an EAGAIN we count, not a silent drop). A shim is owed at most one reply per message it sent
-# whose answer it has not read yet: a Done per Pull (the decoder's loads at once: thousands at most, bounded
-# by vLLM's running requests and KV cache; the daemon works max_inflight + max_queued, 320 by default, and
-# answers the rest at once), an Aborted per Abort, a few control replies. 16,384 is 4x a decoder of 2,048
-# loads each pulled and aborted, and ZMQ holds the shim's own RCVHWM (1,000) and the kernel's buffer beyond
-# it. A peer that never reads holds at most that many replies of the daemon's memory per connection: ~2 MB
-# of ~130-byte Errors, ~6 MB of ~380-byte Dones, ~100 MB should every reply quote a 4,096-character reason.
+# a full queue an EAGAIN we count, not a silent drop), and on the completion socket behind the kernel's
+# buffer (then the connection is closed: completions.py). A shim is owed at most one reply per message it
+# sent whose answer it has not read yet: a Done per Pull (the decoder's loads at once: thousands at most,
+# bounded by vLLM's running requests and KV cache; the daemon works max_inflight + max_queued, 320 by
+# default, and answers the rest at once), an Aborted per Abort, a few control replies. 16,384 is 4x a
+# decoder of 2,048 loads each pulled and aborted, and ZMQ holds the shim's own RCVHWM (1,000) and the
+# kernel's buffer beyond it. A peer that never reads holds at most that many replies of the daemon's memory
+# per connection: ~2 MB of ~130-byte Errors, ~6 MB of ~380-byte Dones, ~100 MB should every reply quote a
+# 4,096-character reason.
 REPLY_BACKLOG = 16384
 
 
@@ -62,8 +64,8 @@ class Router:
         max_sessions: int = MAX_SESSIONS,
         reply_backlog: int = REPLY_BACKLOG,
     ) -> None:
-        """``reply_backlog``: replies queued for a peer that does not read them before more are dropped; read
-        at ``bind``."""
+        """``reply_backlog``: replies queued for a peer that does not read them before more are dropped (ZMQ)
+        or its connection is closed (completion socket); read at ``bind``."""
         self._metrics = metrics
         self._ratelog = RateLimitedLog(log, on_suppressed=metrics.logs_suppressed.inc)
         self._handlers: dict[type, Handler] = {}
@@ -129,11 +131,23 @@ class Router:
                 on_refused=self._connection_refused,
                 on_closed=on_closed,
                 on_request=self._on_completion_request,
+                max_backlog=self.reply_backlog,
+                on_backlog=self._completions_cut_off,
             )
 
     def _connection_refused(self, why: str) -> None:
         self._metrics.connections_refused.inc()
         self._ratelog.log("refused", logging.WARNING, "completion socket: connection refused: %s", why)
+
+    def _completions_cut_off(self, routing_id: bytes, dropped: int) -> None:
+        self._metrics.reply_dropped("backlog", dropped)
+        self._ratelog.log(
+            "completions-backlog",
+            logging.WARNING,
+            "completion socket of %r closed: it left %d replies unread behind the kernel's buffer (at most "
+            "%d, or %d bytes); they are dropped. A live shim binds and registers again",
+            routing_id, dropped, self.reply_backlog, MAX_BACKLOG_BYTES,
+        )
 
     def _may_bind_completions(self, routing_id: bytes) -> str | None:
         session = self._sessions.get(routing_id)

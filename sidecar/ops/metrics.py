@@ -128,8 +128,8 @@ class Metrics:
         self.replies_dropped = Counter(
             "kv_sidecar_replies_dropped",
             "Replies to a shim (or a doctor) not delivered, by reason: backlog (it left 16,384 replies "
-            "unread: ZMQ's queue for it was full), gone (it had disconnected), error (another send error; "
-            "the log says)",
+            "unread: ZMQ's queue for it was full, or its completion socket was closed with those waiting "
+            "there), gone (it had disconnected), error (another send error; the log says)",
             ["reason"],
             registry=r,
         )

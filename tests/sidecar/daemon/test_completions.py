@@ -277,7 +277,7 @@ def test_a_reply_longer_than_a_packet_goes_over_zmq():
         fell_back = []
         loop = asyncio.get_running_loop()
         cs = CompletionSocket(path, loop, may_bind=lambda _rid: None,
-                              fallback=lambda rid, data: fell_back.append((rid, data)))
+                              fallback=lambda rid, data: fell_back.append((rid, data)), max_backlog=16)
         shim = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             shim.connect(path)

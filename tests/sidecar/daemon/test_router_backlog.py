@@ -1,10 +1,12 @@
-"""Replies to a peer that does not read them: at most ``reply_backlog`` wait for it, the rest are dropped and
-counted. Real sockets, an in-process daemon on ``FakePort``, a small backlog."""
+"""Replies to a peer that does not read them: at most ``reply_backlog`` wait for it on each socket, the rest
+are dropped and counted (ZMQ), or its completion socket is closed (the replies waiting there dropped and
+counted). Real sockets, an in-process daemon on ``FakePort``, a small backlog."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 
 import zmq
@@ -70,6 +72,14 @@ def drain(sock: zmq.Socket, quiet_ms: int = 300) -> list[p.ToShim]:
     return got
 
 
+def read_or_reset(sock: socket.socket) -> bytes:
+    """One packet; b"" at the end, which is a reset when the daemon closed with our packets unread."""
+    try:
+        return sock.recv(65536)
+    except ConnectionResetError:
+        return b""
+
+
 def test_a_peer_that_never_reads_is_dropped_past_the_backlog_while_others_are_served(tmp_path):
     """Main: SNDHWM=0 queued every reply for a peer that never read them (~200 bytes an Error, without
     bound). Now the daemon's queue for it stops growing once full: every later reply is dropped and counted,
@@ -122,3 +132,50 @@ def test_a_peer_that_never_reads_is_dropped_past_the_backlog_while_others_are_se
 
     asyncio.run(asyncio.wait_for(main(), 60))
 
+
+def test_a_bound_shim_that_never_reads_its_completion_socket_is_cut_off_and_falls_back_to_zmq(tmp_path):
+    """The completion socket queued without bound behind the kernel's buffer for a shim that did not read
+    it. Now, with ``BACKLOG`` replies waiting, the connection is closed and those replies (and the one that
+    did not fit) are dropped and counted; what the kernel held still reaches the shim, in order, then the
+    close, and its replies go over ZMQ from then on."""
+
+    async def main():
+        async with serving(tmp_path) as (daemon, endpoint):
+            ctx = zmq.Context()
+            shim = dealer(ctx, endpoint, b"shim")
+            fast = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                welcome = await asyncio.to_thread(ask, shim, HELLO)
+                fast.settimeout(10)
+                fast.connect(welcome.completion_socket)
+                fast.send(p.encode(p.BindCompletions(routing_id=b"shim")))
+                bound = p.decode_to_shim(await asyncio.to_thread(fast.recv, 65536))
+                assert bound == p.CompletionsBound(ok=True)
+
+                def abort_until_cut_off() -> int:
+                    """Aborts over the completion socket (each answered there), none of it read; how many
+                    went out before the daemon closed it."""
+                    for i in range(100_000):
+                        try:
+                            fast.send(p.encode(p.Abort(req_id=f"r{i}")))
+                        except OSError:
+                            return i
+                    raise AssertionError("never cut off")
+
+                sent = await asyncio.to_thread(abort_until_cut_off)
+                await until(lambda: not daemon.router.completions.bound(b"shim"))
+                assert dropped(daemon) == BACKLOG + 1
+                answered = []
+                while data := await asyncio.to_thread(read_or_reset, fast):  # the kernel's, then the close
+                    answered.append(p.decode_to_shim(data))
+                assert all(isinstance(m, p.Aborted) and m.safe for m in answered)
+                assert [m.req_id for m in answered] == [f"r{i}" for i in range(len(answered))], "out of order"
+                assert len(answered) + BACKLOG + 1 <= sent
+                assert isinstance(await asyncio.to_thread(ask, shim, p.Ping(nonce=3)), p.Pong)  # over ZMQ
+                assert dropped(daemon, "gone") == dropped(daemon, "error") == 0
+            finally:
+                fast.close()
+                shim.close(0)
+                ctx.term()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
