@@ -49,6 +49,12 @@ MAX_SESSIONS = 1024
 # per connection: ~2 MB of ~130-byte Errors, ~6 MB of ~380-byte Dones, ~100 MB should every reply quote a
 # 4,096-character reason.
 REPLY_BACKLOG = 16384
+# Requests from one peer that the loop has not taken yet: ZMQ's RCVHWM per connection. Past it ZMQ stops
+# reading that connection until the loop catches up (nothing is lost; a shim's NOBLOCK send fails at once,
+# as to a daemon it cannot reach). RCVHWM=0 let a client that sends faster than the loop answers grow the
+# daemon without bound: 200,000 invalid 1 KB frames, sent in 0.5 s and refused in 6 s, took 315 MB. A
+# shim's requests in flight are bounded as its replies are.
+REQUEST_BACKLOG = REPLY_BACKLOG
 
 
 class Router:
@@ -63,9 +69,11 @@ class Router:
         keep: Callable[[Session], bool] = lambda _session: False,
         max_sessions: int = MAX_SESSIONS,
         reply_backlog: int = REPLY_BACKLOG,
+        request_backlog: int = REQUEST_BACKLOG,
     ) -> None:
         """``reply_backlog``: replies queued for a peer that does not read them before more are dropped (ZMQ)
-        or its connection is closed (completion socket); read at ``bind``."""
+        or its connection is closed (completion socket); ``request_backlog``: requests queued from a peer
+        before ZMQ stops reading it. Both read at ``bind``."""
         self._metrics = metrics
         self._ratelog = RateLimitedLog(log, on_suppressed=metrics.logs_suppressed.inc)
         self._handlers: dict[type, Handler] = {}
@@ -73,6 +81,7 @@ class Router:
         self._keep = keep
         self._max_sessions = max_sessions
         self.reply_backlog = reply_backlog
+        self.request_backlog = request_backlog
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._path = ""
@@ -102,7 +111,7 @@ class Router:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.SNDHWM, self.reply_backlog)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply that cannot be queued raises: counted, not lost
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, self.request_backlog)
         try:
             self._path_id = bind_socket_file(lambda: sock.bind(endpoint), path, gid)
         except (zmq.ZMQError, OSError, StartupError) as exc:

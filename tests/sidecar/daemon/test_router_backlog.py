@@ -22,10 +22,11 @@ HELLO = p.Hello(protocol_version=p.PROTOCOL_VERSION, package_version="test")
 
 @contextlib.asynccontextmanager
 async def serving(tmp_path):
-    """A started daemon whose router lets ``BACKLOG`` replies wait for a peer; its ZMQ endpoint."""
+    """A started daemon whose router lets ``BACKLOG`` replies wait for a peer, and requests from it; its ZMQ
+    endpoint."""
     path = f"{tmp_path}/gpu0.sock"
     daemon = Daemon(Config(socket=f"ipc://{path}", metrics_port=-1), make_port=lambda _c: FakePort())
-    daemon.router.reply_backlog = BACKLOG
+    daemon.router.reply_backlog = daemon.router.request_backlog = BACKLOG
     await daemon.start()
     try:
         yield daemon, f"ipc://{path}"
@@ -179,3 +180,38 @@ def test_a_bound_shim_that_never_reads_its_completion_socket_is_cut_off_and_fall
                 ctx.term()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_peer_that_sends_faster_than_the_loop_serves_is_held_back_and_loses_nothing(tmp_path):
+    """Main: RCVHWM=0 let ZMQ read whatever a client sent into the daemon's memory while the loop worked
+    through it (200,000 invalid 1 KB frames: 315 MB). Now ZMQ stops reading a peer ``BACKLOG`` requests
+    ahead of the loop: its sends back up to it. Once the loop runs again every frame is served."""
+    frame = b"\xc1" * 1024  # invalid: each answered with an Error, none read here
+
+    async def main():
+        async with serving(tmp_path) as (daemon, endpoint):
+            ctx = zmq.Context()
+            flood = dealer(ctx, endpoint, b"flood")
+            flood.setsockopt(zmq.SNDHWM, 1)
+            try:
+                assert isinstance(await asyncio.to_thread(ask, flood, p.Ping(nonce=1)), p.Pong)
+                before = sample(daemon, "kv_sidecar_invalid_messages_total")
+                # Sent from the loop's own thread: the daemon takes nothing meanwhile, only ZMQ's I/O
+                # thread reads, into its queue for this peer.
+                sent, deadline = 0, time.monotonic() + 10
+                while sent < 100_000 and time.monotonic() < deadline:
+                    try:
+                        flood.send(frame, zmq.NOBLOCK)
+                    except zmq.Again:
+                        if not flood.poll(200, zmq.POLLOUT):  # the I/O threads have moved all they will
+                            break
+                    else:
+                        sent += 1
+                assert sent < 2_000, f"{sent} frames of 1 KB queued for a loop that took none"
+                await until(lambda: sample(daemon, "kv_sidecar_invalid_messages_total") == before + sent)
+            finally:
+                flood.close(0)
+                ctx.term()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
