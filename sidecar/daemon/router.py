@@ -34,6 +34,10 @@ Handler = Callable[[list[bytes], Session, Any, float], None]
 # The largest message a shim may send: a Pull for a million blocks is ~10 MB. A larger frame makes ZMQ drop
 # the connection rather than hand us something that would block the loop while it is decoded.
 MAX_MESSAGE_BYTES = 64 << 20
+# Awaiting a message ZMQ already holds does not yield to the loop: a peer that keeps the socket full (a flood
+# of frames, each refused in ~30 us) held every other task (pulls, polls, the /healthz tick) for as long as
+# it lasted, 12 s for 300,000 frames. The receive loop lets them in after this many messages.
+TAKES_PER_YIELD = 64
 CLOSE_LINGER_MS = 500  # at close, how long answers still queued for a shim may take to go out
 # Sessions remembered: ZMQ does not tell a ROUTER that a peer left, and each shim (re)start and doctor run
 # comes with a new routing id. Past this many, the longest idle that hold nothing are forgotten.
@@ -186,7 +190,11 @@ class Router:
 
     async def receive_loop(self) -> None:
         assert self._sock is not None
+        taken = 0
         while True:
+            taken += 1
+            if taken % TAKES_PER_YIELD == 0:
+                await asyncio.sleep(0)
             frames = await self._sock.recv_multipart()
             received = time.monotonic()
             if len(frames) == 2:

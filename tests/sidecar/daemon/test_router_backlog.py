@@ -1,6 +1,8 @@
-"""Replies to a peer that does not read them: at most ``reply_backlog`` wait for it on each socket, the rest
-are dropped and counted (ZMQ), or its completion socket is closed (the replies waiting there dropped and
-counted). Real sockets, an in-process daemon on ``FakePort``, a small backlog."""
+"""A peer that does not read its replies, or sends faster than the loop serves. At most ``reply_backlog``
+replies wait for it on each socket, the rest are dropped and counted (ZMQ), or its completion socket is
+closed (the replies waiting there dropped and counted); ZMQ reads at most ``request_backlog`` requests of it
+ahead of the loop; a flood holds no other task of the loop. Real sockets, an in-process daemon on
+``FakePort``, small backlogs."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 import zmq
 
 from sidecar.daemon.app import Daemon
+from sidecar.daemon.router import REQUEST_BACKLOG, TAKES_PER_YIELD
 from sidecar.ops.config import Config
 from sidecar.standins.fake_transfer import FakePort
 from sidecar.wire import protocol as p
@@ -21,12 +24,12 @@ HELLO = p.Hello(protocol_version=p.PROTOCOL_VERSION, package_version="test")
 
 
 @contextlib.asynccontextmanager
-async def serving(tmp_path):
-    """A started daemon whose router lets ``BACKLOG`` replies wait for a peer, and requests from it; its ZMQ
-    endpoint."""
+async def serving(tmp_path, requests: int = BACKLOG):
+    """A started daemon whose router lets ``BACKLOG`` replies wait for a peer, and ``requests`` from it; its
+    ZMQ endpoint."""
     path = f"{tmp_path}/gpu0.sock"
     daemon = Daemon(Config(socket=f"ipc://{path}", metrics_port=-1), make_port=lambda _c: FakePort())
-    daemon.router.reply_backlog = daemon.router.request_backlog = BACKLOG
+    daemon.router.reply_backlog, daemon.router.request_backlog = BACKLOG, requests
     await daemon.start()
     try:
         yield daemon, f"ipc://{path}"
@@ -209,6 +212,40 @@ def test_a_peer_that_sends_faster_than_the_loop_serves_is_held_back_and_loses_no
                         sent += 1
                 assert sent < 2_000, f"{sent} frames of 1 KB queued for a loop that took none"
                 await until(lambda: sample(daemon, "kv_sidecar_invalid_messages_total") == before + sent)
+            finally:
+                flood.close(0)
+                ctx.term()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_flood_of_requests_does_not_hold_the_other_tasks_of_the_loop(tmp_path):
+    """Main: awaiting a message ZMQ held already never yielded, so while a peer kept the socket full no other
+    task ran (a flood of 300,000 frames: no /healthz tick for 12 s, then "event loop stalled"). Now the
+    receive loop lets them in every ``TAKES_PER_YIELD`` messages."""
+    frames = 3000
+
+    async def main():
+        async with serving(tmp_path, requests=REQUEST_BACKLOG) as (daemon, endpoint):
+            ctx = zmq.Context()
+            flood = dealer(ctx, endpoint, b"flood")
+            flood.setsockopt(zmq.SNDHWM, 0)
+            try:
+                assert isinstance(await asyncio.to_thread(ask, flood, p.Ping(nonce=1)), p.Pong)
+                before = sample(daemon, "kv_sidecar_invalid_messages_total")
+                for _ in range(frames):  # from the loop's thread: all queued before the loop takes one
+                    flood.send(b"\xc1", zmq.NOBLOCK)
+                time.sleep(0.3)  # the loop held still while ZMQ's I/O threads carry them into its queue
+                seen = []
+
+                async def other_task():
+                    while not seen or seen[-1] < before + frames:
+                        seen.append(sample(daemon, "kv_sidecar_invalid_messages_total"))
+                        await asyncio.sleep(0)
+
+                await asyncio.wait_for(other_task(), 20)
+                steps = [b - a for a, b in zip(seen, seen[1:], strict=False)]
+                assert max(steps) <= 2 * TAKES_PER_YIELD, f"{max(steps)} messages taken while it waited"
             finally:
                 flood.close(0)
                 ctx.term()
