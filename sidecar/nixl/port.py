@@ -175,8 +175,8 @@ class NixlPort:
     def _load(
         self, target: PeerTarget, metadata: bytes, plan: Any, regions: Any, source: Any, count: int
     ) -> Peer:
-        """``connect``'s transport call for an admitted rank (``RemotePeers.add_peer``, which lets its
-        notify-only loads go)."""
+        """``connect``'s transport call for an admitted rank (``RemotePeers.add_peer``: a notify-only load of
+        the same metadata becomes the peer's, the rank's others go)."""
         return self.agent.add_peer(
             engine_id=target.engine_id,
             tp_rank=target.tp_rank,
