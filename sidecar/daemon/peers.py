@@ -161,19 +161,26 @@ class Peers:
         """The admitted peer for a request (handshaking if needed); the entry is held until ``release``."""
         key = (target.engine_id, target.tp_rank)
         entry = self._entries.get(key)
-        if entry is not None and not entry.task.done() and entry.config_gen != self._generation:
+
+        def newer(known: int) -> bool:
+            # The pull names a registration past the one the handshake read. An unknown one (0: a heartbeat's
+            # handshake) stands for the first publish, 1: a prefill at 1 has published no other metadata, but
+            # one past it may have answered that handshake before it registered again (sleep/wake), and its
+            # old regions must not be read for this pull.
+            return target.generation > max(known, 1)
+
+        if entry is not None and not entry.task.done() and (
+            entry.config_gen != self._generation or newer(entry.target.generation)
+        ):
             # still running, but admitting against what was replaced (other caches: another page format,
-            # dtype or model identity of the same page size; other rules): not joined, let go once through
+            # dtype or model identity of the same page size; other rules; an older registration of the
+            # prefill): not joined, let go once through
             self._retire_running(entry)
             entry = None
         elif entry is not None and entry.task.done():
             peer = entry.peer
-            stale = (
-                peer is None
-                or entry.config_gen != self._generation
-                or (target.generation > peer.generation > 0)
-            )
-            if peer is not None and peer.generation == 0 and target.generation:
+            stale = peer is None or entry.config_gen != self._generation or newer(peer.generation)
+            if not stale and peer.generation == 0 and target.generation:
                 peer.generation = target.generation  # the handshake came from a heartbeat
             if stale:
                 # replaced now, even while pulls still read through it (a restarted prefill's new pulls must

@@ -1963,9 +1963,10 @@ def test_a_handshake_a_loaded_peer_stands_in_the_way_of_fails_and_is_not_remembe
 def test_a_heartbeats_handshake_re_admits_a_prefill_whose_known_generation_a_pull_holds():
     """The shim's heartbeats name no registration generation (0: unknown). A pull holds the generation 2 peer
     after a reload, and the re-handshake that would have replaced its entry failed; a heartbeat then
-    handshakes, and a pull naming generation 2 joins that handshake. Generation 0 counted as older than the
-    loaded 2: the heartbeat's handshake failed (the prefill's lease went unrenewed) and so did the pull that
-    joined it ("generation 0 is older than the loaded 2"), though the prefill was the same registration."""
+    handshakes. Generation 0 counted as older than the loaded 2: the heartbeat's handshake failed (the
+    prefill's lease went unrenewed), and so did a pull naming generation 2 that joined it ("generation 0 is
+    older than the loaded 2"), though the prefill was the same registration. Such a pull now handshakes on its
+    own (a later registration than the heartbeat's reply may be), beside the heartbeat's."""
     beat = p.Heartbeat(targets=[p.HeartbeatTarget(
         remote_engine_id="prefill-0", remote_host="127.0.0.1", remote_port=5600, remote_request_ids=["r-w"])])
 
@@ -1987,15 +1988,44 @@ def test_a_heartbeats_handshake_re_admits_a_prefill_whose_known_generation_a_pul
             while h.port.connects == connects:
                 await asyncio.sleep(0.005)
             assert h.port.targets[-1].generation == 0
-            h.pull("c", [5], remote_registration_generation=2)  # joins the heartbeat's handshake
+            # past the first registration: not joined (the heartbeat's reply may be older), its own handshake
+            h.pull("c", [5], remote_registration_generation=2)
             await h.until_stage("c", "handshake")
             h.port.handshake_gate.set()
             h.port.auto_land = True
             done = await h.reply(p.Done, "c")
             assert done.ok, done
-            assert h.port.connects == connects + 1
+            assert h.port.connects == connects + 2 and h.port.targets[-1].generation == 2
             assert ["r-w"] in h.port.heartbeats  # the heartbeat went out through the admitted peer
             assert (await h.reply(p.Done, "a")).ok
+
+    run(main())
+
+
+@pytest.mark.parametrize("generation, handshakes", [(1, 0), (2, 1)])
+def test_a_heartbeats_peer_is_read_for_a_later_registration_only_after_a_handshake(generation, handshakes):
+    """A heartbeat's handshake names no registration (0), and its peer was taken as current for any pull that
+    came after it. A prefill that registered again (sleep/wake: generation 2) after answering that handshake
+    had its pulls read through the older metadata's regions. A pull past the first publish (1: the prefill
+    has no other metadata) now handshakes again; at 1 it reads through the heartbeat's peer."""
+    beat = p.Heartbeat(targets=[p.HeartbeatTarget(
+        remote_engine_id="prefill-0", remote_host="127.0.0.1", remote_port=5600, remote_request_ids=["r-w"])])
+
+    async def main():
+        async with started() as h:
+            h.send(beat)
+            while not h.daemon.peers.admitted(("prefill-0", 0)):
+                await asyncio.sleep(0.005)
+            connects = h.port.connects
+            assert h.port.targets[-1].generation == 0
+            h.pull("a", remote_registration_generation=generation)
+            done = await h.reply(p.Done, "a")
+            assert done.ok, done
+            assert h.port.connects == connects + handshakes
+            assert h.port.targets[-1].generation == (generation if handshakes else 0)
+            h.pull("b", [4], remote_registration_generation=generation)  # the peer is now that registration's
+            assert (await h.reply(p.Done, "b")).ok
+            assert h.port.connects == connects + handshakes
 
     run(main())
 
