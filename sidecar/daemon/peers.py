@@ -64,6 +64,14 @@ class PeerEntry:
         return t.done() and (t.cancelled() or t.exception() is not None)
 
 
+def newer_than_read(pull_generation: int, read_generation: int) -> bool:
+    """Whether a pull naming the prefill's registration ``pull_generation`` is past the one a handshake read
+    (``read_generation``), so must not read through its peer. An unknown one (0: a heartbeat's handshake)
+    stands for the first publish, 1: a prefill at 1 has published no other metadata, but one past it may have
+    answered that handshake before it registered again (sleep/wake)."""
+    return pull_generation > max(read_generation, 1)
+
+
 def admission_for(
     cfg: Config, address: str, local_format: Any, layers: int, compat_factors: Mapping[str, Any]
 ) -> Admission:
@@ -161,16 +169,9 @@ class Peers:
         """The admitted peer for a request (handshaking if needed); the entry is held until ``release``."""
         key = (target.engine_id, target.tp_rank)
         entry = self._entries.get(key)
-
-        def newer(known: int) -> bool:
-            # The pull names a registration past the one the handshake read. An unknown one (0: a heartbeat's
-            # handshake) stands for the first publish, 1: a prefill at 1 has published no other metadata, but
-            # one past it may have answered that handshake before it registered again (sleep/wake), and its
-            # old regions must not be read for this pull.
-            return target.generation > max(known, 1)
-
         if entry is not None and not entry.task.done() and (
-            entry.config_gen != self._generation or newer(entry.target.generation)
+            entry.config_gen != self._generation
+            or newer_than_read(target.generation, entry.target.generation)
         ):
             # still running, but admitting against what was replaced (other caches: another page format,
             # dtype or model identity of the same page size; other rules; an older registration of the
@@ -179,7 +180,11 @@ class Peers:
             entry = None
         elif entry is not None and entry.task.done():
             peer = entry.peer
-            stale = peer is None or entry.config_gen != self._generation or newer(peer.generation)
+            stale = (
+                peer is None
+                or entry.config_gen != self._generation
+                or newer_than_read(target.generation, peer.generation)
+            )
             if not stale and peer.generation == 0 and target.generation:
                 peer.generation = target.generation  # the handshake came from a heartbeat
             if stale:

@@ -2002,6 +2002,16 @@ def test_a_heartbeats_handshake_re_admits_a_prefill_whose_known_generation_a_pul
     run(main())
 
 
+def test_a_pull_is_newer_than_a_handshake_only_past_the_first_registration_it_could_have_read():
+    """Every pair of 0 (unknown), the first registration and two later ones: 0 read stands for 1."""
+    from sidecar.daemon.peers import newer_than_read
+
+    newer = {(2, 0), (2, 1), (3, 0), (3, 1), (3, 2)}  # (pull's, read): a later registration than it read
+    for pull in range(4):
+        for read in range(4):
+            assert newer_than_read(pull, read) == ((pull, read) in newer), (pull, read)
+
+
 @pytest.mark.parametrize("generation, handshakes", [(1, 0), (2, 1)])
 def test_a_heartbeats_peer_is_read_for_a_later_registration_only_after_a_handshake(generation, handshakes):
     """A heartbeat's handshake names no registration (0), and its peer was taken as current for any pull that
