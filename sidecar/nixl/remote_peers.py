@@ -125,7 +125,7 @@ class RemotePeers:
             replaced = []
             if told is not None:
                 del self._notify_only[agent_metadata]
-                self._let_go(told)
+                self._release_agent(told.agent_name)
             name = nixl_call("add_remote_agent", self.agent.add_remote_agent, agent_metadata)
             name = name.decode() if isinstance(name, bytes) else str(name)
             name = self._connected(self._unshared(name))
@@ -158,8 +158,7 @@ class RemotePeers:
         try:
             nixl_call("make_connection", self.agent.make_connection, name)
         except TransferError:
-            if not self._needed(name):  # loaded just now, and nothing records it: let it go
-                self._remove_agent(name)
+            self._release_agent(name)  # loaded just now: let go unless something records it
             raise
         return name
 
@@ -197,20 +196,23 @@ class RemotePeers:
                 log.warning("releasing a dlist of %s: %s", peer.agent_name, exc)
         peer.remote_handles.clear()
         peer.geometries.clear()
-        if not self._needed(peer.agent_name):  # else a peer that replaced it or a notify-only load shares it
-            self._remove_agent(peer.agent_name)
+        self._release_agent(peer.agent_name)  # kept if a replacing peer or notify-only load shares it
 
     def _needed(self, name: str) -> bool:
         """Whether a current peer reads through the remote agent ``name`` or a notify-only load notifies it:
         NIXL does not count loads, so removing it would unload it under them."""
         return self._book.agent_in_use(name) or any(t.agent_name == name for t in self._notify_only.values())
 
-    def _remove_agent(self, name: str) -> None:
-        """NIXL's removal of the remote agent ``name``, best effort (a failure is logged)."""
+    def _release_agent(self, name: str) -> bool:
+        """NIXL's removal of the remote agent ``name`` unless something still needs it (``_needed``), best
+        effort (a failure is logged); whether it was removed."""
+        if self._needed(name):
+            return False
         try:
             self.agent.remove_remote_agent(name)
         except Exception as exc:  # noqa: BLE001
             log.warning("removing agent %s: %s", name, exc)
+        return True
 
     @locked
     def load_notify_only(
@@ -247,10 +249,9 @@ class RemotePeers:
         idle = [md for md, told in self._notify_only.items() if now - told.used_at > idle_s]
         for md in idle:
             told = self._notify_only.pop(md)
-            if not self._needed(told.agent_name):
+            if self._release_agent(told.agent_name):
                 log.info("prefill %s rank %d at %s: its notify-only agent let go after %.0f s unused",
                          told.engine_id, told.tp_rank, told.address, now - told.used_at)
-                self._remove_agent(told.agent_name)
         return len(idle)
 
     def _forget_replaced(self, engine_id: str, tp_rank: int, address: str, metadata: bytes) -> None:
@@ -263,12 +264,7 @@ class RemotePeers:
             if old.address != address and old.engine_id != engine_id:
                 continue
             del self._notify_only[md]
-            self._let_go(old)
-
-    def _let_go(self, told: NotifyOnlyPeer) -> None:
-        """Let a notify-only load's agent go, unless something still needs it (``_needed``); best effort."""
-        if not self._needed(told.agent_name):
-            self._remove_agent(told.agent_name)
+            self._release_agent(old.agent_name)
 
     def geometry(
         self, peer: Peer, dest: Destination, mode: Mode, pool: StagingPool | None = None
