@@ -42,7 +42,8 @@ class RemoteRef(msgspec.Struct, frozen=True):
         # Checked now as the Heartbeat target it becomes, under the daemon's rules: a bad value then fails
         # this request's load, not the step's Heartbeat for every request (one bad target refuses it all).
         p.HeartbeatTarget(remote_engine_id=self.engine_id, remote_host=self.host, remote_port=self.port,
-                          remote_request_ids=[self.request_id], remote_tp_size=self.tp_size)
+                          remote_request_ids=[self.request_id], remote_tp_size=self.tp_size,
+                          remote_registration_generation=self.registration_generation)
 
 
 class PullOrder(msgspec.Struct, frozen=True):
@@ -60,13 +61,15 @@ class PullOrder(msgspec.Struct, frozen=True):
 
 
 class HeartbeatOrder(msgspec.Struct, frozen=True):
-    """Renew the lease of these prefill requests on one engine."""
+    """Renew the lease of these prefill requests on one engine (``generation``: the newest registration
+    generation they name, 0 if none does)."""
 
     engine_id: str
     host: str
     port: int
     tp_size: int
     remote_request_ids: list[str]
+    generation: Count = 0
 
 
 class StepOrders(msgspec.Struct, frozen=True):

@@ -30,11 +30,12 @@ DEFAULT_LEASE_S = 30
 
 
 class _Tracked:
-    __slots__ = ("engine_id", "host", "port", "tp_size", "remote_request_id")
+    __slots__ = ("engine_id", "host", "port", "tp_size", "remote_request_id", "generation")
 
     def __init__(self, remote: RemoteRef) -> None:
         self.engine_id, self.host, self.port = remote.engine_id, remote.host, remote.port
         self.tp_size, self.remote_request_id = remote.tp_size, remote.request_id
+        self.generation = remote.registration_generation
 
 
 class SchedulerBook:
@@ -69,14 +70,17 @@ class SchedulerBook:
         return frozenset(self._loading)
 
     def heartbeat_targets(self) -> list[HeartbeatOrder]:
-        """Every tracked prefill request, grouped by engine."""
-        by_engine: dict[str, HeartbeatOrder] = {}
+        """Every tracked prefill request, grouped by engine, with the newest registration generation its
+        requests name (what the engine's next pulls read)."""
+        by_engine: dict[str, tuple[_Tracked, list[str], int]] = {}
         for t in self._heartbeats.values():
-            order = by_engine.get(t.engine_id)
-            if order is None:
-                order = by_engine[t.engine_id] = HeartbeatOrder(t.engine_id, t.host, t.port, t.tp_size, [])
-            order.remote_request_ids.append(t.remote_request_id)
-        return list(by_engine.values())
+            first, ids, generation = by_engine.get(t.engine_id, (t, [], 0))
+            ids.append(t.remote_request_id)
+            by_engine[t.engine_id] = (first, ids, max(generation, t.generation))
+        return [
+            HeartbeatOrder(t.engine_id, t.host, t.port, t.tp_size, ids, generation)
+            for t, ids, generation in by_engine.values()
+        ]
 
     # ------------------------------------------------------------------------------------------- vLLM hooks
 

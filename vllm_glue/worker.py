@@ -184,6 +184,7 @@ class WorkerHalf:
                     remote_port=h.port,
                     remote_request_ids=list(h.remote_request_ids),
                     remote_tp_size=h.tp_size,
+                    remote_registration_generation=h.generation,
                 ))
             except ValueError as e:
                 log.warning("heartbeat for %s:%s left out: %s", h.host, h.port, e)

@@ -68,6 +68,7 @@ class Heartbeats:
                     self._leases.send(key, peer, t.remote_request_ids)
                 elif not self._peers.known(key) and self._caches.current is not None and not self._stopping():
                     target = PeerTarget(t.remote_engine_id, rank, t.remote_host, t.remote_port,
+                                        generation=t.remote_registration_generation,
                                         remote_tp=t.remote_tp_size, local_tp=session.tp_size,
                                         local_rank=session.rank)
                     if not self._peers.refused(target):

@@ -66,9 +66,10 @@ class PeerEntry:
 
 def newer_than_read(pull_generation: int, read_generation: int) -> bool:
     """Whether a pull naming the prefill's registration ``pull_generation`` is past the one a handshake read
-    (``read_generation``), so must not read through its peer. An unknown one (0: a heartbeat's handshake)
-    stands for the first publish, 1: a prefill at 1 has published no other metadata, but one past it may have
-    answered that handshake before it registered again (sleep/wake)."""
+    (``read_generation``), so must not read through its peer. An unknown one (0: a prefill older than vLLM's
+    connector v15, or a heartbeat naming none) stands for the first publish, 1: a prefill at 1 has published
+    no other metadata, but one past it may have answered that handshake before it registered again
+    (sleep/wake)."""
     return pull_generation > max(read_generation, 1)
 
 
@@ -186,7 +187,7 @@ class Peers:
                 or newer_than_read(target.generation, peer.generation)
             )
             if not stale and peer.generation == 0 and target.generation:
-                peer.generation = target.generation  # the handshake came from a heartbeat
+                peer.generation = target.generation  # a heartbeat's handshake that named none
             if stale:
                 # replaced now, even while pulls still read through it (a restarted prefill's new pulls must
                 # not read the old one, nor a reload wait for a quiet moment); removed once they let go

@@ -9,9 +9,9 @@ Pure bookkeeping, no NIXL: ``RemotePeers`` makes the NIXL calls around it. The r
   replaces the current one, and any a re-admission left readable, at once: they are *unloaded* (no read goes
   through them) but stay loaded, their mappings open, until removed. A lower generation is refused
   (``PeerConflict``: what is loaded, not the admission rules).
-- Generation 0 is unknown (a heartbeat's handshake names none; nor does a prefill older than vLLM's
-  connector v15, which starts at 1): neither higher nor lower than another, so only the metadata tells
-  whether it replaces a peer, and it is never refused.
+- Generation 0 is unknown (a prefill older than vLLM's connector v15, which starts at 1, names none;
+  nor does a heartbeat of requests that name none): neither higher nor lower than another, so only the
+  metadata tells whether it replaces a peer, and it is never refused.
 - Loaded peers may share one NIXL remote agent (the same metadata bytes); the agent is let go once no current
   peer uses it.
 """

@@ -56,7 +56,8 @@ from sidecar.wire.prefill import RESERVED_ID_PREFIXES
 # 3: Pull, Heartbeat and Abort also accepted on a bound completion socket; Pull.sent_at_ns set by the shim.
 # 4: Pull's block ids packed (pack_block_ids) instead of msgpack arrays of ints.
 # 5: Done.safe.
-PROTOCOL_VERSION = 5
+# 6: HeartbeatTarget.remote_registration_generation (a heartbeat's early handshake knows what it reads).
+PROTOCOL_VERSION = 6
 # TP sizes past this are refused: each prefill rank a decoder rank reads is a handshake (a ZMQ socket and a
 # task), and a Pull's or Heartbeat's remote_tp_size comes from a client's kv_transfer_params.
 MAX_TP_SIZE = 64
@@ -102,6 +103,11 @@ def _request_id(name: str, value: str) -> None:
 def _tp_size(name: str, value: int) -> None:
     if not 1 <= value <= MAX_TP_SIZE:
         raise ValueError(f"{name} must be in 1..{MAX_TP_SIZE}, got {value}")
+
+
+def _generation(name: str, value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
 
 
 def _port(name: str, value: int) -> None:
@@ -224,12 +230,16 @@ class HeartbeatTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     remote_port: int
     remote_request_ids: Annotated[list[str], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)]
     remote_tp_size: int = 1
+    # the newest registration generation the requests' kv_transfer_params name (0: unknown), so the
+    # handshake a heartbeat starts early is one the pulls of a re-registered prefill can read through
+    remote_registration_generation: int = 0
 
     def __post_init__(self) -> None:
         _text("remote_engine_id", self.remote_engine_id)
         _text("remote_host", self.remote_host, MAX_HOST_CHARS)
         _port("remote_port", self.remote_port)
         _tp_size("remote_tp_size", self.remote_tp_size)
+        _generation("remote_registration_generation", self.remote_registration_generation)
         for rid in self.remote_request_ids:
             _request_id("remote_request_ids[]", rid)
 
@@ -324,9 +334,7 @@ class Pull(_Msg):
         if self.lease_started_at_ns < 0:
             raise ValueError(f"lease_started_at_ns must be >= 0, got {self.lease_started_at_ns}")
         _tp_size("remote_tp_size", self.remote_tp_size)
-        if self.remote_registration_generation < 0:
-            raise ValueError(f"remote_registration_generation must be >= 0, got "
-                             f"{self.remote_registration_generation}")
+        _generation("remote_registration_generation", self.remote_registration_generation)
 
     @property
     def num_local_blocks(self) -> int:

@@ -179,6 +179,17 @@ def test_abort_before_allocation_releases_the_prefill_blocks() -> None:
     assert book.heartbeat_targets() == []
 
 
+def test_a_heartbeat_names_the_newest_registration_its_engines_requests_name() -> None:
+    """The daemon handshakes early with a prefill a heartbeat names; with the generation the pulls will name,
+    a prefill that registered again (sleep/wake) is not handshaken with a second time by its first pull."""
+    book = SchedulerBook()
+    for rid, engine, generation in [("r1", "eng-a", 1), ("r2", "eng-a", 2), ("r3", "eng-b", None)]:
+        book.on_new_request(FakeRequest(rid, params(remote_engine_id=engine, remote_request_id=f"cmpl-{rid}",
+                                                    remote_registration_generation=generation)))
+    targets = {t.engine_id: (t.remote_request_ids, t.generation) for t in book.heartbeat_targets()}
+    assert targets == {"eng-a": (["cmpl-r1", "cmpl-r2"], 2), "eng-b": (["cmpl-r3"], 0)}
+
+
 def test_abort_in_same_step_as_alloc_keeps_the_pull_then_aborts() -> None:
     book = SchedulerBook()
     req = FakeRequest("r1", params())

@@ -36,6 +36,16 @@ def test_a_heartbeat_target_the_daemon_would_refuse_is_left_out_alone(address: s
         assert [(t.remote_engine_id, t.remote_request_ids) for t in got.targets] == [("e", ["a"])]
 
 
+def test_a_heartbeat_carries_the_registration_generation_to_the_daemon(address: str) -> None:
+    with session(address) as (peer, w):
+        hb = HeartbeatOrder(engine_id="e", host="127.0.0.1", port=5600, tp_size=1, remote_request_ids=["a"],
+                            generation=3)
+        w.start_step(StepOrders(heartbeats=[hb]))
+        got = peer.recv()
+        assert isinstance(got, p.Heartbeat)
+        assert [t.remote_registration_generation for t in got.targets] == [3]
+
+
 def test_a_heartbeat_of_more_ids_than_one_message_takes_goes_out_whole_in_several(address: str) -> None:
     """The daemon takes at most MAX_HEARTBEAT_IDS request ids a Heartbeat: the shim splits a larger one."""
     n = p.MAX_HEARTBEAT_IDS + 10

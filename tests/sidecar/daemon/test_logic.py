@@ -2040,6 +2040,31 @@ def test_a_heartbeats_peer_is_read_for_a_later_registration_only_after_a_handsha
     run(main())
 
 
+def test_a_heartbeat_naming_the_registration_spares_its_pulls_a_second_handshake():
+    """A heartbeat that names the prefill's registration (protocol 6) handshakes for it: a pull of that
+    registration reads through the heartbeat's peer instead of handshaking again, and one of a later
+    registration still handshakes."""
+    beat = p.Heartbeat(targets=[p.HeartbeatTarget(
+        remote_engine_id="prefill-0", remote_host="127.0.0.1", remote_port=5600, remote_request_ids=["r-w"],
+        remote_registration_generation=2)])
+
+    async def main():
+        async with started() as h:
+            h.send(beat)
+            while not h.daemon.peers.admitted(("prefill-0", 0)):
+                await asyncio.sleep(0.005)
+            connects = h.port.connects
+            assert h.port.targets[-1].generation == 2
+            h.pull("a", remote_registration_generation=2)
+            assert (await h.reply(p.Done, "a")).ok
+            assert h.port.connects == connects
+            h.pull("b", [4], remote_registration_generation=3)
+            assert (await h.reply(p.Done, "b")).ok
+            assert h.port.connects == connects + 1 and h.port.targets[-1].generation == 3
+
+    run(main())
+
+
 @pytest.mark.parametrize("how", ["heartbeat", "expired pulls"])
 def test_handshakes_no_pull_waits_for_are_bounded_and_leave_room_for_a_pulls(how):
     """Heartbeats naming 1,000 prefills started 1,000 handshakes at once (and expired Pulls one each, to
