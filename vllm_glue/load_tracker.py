@@ -19,7 +19,12 @@ Rules (vLLM 0.32/0.33 ``get_transfer_results`` + ``get_block_ids_with_load_error
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+
+# How many LoadOutcomes a tracker keeps (the latest): vLLM never reads them, and a long-running engine must
+# not keep one for every load it served. The stand-ins read and clear them each poll, far below this.
+OUTCOMES_KEPT = 4096
 
 
 @dataclass
@@ -59,7 +64,7 @@ class LoadTracker:
         self._finished: set[str] = set()
         self._failed: set[str] = set()
         self._bad_blocks: set[int] = set()
-        self.outcomes: list[LoadOutcome] = []
+        self.outcomes: deque[LoadOutcome] = deque(maxlen=OUTCOMES_KEPT)  # the latest, for logs and tests
 
     def outstanding(self) -> frozenset[str]:
         return frozenset(self._loads)

@@ -199,3 +199,19 @@ def test_an_unsafe_done_expires_at_deadline_plus_grace() -> None:
     t.started("r", [1], True, deadline=10.0, epoch=1)
     t.done("r", False, reason="x", epoch=1, safe=False)
     assert t.expire(10.5) == [] and t.expire(11.5) == ["r"]
+
+
+def test_what_a_long_running_engine_keeps_does_not_grow_with_the_loads_it_served() -> None:
+    """vLLM's worker calls transfer_results and load_errors every step and never reads ``outcomes`` (only
+    the stand-ins do, clearing them): every load ever answered stayed there, its timings and reason with
+    it, for the life of the engine."""
+    t = LoadTracker()
+    for i in range(20_000):
+        t.started(f"r{i}", [i % 64], True, deadline=100.0, epoch=1)
+        t.done(f"r{i}", i % 2 == 0, reason=None if i % 2 == 0 else "x", timings={"transfer": 0.01},
+               epoch=1)
+        t.take_results()
+        t.take_bad_blocks()
+    assert t.outstanding() == frozenset()
+    assert len(t.outcomes) <= 4096, f"{len(t.outcomes)} outcomes kept after 20,000 loads"
+    assert t.outcomes[-1].req_id == "r19999"  # the latest are kept, for logs and tests
