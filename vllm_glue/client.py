@@ -310,6 +310,7 @@ class SidecarClient:
                     if ev["event"] == _UP:
                         self._new_connection(dealer)
                     elif ev["event"] == zmq.EVENT_DISCONNECTED and self._connected:
+                        self._drain(dealer)
                         self._connected = False
                         self._close_fast()
                         self._phase, self._deadline = "idle", float("inf")
@@ -531,6 +532,22 @@ class SidecarClient:
                     self._fast_lost(dealer, why)
                 else:
                     self._close_fast()
+                return
+            self._on_payload(dealer, data, time.monotonic_ns())
+
+    def _drain(self, dealer: zmq.Socket) -> None:
+        """Take what the daemon sent before the connection ended, before its loss is reported: a daemon that
+        stops answers its last pulls, then closes both sockets, and those answers may still wait unread
+        here (this thread may see the disconnect first). Closing the completion socket unread lost them."""
+        while dealer.poll(0):
+            self._on_frame(dealer)
+        fast = self._fast
+        while fast is not None and fast is self._fast:
+            try:
+                data = fast.recv(65536)
+            except OSError:  # nothing more to read now (BlockingIOError), or the socket broke
+                return
+            if not data:
                 return
             self._on_payload(dealer, data, time.monotonic_ns())
 

@@ -250,6 +250,52 @@ def test_loads_of_a_dropped_completion_socket_end_at_once_and_later_loads_succee
         peer.close()
 
 
+def test_answers_the_daemon_sent_before_it_went_are_not_lost_with_the_connection(
+    address: str, tmp_path
+) -> None:
+    """A daemon stopping gracefully answers its last pulls, then closes both sockets. When the client's I/O
+    thread got to the ZMQ disconnect before the completion socket (a busy engine thread holds the GIL), it
+    closed that socket unread: r's Done(ok) was dropped, r held as an orphan and then failed, though its
+    bytes had landed (a request lost to kv_load_failure_policy "fail")."""
+    from vllm_glue.client import _EPOCH, _FAST_DATA
+
+    peer = FastPeer(address, f"{tmp_path}/d.sock.done")
+    w = WorkerHalf(address, pull_timeout_s=30.0, grace_s=1.0, register_timeout_s=5.0)
+    w.client = SidecarClient(address, w._hello, register_msg())
+    try:
+        bind_and_register(peer, w.client)
+        w.start_step(StepOrders(pulls=[order("r", [3])]))
+        assert peer.recv_fast().req_id == "r"
+        client = w.client
+        beat = p.encode(p.Heartbeat(targets=[]))
+        with client._fast_lock:  # the I/O thread sends the Heartbeat, then waits here: a busy moment
+            client._queued_fast += 1
+            with client._send_lock:
+                client._push.send(_FAST_DATA + _EPOCH.pack(client.epoch) + beat)
+            assert isinstance(peer.recv_fast(), p.Heartbeat)
+            peer.send_fast(p.Done(req_id="r", ok=True, timings={"end_to_end": 0.001}))
+            peer.fast.close()  # the daemon stops: its completion socket and its ZMQ socket close
+            peer.fast = None
+            peer.sock.close(linger=0)
+            time.sleep(0.3)  # the disconnect is waiting for the I/O thread too
+        finished: set[str] = set()
+        failed: set[str] = set()
+
+        def step() -> bool:
+            res = w.transfer_results()
+            finished.update(res.finished)
+            failed.update(res.failed)
+            return "r" in finished
+
+        with contextlib.suppress(AssertionError):
+            wait_until(step, 2.0)
+        assert "r" in finished, f"r's Done was dropped with the connection (orphans: {w.tracker.orphans()})"
+        assert "r" not in failed and w.load_errors() == set()
+    finally:
+        w.shutdown()
+        peer.close()
+
+
 _PEER = textwrap.dedent(
     """
     import socket, sys, time, zmq
