@@ -303,7 +303,11 @@ class RemotePeers:
             for gk in [gk for gk in peer.geometries if gk[0] == key]:
                 del peer.geometries[gk]
 
+    @locked
     def close(self) -> None:
-        """Let every loaded peer go."""
+        """Let every notify-only load and every loaded peer go."""
+        while self._notify_only:
+            _, told = self._notify_only.popitem()
+            self._release_agent(told.agent_name)  # one a peer shares goes with that peer
         for peer in self._book.loaded():
             self.remove_peer(peer)

@@ -6,6 +6,7 @@ own agent, so no peer another test left loaded shares the emulator's agent."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 
 import msgspec
@@ -16,6 +17,7 @@ from sidecar.daemon.port import Admission, PeerTarget
 from sidecar.nixl.agent import NixlTransfer
 from sidecar.nixl.errors import RemoteRefused, TransferFailed
 from sidecar.nixl.port import NixlPort
+from sidecar.wire import prefill as wire
 from tests.sidecar.nixl.test_agent import (
     LAYERS,
     RULES,
@@ -362,3 +364,25 @@ def test_an_idle_notify_only_load_leaves_the_agent_a_peer_reads_through_loaded(e
     finally:
         port.close()
         planes.close()
+
+
+@pytest.mark.parametrize("peer", ["alone", "sharing its agent"])
+def test_close_lets_the_notify_only_loads_go(emu, peer, caplog):
+    """A refused prefill's notify-only load, alone or sharing its agent with a peer a pull held: closing lets
+    it go with the peers, its agent unloaded once (no failed second removal logged). Before, ``close`` let
+    only the peers go and left the agent loaded (and a peer's agent with it) to the NIXL agent's own
+    teardown."""
+    caplog.set_level(logging.WARNING, "kv_sidecar.nixl")
+    t = NixlTransfer(SETTINGS)
+    try:
+        held = connect(t, emu) if peer == "sharing its agent" else None
+        metadata = wire.fetch_handshake(emu.ready.side_channel_host, emu.ready.side_channel_port)[(0, 0)]
+        told = t.load_notify_only(engine_id=emu.ready.engine_id, tp_rank=0, address=address(emu),
+                                  agent_metadata=metadata.metadata.agent_metadata)
+        assert held is None or told.agent_name == held.agent_name
+        t.close()
+        assert not t.agent.check_remote_metadata(told.agent_name)
+        assert t.let_go_notify_only(-1.0) == 0  # none left to let go
+        assert caplog.records == []
+    finally:
+        t.close()
