@@ -16,6 +16,7 @@ from sidecar.nixl.errors import PeerConflict, RemoteRefused, TransferError
 from sidecar.nixl.geometry import GeometryError, Mode, PairGeometry, RemoteRegions, StagingPool
 from sidecar.nixl.peer_book import PeerBook
 from sidecar.wire.formats import Plan
+from sidecar.wire.nixl_metadata import NixlMetadataError, read_agent_name
 
 if TYPE_CHECKING:
     from sidecar.nixl.local_memory import Destination
@@ -62,6 +63,15 @@ class NotifyOnlyPeer:
     agent_name: str
     notif_count: int = 1
     used_at: float = 0.0  # when last loaded, found again or notified through (``RemotePeers``' clock)
+
+
+def _agent_name(metadata: bytes) -> str | None:
+    """The name NIXL will load ``metadata`` under, or None where this NIXL 1.5 reader cannot read it (another
+    NIXL's format, which NIXL may still load)."""
+    try:
+        return read_agent_name(metadata)
+    except NixlMetadataError:
+        return None
 
 
 class RemotePeers:
@@ -123,12 +133,17 @@ class RemotePeers:
             # over a replaced peer's agent so goes with it
             self._replace(replaced, key, address)
             replaced = []
+            # a name another engine's peer reads through is refused before NIXL loads these over its agent:
+            # NIXL refuses other connection info itself (no conflict named), but merges metadata without any
+            named = _agent_name(agent_metadata)
+            if named is not None:
+                self._unshared(named)
             if told is not None:
                 del self._notify_only[agent_metadata]
                 self._release_agent(told.agent_name)
             name = nixl_call("add_remote_agent", self.agent.add_remote_agent, agent_metadata)
             name = name.decode() if isinstance(name, bytes) else str(name)
-            name = self._connected(self._unshared(name))
+            name = self._connected(self._unshared(name))  # the name we could not read, checked once loaded
         peer = Peer(
             engine_id=engine_id,
             tp_rank=tp_rank,

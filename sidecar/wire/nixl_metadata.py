@@ -152,6 +152,11 @@ def read_agent_metadata(data: bytes) -> AgentMetadata:
     return AgentMetadata(name, connections, tuple(sections))
 
 
+def read_agent_name(data: bytes) -> str:
+    """The agent's name alone (the first entry): what NIXL loads the metadata under, read before it does."""
+    return _Entries(bytes(data)).text(b"Agent")
+
+
 def _section(entries: _Entries) -> MemSection:
     backend = entries.text(b"bknd")
     kind = entries.value(b"nixlDList")

@@ -15,7 +15,7 @@ import pytest
 
 from sidecar.daemon.port import Admission, PeerTarget
 from sidecar.nixl.agent import NixlTransfer
-from sidecar.nixl.errors import RemoteRefused, TransferFailed
+from sidecar.nixl.errors import PeerConflict, RemoteRefused, TransferFailed
 from sidecar.nixl.port import NixlPort
 from sidecar.wire import prefill as wire
 from tests.sidecar.nixl.test_agent import (
@@ -386,3 +386,42 @@ def test_close_lets_the_notify_only_loads_go(emu, peer, caplog):
         assert caplog.records == []
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("metadata", ["whole", "without connection info"])
+def test_another_engines_agent_under_a_loaded_name_is_refused_before_nixl_loads_it(emu, fresh, metadata):
+    """Another engine's prefill whose agent has the name of one a current peer reads through: a conflict
+    (``PeerConflict``, naming the metadata), found before NIXL loads its metadata, so the peer's agent is as
+    it was and the peer reads on. Before, NIXL loaded them first: whole metadata (other connection info) it
+    refused itself (``add_remote_agent``'s NIXL_ERR_NOT_ALLOWED, a ``TransferFailed``, no conflict), and
+    metadata without connection info it merged into the peer's agent (``prep`` of the other prefill's
+    region went through the peer's agent) before the conflict was found."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    planes = ShmPlanes()
+    try:
+        reg = fresh.register([(planes.base, planes.arr.nbytes, 0)], "DRAM")
+        dest = fresh.destination(reg, planes.planes())
+        held = connect(fresh, emu)
+        other = nixl_agent(held.agent_name, nixl_agent_config(backends=["UCX"]))
+        buf = np.zeros(4096, np.uint8)
+        other_reg = other.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+        md = (other.get_agent_metadata() if metadata == "whole"
+              else other.get_partial_agent_metadata(other_reg, False, ["UCX"]))
+        with pytest.raises(PeerConflict) as e:
+            fresh.add_peer(engine_id="other-engine", tp_rank=0, generation=1, address="127.0.0.2:5600",
+                           agent_metadata=md, plan=held.plan, regions=held.regions)
+        assert e.value.field == "agent_metadata"
+        assert fresh.peer("other-engine", 0) is None and fresh.peer(emu.ready.engine_id, 0) is held
+        theirs = np.array([[buf.ctypes.data, 64, 0]], np.uint64)
+        with pytest.raises(Exception, match="NIXL_ERR_NOT_FOUND"):  # the other prefill's region: not loaded
+            fresh.agent.prep_xfer_dlist(held.agent_name, theirs, "DRAM")
+        reply, params = new_request(emu, 4)
+        rid = params.remote_request_id
+        fresh.wait(fresh.pull(held, dest, "direct", [0, 1, 2, 3], params.remote_block_ids[0], rid))
+        check_planes(planes.arr, reply, [0, 1, 2, 3])
+        fresh.remove_peer(held)
+        other.deregister_memory(other_reg)
+        fresh.deregister(reg)
+    finally:
+        planes.close()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import struct
 import threading
 
 import pytest
 
 from sidecar.nixl.errors import PeerConflict, RemoteRefused
 from sidecar.nixl.remote_peers import RemotePeers
+from sidecar.wire.nixl_metadata import INTRO
 
 
 class Agent:
@@ -35,20 +37,30 @@ def _add(peers: RemotePeers, engine_id: str, metadata: bytes, address: str, gene
                           agent_metadata=metadata, plan=None, regions=None)
 
 
-def test_an_agent_name_another_engines_peer_reads_through_is_a_conflict_not_a_rule():
+def _metadata(name: str, rest: bytes) -> bytes:
+    """NIXL 1.5 agent metadata as far as its first entry, the agent's name; ``rest`` tells them apart."""
+    return INTRO + b"Agent" + struct.pack("<Q", len(name)) + name.encode() + b"|" + rest
+
+
+@pytest.mark.parametrize("readable", [True, False])
+def test_an_agent_name_another_engines_peer_reads_through_is_a_conflict_not_a_rule(readable):
     """Other metadata under an agent name a current peer of another engine reads through: what is loaded
     turns it down, not the admission rules (``RemoteRefused``), so the daemon does not remember it as their
-    refusal; the other engine's peer reads on through its agent."""
-    agent = Agent({b"meta-a": "agent-x", b"meta-b": "agent-x"})
+    refusal; the other engine's peer reads on through its agent. The name read from the metadata, it is
+    turned down before NIXL loads them over that agent; else (a format this reader does not know) once
+    NIXL has loaded them."""
+    a, b = (_metadata("agent-x", b"a"), _metadata("agent-x", b"b")) if readable else (b"meta-a", b"meta-b")
+    agent = Agent({a: "agent-x", b: "agent-x"})
     peers = RemotePeers(agent, threading.RLock())
-    first = _add(peers, "engine-a", b"meta-a", "10.0.0.1:5600")
+    first = _add(peers, "engine-a", a, "10.0.0.1:5600")
     with pytest.raises(PeerConflict) as e:
-        _add(peers, "engine-b", b"meta-b", "10.0.0.2:5600")
+        _add(peers, "engine-b", b, "10.0.0.2:5600")
     assert e.value.field == "agent_metadata" and not isinstance(e.value, RemoteRefused)
+    assert agent.loaded == (["agent-x"] if readable else ["agent-x", "agent-x"])
     assert peers.peer("engine-a", 0) is first and not first.unloaded and agent.removed == []
     assert peers.peer("engine-b", 0) is None
     peers.remove_peer(first)  # the peer in the way let go: the same load goes through
-    assert _add(peers, "engine-b", b"meta-b", "10.0.0.2:5600").agent_name == "agent-x"
+    assert _add(peers, "engine-b", b, "10.0.0.2:5600").agent_name == "agent-x"
 
 
 def test_an_older_generation_than_the_loaded_one_is_a_conflict_and_leaves_the_loaded_peer():

@@ -15,6 +15,7 @@ from sidecar.wire.nixl_metadata import (
     INTRO,
     NixlMetadataError,
     read_agent_metadata,
+    read_agent_name,
     read_packed_key,
 )
 
@@ -43,6 +44,17 @@ def test_a_real_agents_metadata_reads_back_its_name_worker_and_regions(agent):
     for region in section.regions:
         key = read_packed_key(region.key)
         assert key.mem_type == "host" and key.transport_keys  # at least one memory domain can reach it
+
+
+def test_the_agent_name_alone_is_read_from_the_first_entry_and_a_cut_one_refused(agent):
+    """``read_agent_name`` reads what NIXL loads the metadata under, and only that: what follows the name
+    is not read, a cut inside it is refused."""
+    name, _, data = agent
+    end = len(INTRO) + len(b"Agent") + 8 + len(name) + 1
+    assert read_agent_name(data) == name and read_agent_name(data[:end]) == name
+    for n in range(end):
+        with pytest.raises(NixlMetadataError):
+            read_agent_name(data[:n])
 
 
 def test_region_at_finds_the_region_holding_a_range_and_refuses_one_outside(agent):
