@@ -34,6 +34,8 @@ ENV_NOT_KEYS = frozenset(
 DEFAULT_SOCKET_DIR = "/run/kv-sidecar"
 DEFAULT_METRICS_PORT = 9464  # GPU N's daemon serves its endpoint on this + N unless metrics_port is set
 MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
+# The keys that say where a running daemon is (load_to_find keeps them from a file that does not load).
+FINDING_KEYS = frozenset({"gpu", "socket", "metrics_host", "metrics_port"})
 # Keys SIGHUP may change; the others need a restart.
 DEFAULT_POLL_BUSY_S = 0.05  # poll_busy_s with a GPU when unset
 DEFAULT_INLINE_POST_DESCRIPTORS = 128  # inline_post_max_descriptors with a GPU when unset
@@ -711,14 +713,29 @@ def load_to_find(
     overrides: Mapping[str, Any] | None = None,
 ) -> tuple[Config, str]:
     """``load``'s config, for a tool that only needs to find a running daemon (its socket, its port): when the
-    file does not load, the variables and flags alone, with a note saying so. A daemon runs the config it
-    loaded at start, so a file broken since (a reload would refuse it) must not hide a healthy daemon."""
+    file does not load, the variables and flags over the file's ``FINDING_KEYS`` (when it still parses and
+    they hold), with a note saying so. A daemon runs the config it loaded at start, so a file broken since (a
+    reload would refuse it) must not hide a healthy daemon."""
     environ = os.environ if environ is None else environ
     try:
         return load(path, environ=environ, overrides=overrides), ""
     except ConfigError as exc:
         bare = {k: v for k, v in environ.items() if k != "KV_SIDECAR_CONFIG"}
         cfg = load(None, environ=bare, overrides=overrides)  # a bad variable or flag still raises
+        # A file that still parses may name where the daemon is (socket, metrics_port) while another key
+        # keeps it from loading: those keys, under the variables and flags, unless they are the trouble. Only
+        # a regular file is read again: a second open of a named FIFO waits for a writer that is gone.
+        path = path or environ.get("KV_SIDECAR_CONFIG") or None
+        try:
+            again = path is not None and os.path.isfile(path)
+            found = {k: v for k, v in file_values(path).items() if k in FINDING_KEYS} if again else {}
+            if found:
+                cfg = build({**found, **env_values(bare), **(overrides or {})})
+                kept = ", ".join(sorted(found))
+                return cfg, (f"the config file does not load ({exc}); using its {kept} with the KV_SIDECAR_* "
+                             "variables and flags")
+        except ConfigError:
+            pass
         return cfg, f"the config file does not load ({exc}); using the KV_SIDECAR_* variables and flags alone"
 
 

@@ -266,3 +266,25 @@ def test_a_config_from_a_pipe_is_read_once_as_it_comes(tmp_path):
             pass
     assert not reader.is_alive(), "the read of the FIFO hung"
     assert (got[0].default_timeout_s, got[0].log_level) == (20.0, "DEBUG")
+
+
+def test_a_file_that_no_longer_holds_together_still_says_where_its_daemon_is(tmp_path):
+    """``reload`` and Docker's health check find a running daemon with ``load_to_find``. A file edited since
+    the start so that it no longer validates (``pull_mode = "staged"`` without a pool: what a reload refuses)
+    still names the daemon's socket and metrics port: dropping the whole file sent ``reload`` to the default
+    socket ("does not exist: is kv-sidecar running?", exit 2) instead of the daemon, which would refuse it."""
+    path = tmp_path / "kv.toml"
+    path.write_text(f'pull_mode = "staged"\nsocket = "ipc://{tmp_path}/cpu.sock"\nmetrics_port = 19464\n')
+    cfg, note = c.load_to_find(str(path), environ={})
+    assert (cfg.socket_endpoint, cfg.http_port) == (f"ipc://{tmp_path}/cpu.sock", 19464)
+    assert "does not load" in note and "staging_bytes" in note
+    # variables and flags still win over the file's keys, as for a file that loads
+    cfg, _ = c.load_to_find(str(path), environ={"KV_SIDECAR_METRICS_PORT": "19500"}, overrides={"gpu": 1})
+    assert (cfg.http_port, cfg.gpu) == (19500, 1)
+
+
+def test_a_file_whose_finding_keys_are_broken_falls_back_to_variables_and_flags(tmp_path):
+    path = tmp_path / "kv.toml"
+    path.write_text('socket = "tcp://nowhere:1"\n')  # the socket itself is what does not load
+    cfg, note = c.load_to_find(str(path), environ={}, overrides={"gpu": 2})
+    assert cfg.socket_endpoint == "ipc:///run/kv-sidecar/gpu2.sock" and "does not load" in note
