@@ -360,8 +360,8 @@ class Health:
             if not ok
         ]
         if self.stopping:
-            missing.insert(0, "shutting down")
-        return (not missing), ("ok" if not missing else "not ready: " + ", ".join(missing))
+            return False, "not ready: shutting down"
+        return (not missing), ("ok" if not missing else "not ready, waiting for: " + ", ".join(missing))
 
 
 class _ThreadingHTTPServer6(ThreadingHTTPServer):

@@ -78,9 +78,10 @@ def test_http_endpoint_health_and_readiness():
         health.mark_started()
         assert get(server.url + "/healthz")[::2] == (200, "ok\n")
         status, _, body = get(server.url + "/readyz")
-        assert status == 503 and body == "not ready: socket bound, NIXL agent up, caches registered\n"
+        assert status == 503
+        assert body == "not ready, waiting for: socket bound, NIXL agent up, caches registered\n"
         health.socket_bound = health.agent_up = True
-        assert get(server.url + "/readyz")[::2] == (503, "not ready: caches registered\n")
+        assert get(server.url + "/readyz")[::2] == (503, "not ready, waiting for: caches registered\n")
         health.caches_registered = True
         assert get(server.url + "/readyz")[::2] == (200, "ok\n")
         health.last_tick -= 10  # the loop has not ticked for 10 s
