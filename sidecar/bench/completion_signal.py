@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     sig = measured[channels[0]]["signal_us"]
     result: dict[str, Any] = {
         "bench": "signal",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": f"CPU ({os.cpu_count()} threads), {platform.processor() or platform.machine()}",
         "command": " ".join(["kv-sidecar bench signal", *_own_args()]),
         "client": "vllm_glue.client.SidecarClient (its I/O thread stamps each reply on arrival)",

@@ -483,7 +483,7 @@ def run(args: argparse.Namespace) -> int:
         variants = [("default", TUNING)]
     dtype = getattr(torch, args.dtype)
     name = device_name(device)
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     timer = device_timer(device, args.warmup, reps)
     rows: list[dict] = []
     steps_per_shape = 2 + (len(variants) if variants else 0)

@@ -431,7 +431,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     result: dict[str, Any] = {
         "bench": "e2e",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": command_line(),
         "host": platform.node(),
         "python": platform.python_version(),

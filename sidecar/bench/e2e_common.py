@@ -4,10 +4,9 @@ bench's error, the devices it accepts (cpu, cuda:N) and ``--daemon-set``'s setti
 from __future__ import annotations
 
 import re
+import tomllib
 from collections.abc import Sequence
 from typing import Any
-
-import tomllib
 
 _DEVICE = re.compile(r"cpu|cuda:(\d+)")
 

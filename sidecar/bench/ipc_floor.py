@@ -95,7 +95,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as work:
         result = {
             "bench": "ipc_floor",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "device": f"CPU ({os.cpu_count()} threads), {platform.machine()}",
             "command": " ".join(["python sidecar/bench/ipc_floor.py", *sys.argv[1:]]),
             "messages": N,

@@ -636,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "bench": "launch",
         "what": __doc__.split("\n\n")[1].replace("\n", " "),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": "kv-sidecar bench launch " + shlex.join(sys.argv[1:] if argv is None else argv),
         "host": platform.node(),
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",

@@ -630,7 +630,7 @@ def must_show(result: dict[str, Any]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     result: dict[str, Any] = {
         "bench": "pull",
         "date": now.isoformat(timespec="seconds"),

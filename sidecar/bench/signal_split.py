@@ -102,7 +102,7 @@ def main() -> int:
     cpu, wait, wakeups = (e - s for e, s in zip(sched["end"], sched["start"], strict=True))
     result = {
         "bench": "signal_split",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": f"CPU ({os.cpu_count()} threads), {platform.machine()}, Linux {platform.release()}",
         "command": "python sidecar/bench/signal_split.py " + " ".join(sys.argv[1:]),
         "concurrency": args.concurrency,

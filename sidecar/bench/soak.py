@@ -118,7 +118,7 @@ def soak(work: str, duration_s: float, *, seed: int = 1, batch: int = 32, wave: 
     elapsed = time.monotonic() - t0
     return {
         "bench": "soak",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": f"CPU ({os.cpu_count()} threads), {platform.machine()} (CPU twin: emulator, daemon, "
                   "decoder stand-in)",
         "duration_s": round(elapsed, 1),

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import math
 import os
+import tomllib
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import msgspec
-import tomllib
 
 from sidecar.ops import settled_file
 from sidecar.wire.formats import PageFormat

@@ -399,7 +399,7 @@ async def fetch_handshake_async(
             try:
                 await asyncio.wait_for(sock.send(encode_handshake_request(pp, tp)), timeout_s)
                 frames = await _await_reply_async(sock, monitor, timeout_s)
-            except (asyncio.TimeoutError, zmq.Again):
+            except (TimeoutError, zmq.Again):
                 raise HandshakeTimeout(address, pp, tp, timeout_s) from None
             if frames is None:
                 raise HandshakeDropped(address, pp, tp)
@@ -428,7 +428,7 @@ async def _await_reply_async(sock: Any, monitor: Any, timeout_s: float) -> list[
         return reply.result()
     if dropped in done:
         return None
-    raise asyncio.TimeoutError
+    raise TimeoutError
 
 
 # --- notifications and heartbeats ---

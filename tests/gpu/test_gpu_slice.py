@@ -73,7 +73,7 @@ def bench_out():
         return
     report = {
         "bench": "gpu-slice",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(GPU),
         "torch": torch.__version__,
         "env": {k: os.environ[k] for k in sorted(os.environ) if k.startswith("UCX_CUDA")},

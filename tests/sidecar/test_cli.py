@@ -334,7 +334,6 @@ def test_a_reload_mid_rewrite_applies_the_whole_file_or_nothing(tmp_path, caplog
     and the error names the file."""
     import logging
     import threading
-
     import tomllib
 
     from sidecar.daemon.app import Daemon
