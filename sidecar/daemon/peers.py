@@ -356,8 +356,29 @@ class Peers:
         except Exception as exc:  # noqa: BLE001
             log.info("notification for %s failed: %s", remote_request_id, exc)
 
-    def notify_when_admitted(self, handshake: asyncio.Task, remote_request_id: str) -> None:
-        """Notify once a running handshake is through, without holding anyone up."""
+    def notify_soon(self, peer: Any, remote_request_id: str, entries: list[PeerEntry]) -> None:
+        """``notify`` on the loop's next turn (after the answer, which need not wait for NIXL's send), the
+        ranks' ``entries`` held until it is sent or queued: a peer a reload retired meanwhile is removed only
+        after that. Its removal, queued on the poster thread first, unloaded the prefill's agent (where no
+        current peer shared it yet) before the notification went out, and the prefill held the blocks for
+        the rest of its lease."""
+        for entry in entries:
+            entry.users += 1
+
+        def send() -> None:
+            try:
+                self.notify(peer, remote_request_id)
+            finally:
+                for entry in entries:
+                    self.release(entry)
+
+        asyncio.get_running_loop().call_soon(send)
+
+    def notify_when_admitted(self, entry: PeerEntry, remote_request_id: str) -> None:
+        """Notify once the entry's running handshake is through, without holding anyone up; the entry is held
+        until then, so a retired peer is removed only after its notification (``notify_soon``)."""
+        handshake = entry.task
+        entry.users += 1
 
         async def later() -> None:
             try:
@@ -372,6 +393,7 @@ class Peers:
         task = self._spawn(later())
         self._telling.add(task)
         task.add_done_callback(self._telling.discard)
+        task.add_done_callback(lambda _t: self.release(entry))  # also if cancelled before it began
 
     async def told(self, timeout_s: float) -> None:
         """Wait, at most ``timeout_s``, for the notifications still waiting for their handshake: at shutdown,
@@ -390,7 +412,7 @@ class Peers:
             entry = self.start_unawaited(target, caches)
             if entry is None:
                 return  # as above
-        self.notify_when_admitted(entry.task, remote_request_id)
+        self.notify_when_admitted(entry, remote_request_id)
 
     def close(self) -> None:
         for entry in [*self._entries.values(), *self._retiring]:

@@ -401,12 +401,12 @@ class Pipeline:
             safe = await self._reads.stop(job)
         elif job.peer is not None:
             # no read posted (a mapped pull, or one stopped before its post): still let the prefill free the
-            # blocks, right after the answer (which need not wait for NIXL's send)
-            asyncio.get_running_loop().call_soon(self._peers.notify, job.peer, rid)
+            # blocks, right after the answer (which need not wait for NIXL's send), before its peer may go
+            self._peers.notify_soon(job.peer, rid, job.peer_entries)
         elif job.peer_entries:
             # stopped during the handshakes, or after they ended but before this job resumed from them
             for entry in job.peer_entries:
-                self._peers.notify_when_admitted(entry.task, rid)
+                self._peers.notify_when_admitted(entry, rid)
         else:
             # stopped or refused before its handshake began: the prefill holds the blocks for its lease, so
             # tell it through a cached handshake, or (unless shutting down) one made just for this

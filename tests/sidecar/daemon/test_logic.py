@@ -571,6 +571,93 @@ def test_a_retired_peer_is_removed_on_the_poster_thread_once_its_pulls_let_go():
     run(main())
 
 
+
+def test_a_pull_stopped_before_its_read_is_told_before_its_retired_peer_is_removed(monkeypatch):
+    """A reload retires the peer a pull holds while it waits for staging slots; the pull is aborted while
+    the poster thread is busy. Its notification went to the poster thread after the peer's removal, which
+    it queued on letting the peer go: NIXL had unloaded the prefill's agent (nothing else loaded it yet)
+    before ``send_notif``, and the prefill held the blocks for the rest of its lease."""
+
+    async def main():
+        async with started(pull_mode="staged", staging_bytes=LAYERS * 3 * PAGE_BYTES) as h:
+            told: list[tuple[str, list[bool]]] = []
+            real_notify = h.port.notify
+
+            def notify(peer, rid):
+                told.append((rid, [m.removed for m in getattr(peer, "peers", (peer,))]))
+                real_notify(peer, rid)
+
+            monkeypatch.setattr(h.port, "notify", notify)
+            other = {"remote_engine_id": "prefill-1", "remote_port": 5601}
+            h.pull("warm", [4], **other)  # prefill-1's handshake, cached before the poster is held
+            assert (await h.reply(p.Done, "warm")).ok
+            h.pull("first", [5])  # prefill-0's handshake, cached
+            assert (await h.reply(p.Done, "first")).ok
+            await _posting(h, "b", **other)  # holds every staging slot; its post holds the port
+            h.pull("a", [4, 5, 6])
+            await h.until_stage("a", "transfer")  # through its cached handshake, waiting for slots
+            h.daemon.peers.invalidate()  # as a reload that changes the remotes does
+            h.pull("c", [7])  # retires the peer "a" holds
+            await h.until_stage("c", "handshake")
+            old = h.port.peers[1]
+            h.send(p.Abort(req_id="a"))
+            assert (await h.reply(p.Aborted, "a")).safe
+            await asyncio.sleep(0.02)
+            h.port.post_gate.set()
+            await h.until_notified("r-a")
+            for read in list(h.port.reads):
+                while read.groups:
+                    h.port.land(read)
+            assert (await h.reply(p.Done, "b")).ok and (await h.reply(p.Done, "c")).ok
+            assert old.removed
+            assert ("r-a", [False]) in told, told  # told while its peer was still loaded
+
+    run(main())
+
+
+
+def test_a_pull_stopped_in_its_handshake_is_told_before_its_retired_peer_is_removed(monkeypatch):
+    """The same for a pull stopped while its handshake runs, which a reload then retires: once through, the
+    handshake's peer was removed (no pull held it) ahead of the notification waiting for that handshake."""
+
+    async def main():
+        async with started() as h:
+            told: list[tuple[str, Any, bool]] = []
+            real_notify, real_hold = h.port.notify, h.port.hold
+
+            def notify(peer, rid):
+                told.extend((rid, m, m.removed) for m in getattr(peer, "peers", (peer,)))
+                real_notify(peer, rid)
+
+            @contextlib.contextmanager
+            def busy(blocking: bool = True):  # as while the poster thread is inside the transport
+                if blocking:
+                    with real_hold() as held:
+                        yield held
+                else:
+                    yield False
+
+            monkeypatch.setattr(h.port, "notify", notify)
+            await _hold_in(h, "handshake")
+            h.send(p.Abort(req_id="x"))
+            assert (await h.reply(p.Aborted, "x")).safe
+            h.daemon.peers.invalidate()  # as a reload that changes the remotes does
+            h.pull("c", [7])  # handshakes anew: the running handshake is retired
+            await h.until_stage("c", "handshake")
+            monkeypatch.setattr(h.port, "hold", busy)
+            h.port.handshake_gate.set()
+            await h.until_notified("r-x")
+            deadline = time.monotonic() + 2
+            while not told[0][1].removed:
+                assert time.monotonic() < deadline, "the retired peer was never removed"
+                await asyncio.sleep(0.002)
+            monkeypatch.setattr(h.port, "hold", real_hold)
+            assert (await h.reply(p.Done, "c")).ok
+            assert [(rid, removed) for rid, _, removed in told] == [("r-x", False)]  # before its removal
+
+    run(main())
+
+
 INLINE = {"pull_mode": "staged", "staging_bytes": 64 * PAGE_BYTES, "inline_post_max_descriptors": LAYERS}
 
 
