@@ -177,13 +177,12 @@ class Pipeline:
         """Answer a Pull of the caches' owner that will not be read (overloaded, expired, aborted first, or
         shutting down), and tell its prefill ranks to free the blocks now rather than hold them for the rest
         of their lease: the shim sends no notification of its own for a load that failed. Told through a
-        cached or running handshake, or (``handshake``) one made just for this."""
+        cached or running handshake (also once the caches are released, as at shutdown), or (``handshake``,
+        with caches to be admitted against) one made just for this."""
         self._answer_now(envelope, msg, outcome, reason)
-        caches = self._caches.current
-        if caches is None:
-            return
+        caches = self._caches.current if handshake else None
         for target in _read_targets(msg, session, refuse=False):
-            self._peers.notify_unread(target, caches if handshake else None, msg.remote_request_id)
+            self._peers.notify_unread(target, caches, msg.remote_request_id)
 
     def _answer_now(self, envelope: list[bytes], msg: p.Pull, outcome: Outcome, reason: str) -> None:
         self._metrics.answered(outcome.value)

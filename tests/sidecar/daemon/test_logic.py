@@ -2362,6 +2362,40 @@ def test_a_pull_arriving_during_shutdown_tells_the_prefill_through_its_cached_ha
     run(main())
 
 
+
+def test_a_pull_arriving_after_shutdown_released_the_caches_is_still_told_through_its_cached_handshake():
+    """Shutdown releases the caches, then waits for the notifications still owed (``Peers.told``); a Pull
+    that arrives meanwhile is answered "shutting down". Its prefill was told through the cached handshake
+    only while the caches were registered: once released, the refusal told nobody, and the prefill held
+    the blocks for its whole lease, as a pull refused after its handshake began never does."""
+
+    async def main():
+        h = Harness()
+        await h.start()
+        other = {"remote_engine_id": "prefill-1", "remote_port": 5601}
+        try:
+            h.pull("a", [4], **other)
+            assert (await h.reply(p.Done, "a")).ok  # prefill-1's handshake is cached
+            await _hold_in(h, "handshake")  # "x" keeps the shutdown waiting for its notification
+            stopping = asyncio.ensure_future(h.daemon.shutdown(0))
+            deadline = time.monotonic() + 2
+            while h.daemon.caches.current is not None:
+                assert time.monotonic() < deadline, "the caches were never released"
+                await asyncio.sleep(0.002)
+            h.pull("late", [5], **other)
+            done = await h.reply(p.Done, "late")
+            assert not done.ok and done.reason.endswith("not accepting pulls"), done
+            await h.until_notified("r-late")
+            h.port.handshake_gate.set()
+            await asyncio.wait_for(stopping, 5)
+            assert sorted(h.port.notified) == ["r-a", "r-late", "r-x"]
+        finally:
+            h.port.handshake_gate = None
+            await h.stop()
+
+    run(main())
+
+
 def test_a_pull_admitted_before_a_reload_keeps_its_lease_when_the_new_rules_refuse_its_prefill():
     """README: a reload that refuses a prefill lets its pulls in flight finish under their admission. Lease
     renewals went through the prefill rank's *current* handshake: once the first pull under the new rules
