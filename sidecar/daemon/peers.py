@@ -73,6 +73,14 @@ def newer_than_read(pull_generation: int, read_generation: int) -> bool:
     return pull_generation > max(read_generation, 1)
 
 
+def same_prefill(target: PeerTarget, admitted: PeerTarget | None) -> bool:
+    """Whether a pull's ``target`` names the prefill rank a handshake was made with (``admitted``): its engine
+    id at the same address, TP and reading rank; the registration generation is ``newer_than_read``'s. A
+    prefill restarted under a fixed engine id elsewhere, or at another TP (another head slice, another
+    "id:n"), is another prefill."""
+    return admitted is None or msgspec.structs.replace(target, generation=admitted.generation) == admitted
+
+
 def admission_for(
     cfg: Config, address: str, local_format: Any, layers: int, compat_factors: Mapping[str, Any]
 ) -> Admission:
@@ -173,10 +181,11 @@ class Peers:
         if entry is not None and not entry.task.done() and (
             entry.config_gen != self._generation
             or newer_than_read(target.generation, entry.target.generation)
+            or not same_prefill(target, entry.target)
         ):
             # still running, but admitting against what was replaced (other caches: another page format,
             # dtype or model identity of the same page size; other rules; an older registration of the
-            # prefill): not joined, let go once through
+            # prefill; another prefill under its engine id): not joined, let go once through
             self._retire_running(entry)
             entry = None
         elif entry is not None and entry.task.done():
@@ -185,6 +194,7 @@ class Peers:
                 peer is None
                 or entry.config_gen != self._generation
                 or newer_than_read(target.generation, peer.generation)
+                or not same_prefill(target, entry.target)
             )
             if not stale and peer.generation == 0 and target.generation:
                 peer.generation = target.generation  # a heartbeat's handshake that named none

@@ -2127,6 +2127,29 @@ def test_a_heartbeats_peer_is_read_for_a_later_registration_only_after_a_handsha
     run(main())
 
 
+@pytest.mark.parametrize("moved", [{"remote_port": 5601}, {"remote_host": "127.0.0.2"},
+                                   {"remote_tp_size": 2}])
+def test_a_prefill_of_a_known_engine_id_at_another_address_or_tp_is_handshaken_with_again(moved):
+    """A cached handshake was reused for any pull naming its engine id and rank: a prefill restarted under a
+    fixed engine id at another address or TP size was read through the old one's peer (its regions, and for
+    another TP the old head slice and "id:n" count). It is another prefill: the pull handshakes again."""
+
+    async def main():
+        async with started() as h:
+            h.port.auto_land = True
+            h.pull("a")
+            assert (await h.reply(p.Done, "a")).ok
+            before = len(h.port.targets)
+            h.pull("b", [4], **moved)
+            await h.reply(p.Done, "b")
+            (target,) = [t for t in h.port.targets[before:] if t.tp_rank == 0]  # rank 0 handshaken again
+            assert (target.port, target.host, target.remote_tp) == (
+                moved.get("remote_port", 5600), moved.get("remote_host", "127.0.0.1"),
+                moved.get("remote_tp_size", 1))
+
+    run(main())
+
+
 def test_a_heartbeat_naming_the_registration_spares_its_pulls_a_second_handshake():
     """A heartbeat that names the prefill's registration (protocol 6) handshakes for it: a pull of that
     registration reads through the heartbeat's peer instead of handshaking again, and one of a later
