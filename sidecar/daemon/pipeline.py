@@ -29,7 +29,7 @@ from sidecar.daemon.peers import Peers
 from sidecar.daemon.port import PeerSet, PeerTarget, ReadMode
 from sidecar.daemon.read_plan import gap_cost, layer_groups_for, staged_descriptors
 from sidecar.daemon.reads import Reads
-from sidecar.daemon.staging import Staged, Staging
+from sidecar.daemon.staging import PoolTooSmall, Staged, Staging
 from sidecar.nixl.tp import read_ranks
 from sidecar.ops.config import Config
 from sidecar.ops.metrics import Metrics
@@ -297,18 +297,26 @@ class Pipeline:
         pool = slots = src = staged = None
         layers, blocks = len(caches.layers), job.pairs.count
         fmt = job.peer.plan.remote
-        if mode == "staged" and self._config().pull_mode != "staged":
+        by_name = self._config().pull_mode == "staged"  # else auto's promise: read, direct if need be
+        if mode == "staged" and not by_name:
             mode = self._fitting_mode(job, fmt.page_bytes, layers * blocks)
-        self._metrics.read_mode(mode)
-        layer_groups = layer_groups_for(layer_groups, layers * blocks * fmt.page_bytes)
         if mode == "staged":
             if self._staging is None:
                 raise Refused("pull_mode", "staged reads need a staging pool (staging_bytes = 0)")
-            staged = await self._take_span(job, fmt, layers, job.pairs.remote)
-            if staged.waited is not None:
-                self._metrics.gap_span_waited(staged.waited)
-            pool, slots, job.slots = staged.pool, staged.slots, staged.run
-            src = self._staging.source(job.slots, caches.page_format, layers, staged.width)
+            try:
+                staged = await self._take_span(job, fmt, layers, job.pairs.remote)
+            except PoolTooSmall as exc:  # slots kept out meanwhile (while it waited) left it no room
+                self._log_kept_out(job, exc, "refused" if by_name else "read direct")
+                if by_name:
+                    raise
+                mode = "direct"
+            else:
+                if staged.waited is not None:
+                    self._metrics.gap_span_waited(staged.waited)
+                pool, slots, job.slots = staged.pool, staged.slots, staged.run
+                src = self._staging.source(job.slots, caches.page_format, layers, staged.width)
+        self._metrics.read_mode(mode)
+        layer_groups = layer_groups_for(layer_groups, layers * blocks * fmt.page_bytes)
         converting = bool(job.peer.plan.convert and blocks)
         if converting:
             self._conversions.begin(job, src, job.peer.plan, None if staged is None else staged.source_index)
@@ -320,11 +328,15 @@ class Pipeline:
         return converting
 
     def _fitting_mode(self, job: Job, page_bytes: int, slots: int) -> ReadMode:
-        """Staged, unless the whole pool could never hold the request: then direct (slow, but read), as auto
-        promises. Only ``pull_mode = "staged"``, asked for by name, refuses such a request."""
+        """Staged, unless the pool could never hold the request (the whole pool, or what can still come free
+        around slots kept out): then direct (slow, but read), as auto promises. Only ``pull_mode =
+        "staged"``, asked for by name, refuses such a request."""
         assert self._staging is not None
         if self._staging.holds(page_bytes, slots):
             return "staged"
+        if self._staging.kept_out:
+            self._log_kept_out(job, None, "read direct")
+            return "direct"
         self._ratelog.log(
             "staging_bytes", logging.WARNING,
             "pull %s read direct: it needs %d staging slots of %d bytes, the pool (staging_bytes %d) holds "
@@ -332,6 +344,19 @@ class Pipeline:
             job.req_id, slots, page_bytes, self._staging.nbytes, self._staging.nbytes // page_bytes,
         )
         return "direct"
+
+    def _log_kept_out(self, job: Job, exc: PoolTooSmall | None, what: str) -> None:
+        """Say (rate-limited) that a pull was refused or read direct because slots kept out of the pool (a
+        read that could not be stopped may still write them) leave it no room."""
+        assert self._staging is not None
+        if exc is not None and not exc.kept_out:
+            return
+        self._ratelog.log(
+            "staging_kept_out", logging.WARNING,
+            "pull %s %s: %d staging slots are held by a read that could not be stopped and are never lent "
+            "again; the pool can no longer hold it (restart the daemon to get them back)",
+            job.req_id, what, self._staging.kept_out,
+        )
 
     def _inline(self, job: Job, mode: ReadMode, layers: int) -> bool:
         """Post on the loop (config ``inline_post_max_descriptors``): a short staged read, the daemon's only
@@ -427,6 +452,7 @@ class Pipeline:
             else:  # a READ into them could not be stopped: never lend them again
                 log.error("pull %s: staging slots %s kept out of use (a transfer could not be stopped)",
                           job.req_id, job.slots)
+                self._staging.keep_out(job.slots)
             job.slots = None
         caches, entries, read = job.caches, job.peer_entries, job.read
         job.caches, job.peer_entries = None, []

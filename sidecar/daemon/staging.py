@@ -6,6 +6,11 @@ time; when a request with another page size comes and the pool is idle, it is re
 
 Pulls that find no room wait in one queue and are served first come, first served: a pull never takes
 slots while an earlier one waits, so a large request is not starved by smaller ones that keep fitting.
+
+Slots a READ could not be stopped in may still be written: they are kept out (``keep_out``), never lent
+again, and the pool is never re-cut under them. Requests are sized against the largest run that can still
+come free (``room``): one that can never fit is refused at once (``PoolTooSmall``), and so is one waiting in
+line when a kept-out run leaves it no room, rather than at its deadline with every pull behind it.
 """
 
 from __future__ import annotations
@@ -36,6 +41,15 @@ from sidecar.wire import ipc as ipc_mod
 from sidecar.wire.formats import PageFormat
 
 VIEWS_KEPT = 256  # staging views remembered (``Staging.source``); all are dropped when that many are held
+
+
+class PoolTooSmall(Refused):
+    """A request the pool can never lend its slots to (``staging_bytes``): too long for the whole pool, or
+    for what can still come free around slots kept out (``kept_out``: how many; 0 for the first)."""
+
+    def __init__(self, reason: str, kept_out: int) -> None:
+        super().__init__("staging_bytes", reason)
+        self.kept_out = kept_out
 
 
 @dataclass(eq=False)
@@ -108,6 +122,10 @@ class Staging:
         self._cut: _Cut | None = None
         self._views: dict[tuple, Any] = {}  # (first, count, slot bytes, dtype, layers, blocks) -> source view
         self._queue: deque[_Waiter] = deque()  # pulls waiting for slots, served in order
+        # runs (first, count) of the current cut that a READ which could not be stopped may still write, and
+        # the longest run between them (what can still come free)
+        self._kept_out: list[tuple[int, int]] = []
+        self._room = 0
         if metrics is not None:
             metrics.staging_bytes.set(nbytes)
             # computed when scraped: a pull's take and give cost nothing more
@@ -123,10 +141,68 @@ class Staging:
         cut = self._cut
         return 0 if cut is None else (cut.allocator.num_slots - cut.allocator.free) * cut.slot_bytes
 
+    @property
+    def kept_out(self) -> int:
+        """Slots kept out of use: a READ that could not be stopped may still write them."""
+        return sum(n for _, n in self._kept_out)
+
+    def room(self, page_bytes: int) -> int:
+        """The most adjacent slots of ``page_bytes`` the pool can ever lend: a cut of that page size has
+        ``nbytes // page_bytes`` slots; with runs kept out, only the longest run between them can come free,
+        and the pool is never re-cut for another page size."""
+        if not self._kept_out:
+            return self.nbytes // page_bytes
+        assert self._cut is not None
+        return self._room if self._cut.slot_bytes == page_bytes else 0
+
     def holds(self, page_bytes: int, slots: int) -> bool:
-        """Whether the whole pool, idle, could lend ``slots`` slots of ``page_bytes`` (``take`` refuses
-        if not; a cut of that page size has ``nbytes // page_bytes`` slots)."""
-        return slots <= self.nbytes // page_bytes
+        """Whether the pool, idle, could lend ``slots`` slots of ``page_bytes`` (``room``; ``take`` refuses
+        if not)."""
+        return slots <= self.room(page_bytes)
+
+    def _too_small(self, page_bytes: int, need: int) -> PoolTooSmall:
+        """Why a request of ``need`` slots of ``page_bytes`` can never be lent them."""
+        wants = f"the request needs {need} slots of {page_bytes} bytes"
+        kept = self.kept_out
+        if not kept:
+            return PoolTooSmall(f"{wants}, the pool has {self.nbytes // page_bytes}", 0)
+        assert self._cut is not None
+        held = f"{kept} of the pool's {self._cut.allocator.num_slots} slots of {self._cut.slot_bytes} bytes"
+        if self._cut.slot_bytes != page_bytes:
+            return PoolTooSmall(
+                f"{wants}; {held} are held by a read that could not be stopped, so the pool cannot be re-cut",
+                kept,
+            )
+        return PoolTooSmall(
+            f"{wants}; {held} are held by a read that could not be stopped, and at most {self._room} "
+            "adjacent slots can come free",
+            kept,
+        )
+
+    def keep_out(self, run: tuple[int, int]) -> None:
+        """Never lend ``run`` again (a READ into it could not be stopped and may still write). Pulls waiting
+        in line that can no longer ever fit are refused now (``PoolTooSmall``), or ask for their plain slots
+        if only their gap span no longer fits; the ones behind them are served."""
+        first, n = run
+        if n <= 0:
+            return
+        cut = self._cut
+        assert cut is not None
+        self._kept_out = sorted([*self._kept_out, (first, n)])
+        self._room, end = 0, 0
+        for start, count in [*self._kept_out, (cut.allocator.num_slots, 0)]:
+            self._room = max(self._room, start - end)
+            end = start + count
+        room = self._room
+        for waiter in list(self._queue):
+            if waiter.fut.done() or waiter.need <= room:
+                continue
+            if waiter.fallback is not None and waiter.fallback <= room:
+                waiter.need, waiter.fallback = waiter.fallback, None
+                continue
+            self._queue.remove(waiter)
+            waiter.fut.set_exception(self._too_small(cut.slot_bytes, waiter.need))
+        self._serve()
 
     def _cut_for(self, page_bytes: int) -> _Cut:
         cut = self._cut
@@ -156,14 +232,10 @@ class Staging:
         """Wait for ``layers * blocks`` adjacent slots of ``fmt``'s page size: the pool to read into and the
         run (first slot, count) to give back."""
         while True:
-            cut = self._cut_for(fmt.page_bytes)
             need = layers * blocks
             if not self.holds(fmt.page_bytes, need):  # the rule auto's fallback to direct asks first
-                raise Refused(
-                    "staging_bytes",
-                    f"the request needs {need} slots of {fmt.page_bytes} bytes, "
-                    f"the pool has {cut.allocator.num_slots}",
-                )
+                raise self._too_small(fmt.page_bytes, need)
+            cut = self._cut_for(fmt.page_bytes)
             if need == 0:  # no block to read (a full prefix hit, a notify-only pull): nothing to wait for
                 return cut.pool, (0, 0)
             first, _ = await self._wait_run(cut, need)
@@ -180,7 +252,8 @@ class Staging:
     ) -> tuple[int | None, int]:
         """(first slot, slots taken): ``need`` adjacent slots, now or in turn behind the pulls already
         waiting. With ``fallback``, after ``give_up_s`` the pull asks for ``fallback`` slots instead, keeping
-        its place. First is None if the pool was re-cut meanwhile. Cancelled, it takes nothing with it."""
+        its place. First is None if the pool was re-cut meanwhile. Cancelled, it takes nothing with it.
+        PoolTooSmall once a run kept out leaves it no room (``keep_out``)."""
         first = self._take_now(cut, need)
         if first is not None:
             return first, need
@@ -193,8 +266,9 @@ class Staging:
         try:
             first = await waiter.fut
         except asyncio.CancelledError:
-            if waiter.fut.done() and not waiter.fut.cancelled() and waiter.fut.result() is not None:
-                self.give((waiter.fut.result(), waiter.need))  # served, but stopped before it could go on
+            fut = waiter.fut
+            if fut.done() and not fut.cancelled() and fut.exception() is None and fut.result() is not None:
+                self.give((fut.result(), waiter.need))  # served, but stopped before it could go on
             raise
         finally:
             if timer is not None:
@@ -243,9 +317,11 @@ class Staging:
         n = int(np.asarray(remote_ids).size)
         page = fmt.page_bytes
         span, waited = None, None
+        if not self.holds(page, layers * n):
+            raise self._too_small(page, layers * n)
         if cost is not None and share > 0 and layers > 0 and n > 1:
             cut = self._cut_for(page)
-            total, own = cut.allocator.num_slots, layers * n
+            total, own = self.room(page), layers * n
             span = plan_span(remote_ids, page, cost, min(int(share * total), total - own) // layers)
             if span.gap_blocks:
                 need = layers * span.width

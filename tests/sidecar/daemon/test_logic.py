@@ -1112,7 +1112,8 @@ def test_a_pull_that_gives_up_its_gap_span_keeps_its_place_in_line():
 
 def test_staging_slots_a_read_could_not_be_stopped_in_are_never_lent_again(monkeypatch):
     """A staged post that failed midway and whose handles NIXL never releases: the answer says the blocks are
-    unsafe, and its staging slots stay out of use (the pool has room for one pull: the next one waits)."""
+    unsafe, and its staging slots stay out of use (the pool has room for one pull: the next one is never
+    lent them, and, as nothing else can come free, it is refused at once)."""
     from sidecar.daemon import reads
 
     monkeypatch.setattr(reads, "RELEASE_GIVE_UP_S", 0.2)
@@ -1132,9 +1133,93 @@ def test_staging_slots_a_read_could_not_be_stopped_in_are_never_lent_again(monke
             assert (await h.reply(p.Aborted, "never-seen")).safe
             h.port.fail_post = False
             h.pull("b")
-            await h.until_stage("b", "transfer")
-            await asyncio.sleep(0.05)
-            assert h.answers("b") == [] and len(h.port.reads) == 1  # "b" waits: "a"'s slots are kept out
+            done = await h.reply(p.Done, "b")
+            assert not done.ok and done.reason.startswith("staging_bytes:"), done
+            assert len(h.port.reads) == 1  # "b" never read: "a"'s slots are kept out
+
+    run(main())
+
+
+@pytest.mark.parametrize("mode", ["staged", "auto"])
+def test_a_pull_only_slots_kept_out_would_fit_is_answered_at_once_and_holds_up_nobody(
+    monkeypatch, caplog, mode
+):
+    """Slots a read could not be stopped in stay out for good, so a pull needing more adjacent slots than
+    can still come free never fits: it is answered at once (staged: refused naming staging_bytes; auto:
+    read direct) instead of waiting in line for slots until its deadline with every pull behind it."""
+    from sidecar.daemon import reads
+
+    monkeypatch.setattr(reads, "RELEASE_GIVE_UP_S", 0.2)
+
+    async def main():
+        async with started(pull_mode=mode, staging_bytes=LAYERS * 3 * PAGE_BYTES) as h:
+            h.port.fail_post = h.port.fail_post_keeps_handles = True
+            h.port.stuck_abort = 10**9
+            monkeypatch.setattr(h.port, "release", lambda read: False)  # NIXL never lets go of it
+            h.pull("a", blocks=[1])  # its LAYERS slots are kept out
+            assert not (await h.reply(p.Done, "a")).safe
+            h.port.fail_post = False
+            h.pull("big", blocks=[2, 3, 4])  # the whole pool: never again
+            h.pull("small", blocks=[5, 6])  # fits in what can still come free
+            big = await h.reply(p.Done, "big", timeout=1.0)
+            assert (await h.reply(p.Done, "small", timeout=1.0)).ok
+            refused = h.daemon.metrics.refusals.labels(field="staging_bytes")._value.get()
+            posted = [(r.remote_request_id, r.mode) for r in h.port.reads[1:]]
+            kept = set(np.asarray(h.port.reads[0].slots).ravel().tolist())
+            small_read = next(r for r in h.port.reads if r.remote_request_id == "r-small")
+            assert kept and kept.isdisjoint(np.asarray(small_read.slots).ravel().tolist())  # never lent
+            if mode == "staged":
+                assert not big.ok and big.reason.startswith("staging_bytes:"), big
+                assert "could not be stopped" in big.reason and refused == 1
+                assert posted == [("r-small", "staged")]
+            else:
+                assert big.ok and refused == 0
+                assert sorted(posted) == [("r-big", "direct"), ("r-small", "staged")]
+            said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+            assert len([m for m in said if "big" in m and "could not be stopped" in m]) == 1, said
+
+    run(main())
+
+
+@pytest.mark.parametrize("mode", ["staged", "auto"])
+def test_pulls_in_line_that_kept_out_slots_leave_no_room_for_are_answered_before_their_deadline(
+    monkeypatch, mode
+):
+    """A read that neither ends nor releases is answered unsafe at its deadline while others wait in line
+    for slots: the one that needed its slots can no longer ever fit and is answered then (staged: refused;
+    auto: read direct), not at its own deadline, and the one behind it gets its slots."""
+    from sidecar.daemon import reads
+
+    monkeypatch.setattr(reads, "RELEASE_GIVE_UP_S", 0.2)
+
+    async def main():
+        async with started(pull_mode=mode, staging_bytes=LAYERS * 3 * PAGE_BYTES) as h:
+            h.port.auto_land = False
+            h.port.stuck_abort = 10**9
+            monkeypatch.setattr(h.port, "release", lambda read: False)
+            h.pull("a", blocks=[1], timeout_s=0.5)  # its read never ends
+            assert await _posted(h, 1) == ["r-a"]
+            h.pull("big", blocks=[2, 3, 4])  # waits for the whole pool (30 s deadline)
+            await h.until_stage("big", "transfer")
+            h.pull("small", blocks=[5])  # fits now, but big came first
+            await h.until_stage("small", "transfer")
+            await asyncio.sleep(0.02)
+            assert len(h.port.reads) == 1 and h.daemon.staging.waiting == 2
+            assert not (await h.reply(p.Done, "a", timeout=3.0)).safe
+            if mode == "staged":
+                big = await h.reply(p.Done, "big", timeout=1.0)
+                assert not big.ok and big.reason.startswith("staging_bytes:"), big
+                assert "could not be stopped" in big.reason
+                assert await _posted(h, 2) == ["r-a", "r-small"]
+            else:
+                assert sorted(await _posted(h, 3)) == ["r-a", "r-big", "r-small"]
+            for read in h.port.reads[1:]:
+                h.port.land(read)
+            if mode == "auto":
+                assert (await h.reply(p.Done, "big", timeout=1.0)).ok
+                assert {r.remote_request_id: r.mode for r in h.port.reads}["r-big"] == "direct"
+            assert (await h.reply(p.Done, "small", timeout=1.0)).ok
+            assert h.daemon.staging.waiting == 0
 
     run(main())
 

@@ -172,3 +172,107 @@ def test_a_request_of_no_blocks_takes_no_slots_and_never_waits_for_them():
         assert _free(staging) == 4
 
     asyncio.run(main())
+
+
+def test_kept_out_runs_shrink_what_the_pool_holds_and_a_pull_that_cannot_fit_is_refused_at_once():
+    """Slots a read could not be stopped in are never lent again: ``holds`` and ``take`` size a request
+    against the largest run that can still come free, not the whole pool, so a pull that could only fit
+    across the kept-out run is refused at once (naming staging_bytes) instead of waiting for it forever."""
+
+    async def main():
+        staging = _pool(8)
+        _, a = await staging.take(FMT, 1, 3)
+        _, b = await staging.take(FMT, 1, 2)
+        _, c = await staging.take(FMT, 1, 3)
+        assert (a, b, c) == ((0, 3), (3, 2), (5, 3))
+        staging.keep_out(b)  # free around it: 0..3 and 5..8
+        staging.give(a)
+        staging.give(c)
+        assert staging.kept_out == 2 and _free(staging) == 6
+        assert staging.holds(FMT.page_bytes, 3) and not staging.holds(FMT.page_bytes, 4)
+        for get in (
+            lambda: staging.take(FMT, 1, 4),
+            lambda: staging.take_span(FMT, 2, np.arange(2), None, 0.0),
+        ):
+            with pytest.raises(Refused, match="staging_bytes: .*could not be stopped"):
+                await asyncio.wait_for(get(), 0.5)
+        assert staging.waiting == 0
+        _, run = await asyncio.wait_for(staging.take(FMT, 1, 3), 0.5)  # either side of it still lends
+        staging.give(run)
+        # the pool is never re-cut under a run a read may still write: another page size gets nothing
+        other = msgspec.structs.replace(FMT, head_size=40)
+        assert not staging.holds(other.page_bytes, 1)
+        with pytest.raises(Refused, match="staging_bytes: .*could not be stopped"):
+            await asyncio.wait_for(staging.take(other, 1, 1), 0.5)
+        assert _free(staging) == 6
+
+    asyncio.run(main())
+
+
+def test_waiters_that_can_no_longer_ever_fit_are_refused_and_the_line_goes_on():
+    """Pulls already in line when a run is kept out: those that need more than can still come free are
+    answered at once (not at their deadline), and one behind them that fits is served in turn."""
+
+    async def main():
+        staging = _pool(8)
+        _, a = await staging.take(FMT, 1, 4)
+        _, b = await staging.take(FMT, 1, 4)
+        big = asyncio.ensure_future(staging.take(FMT, 1, 6))
+        fits = asyncio.ensure_future(staging.take(FMT, 1, 4))
+        also_big = asyncio.ensure_future(staging.take(FMT, 1, 5))
+        await asyncio.sleep(0)
+        assert staging.waiting == 3
+        staging.keep_out(a)  # at most 4 slots can ever be free now
+        await asyncio.sleep(0)
+        for task in (big, also_big):
+            assert task.done()
+            with pytest.raises(Refused, match="staging_bytes: .*could not be stopped"):
+                task.result()
+        assert not fits.done() and staging.waiting == 1
+        staging.give(b)
+        _, run = await asyncio.wait_for(fits, 0.5)
+        assert run == (4, 4) and staging.waiting == 0
+
+    asyncio.run(main())
+
+
+def test_a_gap_span_waiter_that_can_no_longer_fit_its_span_takes_its_plain_slots_at_once():
+    """A pull waiting for its gap span (worth waiting for: 10 s saved) whose span can no longer ever fit,
+    but whose own blocks can, asks for its plain slots in its place at once, not after its give-up time."""
+    from sidecar.nixl.spans import ReadCost
+
+    async def main():
+        staging = _pool(6)
+        _, a = await staging.take(FMT, 1, 3)
+        cost = ReadCost(descriptor_us=1e7, gbps=200.0)
+        span = asyncio.ensure_future(staging.take_span(FMT, 1, np.array([7, 4]), cost, 1.0))
+        await asyncio.sleep(0)
+        assert staging.waiting == 1  # 4 slots for blocks 4..7, 3 free
+        staging.keep_out(a)  # 3 slots at most can ever be free
+        staged = await asyncio.wait_for(span, 0.5)
+        assert staged.gaps is None and staged.run == (3, 2) and staged.waited == "gave_up"
+        assert staged.pos.tolist() == [1, 0]  # still in remote order
+        staging.give(staged.run)
+        assert _free(staging) == 3
+
+    asyncio.run(main())
+
+
+def test_a_waiter_refused_by_a_kept_out_run_but_cancelled_before_it_resumes_ends_cancelled():
+    """Stopped (Abort, deadline) in the same loop pass as its refusal, a waiter ends cancelled, as a stopped
+    pull must, and takes nothing with it."""
+
+    async def main():
+        staging = _pool(8)
+        _, a = await staging.take(FMT, 1, 4)
+        _, b = await staging.take(FMT, 1, 4)
+        big = asyncio.ensure_future(staging.take(FMT, 1, 6))
+        await asyncio.sleep(0)
+        staging.keep_out(a)
+        big.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await big
+        staging.give(b)
+        assert _free(staging) == 4 and staging.waiting == 0
+
+    asyncio.run(main())
