@@ -130,6 +130,7 @@ class Staging:
             metrics.staging_bytes.set(nbytes)
             # computed when scraped: a pull's take and give cost nothing more
             metrics.staging_bytes_in_use.set_function(self.bytes_in_use)
+            metrics.staging_slots_kept_out.set(0)
 
     @property
     def waiting(self) -> int:
@@ -189,6 +190,8 @@ class Staging:
         cut = self._cut
         assert cut is not None
         self._kept_out = sorted([*self._kept_out, (first, n)])
+        if self._metrics is not None:
+            self._metrics.staging_slots_kept_out.set(self.kept_out)
         self._room, end = 0, 0
         for start, count in [*self._kept_out, (cut.allocator.num_slots, 0)]:
             self._room = max(self._room, start - end)
@@ -379,3 +382,4 @@ class Staging:
         if self._metrics is not None:
             self._metrics.staging_bytes.set(0)
             self._metrics.staging_bytes_in_use.set_function(lambda: 0)
+            self._metrics.staging_slots_kept_out.set(0)

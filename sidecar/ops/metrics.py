@@ -101,6 +101,13 @@ class Metrics:
             "Staging pool bytes lent to pulls now (their pages and gap blocks), read when scraped",
             registry=r,
         )
+        self.staging_slots_kept_out = Gauge(
+            "kv_sidecar_staging_slots_kept_out",
+            "Staging slots kept out of use for good: a READ into them could not be stopped and may still "
+            "write (counted in staging_bytes_in_use too); pulls that only they would fit are read direct "
+            "(pull_mode auto) or refused (staged). Above 0: restart the daemon to get them back",
+            registry=r,
+        )
         self.refusals = Counter(
             "kv_sidecar_refusals", "Refusals by the field that refused", ["field"], registry=r
         )

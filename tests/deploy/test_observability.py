@@ -162,6 +162,7 @@ def test_registry_has_the_fixed_names():
         "kv_sidecar_stage_seconds_bucket",
         "kv_sidecar_requests_in_flight",
         "kv_sidecar_staging_waiting",
+        "kv_sidecar_staging_slots_kept_out",
         "kv_sidecar_refusals_total",
         "kv_sidecar_heartbeats_sent_total",
         "kv_sidecar_registered_bytes",
@@ -251,6 +252,7 @@ def test_dashboard_shows_what_the_issue_asks():
         "kv_sidecar_requests_in_flight",
         "kv_sidecar_refusals_total",
         "kv_sidecar_stage_seconds_bucket",
+        "kv_sidecar_staging_slots_kept_out",
     } <= read
     quantiles = {
         float(m)

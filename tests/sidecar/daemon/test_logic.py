@@ -1140,6 +1140,32 @@ def test_staging_slots_a_read_could_not_be_stopped_in_are_never_lent_again(monke
     run(main())
 
 
+def test_the_kept_out_gauge_counts_the_staging_slots_a_read_could_not_be_stopped_in(monkeypatch):
+    """kv_sidecar_staging_slots_kept_out: 0 while every read stops, then the slots of each pull answered
+    with its blocks unsafe (never lent again), one pull after another."""
+    from sidecar.daemon import reads
+
+    monkeypatch.setattr(reads, "RELEASE_GIVE_UP_S", 0.2)
+
+    async def main():
+        async with started(pull_mode="staged", staging_bytes=LAYERS * 4 * PAGE_BYTES) as h:
+            sample = h.daemon.metrics.registry.get_sample_value
+            h.pull("ok", blocks=[1])
+            assert (await h.reply(p.Done, "ok")).ok
+            assert sample("kv_sidecar_staging_slots_kept_out") == 0
+            h.port.fail_post = h.port.fail_post_keeps_handles = True
+            h.port.stuck_abort = 10**9
+            monkeypatch.setattr(h.port, "release", lambda read: False)
+            h.pull("a", blocks=[2])
+            assert not (await h.reply(p.Done, "a")).safe
+            assert sample("kv_sidecar_staging_slots_kept_out") == LAYERS
+            h.pull("b", blocks=[3, 4])
+            assert not (await h.reply(p.Done, "b")).safe
+            assert sample("kv_sidecar_staging_slots_kept_out") == 3 * LAYERS
+
+    run(main())
+
+
 @pytest.mark.parametrize("mode", ["staged", "auto"])
 def test_a_pull_only_slots_kept_out_would_fit_is_answered_at_once_and_holds_up_nobody(
     monkeypatch, caplog, mode
