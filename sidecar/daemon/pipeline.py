@@ -446,23 +446,32 @@ class Pipeline:
         self._metrics.in_flight.set(len(self._jobs))
         now = time.monotonic()
         job.enter(Stage.DONE, now)
+        kept = None  # staging slots kept out until the read's handles are all released
         if job.slots is not None and self._staging is not None:
             if ending.safe:
                 self._staging.give(job.slots)
-            else:  # a READ into them could not be stopped: never lend them again
+            else:  # a READ into them could not be stopped: never lend them again while it may write
                 log.error("pull %s: staging slots %s kept out of use (a transfer could not be stopped)",
                           job.req_id, job.slots)
-                self._staging.keep_out(job.slots)
+                kept = job.slots
+                self._staging.keep_out(kept)
             job.slots = None
         caches, entries, read = job.caches, job.peer_entries, job.read
         job.caches, job.peer_entries = None, []
+        staging = self._staging
 
         def let_go() -> None:
             """After the read's handles are released: only then may its caches or peers go."""
+            written_late = read is not None and bool(read.handles)  # NIXL kept some: they may still write
             if caches is not None:
-                if read is not None and read.handles:  # NIXL kept some: they may still write
+                if written_late:
                     caches.written_late = True
                 caches.users -= 1
+            if kept is not None and staging is not None and not written_late:
+                # every transfer ended and was released (the rule ``Reads.stop`` calls safe): none writes
+                log.warning("pull %s: staging slots %s back in use (its transfers were released after all)",
+                            job.req_id, kept)
+                staging.let_in(kept)
             for entry in entries:
                 self._peers.release(entry)
 

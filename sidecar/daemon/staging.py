@@ -8,7 +8,8 @@ Pulls that find no room wait in one queue and are served first come, first serve
 slots while an earlier one waits, so a large request is not starved by smaller ones that keep fitting.
 
 Slots a READ could not be stopped in may still be written: they are kept out (``keep_out``), never lent
-again, and the pool is never re-cut under them. Requests are sized against the largest run that can still
+again (unless every transfer into them is later released: ``let_in``), and the pool is never re-cut under
+them. Requests are sized against the largest run that can still
 come free (``room``): one that can never fit is refused at once (``PoolTooSmall``), and so is one waiting in
 line when a kept-out run leaves it no room, rather than at its deadline with every pull behind it.
 """
@@ -190,13 +191,7 @@ class Staging:
         cut = self._cut
         assert cut is not None
         self._kept_out = sorted([*self._kept_out, (first, n)])
-        if self._metrics is not None:
-            self._metrics.staging_slots_kept_out.set(self.kept_out)
-        self._room, end = 0, 0
-        for start, count in [*self._kept_out, (cut.allocator.num_slots, 0)]:
-            self._room = max(self._room, start - end)
-            end = start + count
-        room = self._room
+        room = self._kept_changed(cut)
         for waiter in list(self._queue):
             if waiter.fut.done() or waiter.need <= room:
                 continue
@@ -206,6 +201,26 @@ class Staging:
             self._queue.remove(waiter)
             waiter.fut.set_exception(self._too_small(cut.slot_bytes, waiter.need))
         self._serve()
+
+    def let_in(self, run: tuple[int, int]) -> None:
+        """Lend a kept-out run again: nothing can write it any more (every transfer into it has ended and
+        been released). Given back, it serves the pulls waiting in line."""
+        if run not in self._kept_out:
+            return
+        self._kept_out.remove(run)
+        assert self._cut is not None
+        self._kept_changed(self._cut)
+        self.give(run)
+
+    def _kept_changed(self, cut: _Cut) -> int:
+        """Count the slots kept out, and the longest run between them (``room``), which it returns."""
+        if self._metrics is not None:
+            self._metrics.staging_slots_kept_out.set(self.kept_out)
+        self._room, end = 0, 0
+        for start, count in [*self._kept_out, (cut.allocator.num_slots, 0)]:
+            self._room = max(self._room, start - end)
+            end = start + count
+        return self._room
 
     def _cut_for(self, page_bytes: int) -> _Cut:
         cut = self._cut

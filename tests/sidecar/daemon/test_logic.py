@@ -1122,6 +1122,7 @@ def test_staging_slots_a_read_could_not_be_stopped_in_are_never_lent_again(monke
         async with started(pull_mode="staged", staging_bytes=LAYERS * 3 * PAGE_BYTES) as h:
             h.port.fail_post = h.port.fail_post_keeps_handles = True
             h.port.stuck_abort = 10**9
+            monkeypatch.setattr(h.port, "release", lambda read: False)  # nor later, in the background
             h.pull("a")
             done = await h.reply(p.Done, "a")
             assert not done.ok and not done.safe and "blocks unsafe" in done.reason, done
@@ -1136,6 +1137,47 @@ def test_staging_slots_a_read_could_not_be_stopped_in_are_never_lent_again(monke
             done = await h.reply(p.Done, "b")
             assert not done.ok and done.reason.startswith("staging_bytes:"), done
             assert len(h.port.reads) == 1  # "b" never read: "a"'s slots are kept out
+
+    run(main())
+
+
+def test_kept_out_slots_come_back_once_the_background_release_lets_go_of_every_handle(monkeypatch):
+    """After an unsafe answer the read's handles are released once more in the background; when that lets
+    go of every one (each READ has ended: nothing can write the slots any more), its slots are lent again.
+    Until then they stay out: a pull that needs them is refused."""
+    from sidecar.daemon import reads
+
+    monkeypatch.setattr(reads, "RELEASE_GIVE_UP_S", 0.2)
+
+    async def main():
+        async with started(pull_mode="staged", staging_bytes=LAYERS * 3 * PAGE_BYTES) as h:
+            sample = h.daemon.metrics.registry.get_sample_value
+            h.port.fail_post = h.port.fail_post_keeps_handles = True
+            h.port.stuck_abort = 10**9
+            ended = threading.Event()  # the stuck READ ends: the background release then lets go of it
+            real_release = h.port.release
+
+            def release(read):
+                ended.wait(5)
+                return real_release(read)
+
+            monkeypatch.setattr(h.port, "release", release)
+            h.pull("a")
+            assert not (await h.reply(p.Done, "a")).safe
+            h.port.fail_post = False
+            h.pull("b")  # the whole pool, while a's READ may still write
+            done = await h.reply(p.Done, "b")
+            assert not done.ok and done.reason.startswith("staging_bytes:"), done
+            assert sample("kv_sidecar_staging_slots_kept_out") == 3 * LAYERS
+            ended.set()
+            deadline = time.monotonic() + 2.0
+            while sample("kv_sidecar_staging_slots_kept_out"):
+                assert time.monotonic() < deadline, "the released slots never came back"
+                await asyncio.sleep(0.002)
+            h.pull("c")
+            assert (await h.reply(p.Done, "c")).ok
+            assert [(r.remote_request_id, r.mode) for r in h.port.reads[1:]] == [("r-c", "staged")]
+            await h.staging_all_free()
 
     run(main())
 
