@@ -16,7 +16,7 @@ from typing import Any
 from sidecar.daemon.caches import CacheRegistry
 from sidecar.daemon.jobs import JobTable, Session
 from sidecar.daemon.leases import Leases
-from sidecar.daemon.peers import Key, Peers
+from sidecar.daemon.peers import PEER_IDLE_S, Key, Peers
 from sidecar.daemon.port import PeerTarget
 from sidecar.nixl.tp import read_ranks
 from sidecar.ops.metrics import Metrics
@@ -46,7 +46,7 @@ class Heartbeats:
         self._metrics = metrics
         self._interval_s = interval_s
         self._stopping = stopping
-        self._next_let_go = 0.0  # when ``renew_loop`` next lets idle notify-only loads go
+        self._next_let_go = 0.0  # when ``renew_loop`` next lets idle prefills and notify-only loads go
 
     def on_heartbeat(
         self, envelope: list[bytes], session: Session, msg: p.Heartbeat, received: float
@@ -63,7 +63,7 @@ class Heartbeats:
             for rank in ranks:
                 key = (t.remote_engine_id, rank)
                 self._leases.shim_heartbeat(key, t.remote_request_ids, received)
-                peer = self._peers.admitted(key)
+                peer = self._peers.heartbeat_through(key)
                 if peer is not None:
                     self._leases.send(key, peer, t.remote_request_ids)
                 elif not self._peers.known(key) and self._caches.current is not None and not self._stopping():
@@ -84,7 +84,8 @@ class Heartbeats:
         """Renew the leases that are due of requests we hold past their handshake (a queued one has no prefill
         rank yet: the shim's own heartbeats renew it, as they do while the request waits for blocks); every
         quarter lease, let go the notify-only loads unused for a lease and its margin
-        (``Peers.let_go_notify_only``)."""
+        (``Peers.let_go_notify_only``) and the admitted ranks unused for PEER_IDLE_S
+        (``Peers.let_go_idle``)."""
         while True:
             await asyncio.sleep(min(1.0, self._interval_s() / 2))
             now = time.monotonic()
@@ -107,3 +108,4 @@ class Heartbeats:
                 idle_s = tracker.lease_s + tracker.margin_s
                 self._next_let_go = now + idle_s / 4
                 self._peers.let_go_notify_only(idle_s)
+                self._peers.let_go_idle(max(idle_s, PEER_IDLE_S), now)

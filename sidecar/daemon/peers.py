@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import fnmatch
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,10 @@ Key = tuple[str, int]  # (engine id, prefill TP rank)
 # 2,000 left none for the handshakes pulls wait for ("Too many open files"). Past it, a pull handshakes
 # when it comes, and an unread request's blocks are freed by the prefill's lease.
 MAX_UNAWAITED_HANDSHAKES = 64
+# A prefill rank no pull and no heartbeat used for this long is let go (``let_go_idle``): its NIXL agent
+# unloaded, its next pull handshakes again. Prefills restart under new engine ids (vLLM's default), and each
+# dead one's agent, a UCX endpoint to a gone process, stayed loaded until the daemon exited.
+PEER_IDLE_S = 600.0
 
 
 @dataclass(eq=False)
@@ -51,6 +56,7 @@ class PeerEntry:
     key: Key = ("", 0)  # (engine id, prefill rank)
     users: int = 0
     target: PeerTarget | None = None  # what the handshake was for (the TP sizes and ranks among it)
+    used_at: float = 0.0  # time.monotonic() when a pull or a heartbeat last used it (``let_go_idle``)
 
     @property
     def peer(self) -> Any:
@@ -148,6 +154,33 @@ class Peers:
         entry = self._entries.get(key)
         return entry.peer if entry is not None else None
 
+    def heartbeat_through(self, key: Key) -> Any:
+        """``admitted``, for a heartbeat to go through: the rank counts as used (``let_go_idle``)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        entry.used_at = time.monotonic()
+        return entry.peer
+
+    def let_go_idle(self, idle_s: float, now: float | None = None) -> int:
+        """Forget the admitted ranks no pull holds and no pull or heartbeat used for ``idle_s``, their peers
+        removed (NIXL's agent unloaded where nothing else uses it): a prefill gone for good, or restarted
+        under a new engine id, no longer keeps its agent loaded. A live one is handshaken with again by its
+        next heartbeat or pull. How many were let go."""
+        now = time.monotonic() if now is None else now
+        idle = [
+            (key, entry)
+            for key, entry in self._entries.items()
+            if entry.users == 0 and entry.task.done() and now - entry.used_at > idle_s
+        ]
+        for key, entry in idle:
+            del self._entries[key]
+            peer = entry.peer
+            if peer is not None:
+                log.info("prefill %s rank %d let go after %.0f s unused", key[0], key[1], now - entry.used_at)
+                self._remove(peer)
+        return len(idle)
+
     def admitted_peers(self) -> list[tuple[PeerTarget, Any]]:
         """Every prefill rank admitted now, with the target it was admitted for, in no particular order: those
         a new pull would read through without handshaking again (``acquire``). A peer dropped, admitted
@@ -209,10 +242,12 @@ class Peers:
         if entry is None:
             entry = self.start(target, caches)
         entry.users += 1
+        entry.used_at = time.monotonic()
         return entry, entry.task
 
     def release(self, entry: PeerEntry) -> None:
         entry.users -= 1
+        entry.used_at = time.monotonic()
         if entry.users == 0 and entry in self._retiring and entry.task.done():
             self._retiring.discard(entry)
             self._remove(entry.peer)
@@ -257,7 +292,8 @@ class Peers:
         """Start a handshake with ``target`` (replacing any entry for its key)."""
         key = (target.engine_id, target.tp_rank)
         task = asyncio.ensure_future(self._handshake(target, caches))
-        entry = PeerEntry(task=task, config_gen=self._generation, key=key, target=target)
+        entry = PeerEntry(task=task, config_gen=self._generation, key=key, target=target,
+                          used_at=time.monotonic())
         self._entries[key] = entry
         self._refusals.pop(key, None)
 

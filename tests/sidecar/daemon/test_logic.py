@@ -21,6 +21,7 @@ import pytest
 from sidecar.daemon import conversion as conversion_mod
 from sidecar.daemon import reads as reads_module
 from sidecar.daemon.app import Daemon
+from sidecar.daemon.peers import PEER_IDLE_S
 from sidecar.nixl.peer_book import PeerBook
 from sidecar.ops.config import Config
 from sidecar.standins.fake_transfer import FakePort
@@ -2299,6 +2300,41 @@ def test_a_prefill_of_a_known_engine_id_at_another_address_or_tp_is_handshaken_w
             assert (target.port, target.host, target.remote_tp) == (
                 moved.get("remote_port", 5600), moved.get("remote_host", "127.0.0.1"),
                 moved.get("remote_tp_size", 1))
+
+    run(main())
+
+
+def test_a_prefill_rank_unused_for_peer_idle_s_is_let_go_and_handshaken_with_again():
+    """An admitted prefill rank stayed in the daemon, its NIXL agent loaded, until the daemon exited: a
+    fleet's prefills restart under new engine ids, and every dead one kept an agent (a UCX endpoint to a gone
+    process). Unused by pulls and heartbeats for PEER_IDLE_S, it is let go; a pull in flight or a heartbeat
+    keeps it, and a later pull handshakes again."""
+    beat = p.Heartbeat(targets=[p.HeartbeatTarget(
+        remote_engine_id="prefill-0", remote_host="127.0.0.1", remote_port=5600, remote_request_ids=["r-w"])])
+
+    async def main():
+        async with started() as h:
+            peers = h.daemon.peers
+            h.port.auto_land = False
+            h.pull("a")
+            await h.until_stage("a", "transfer")
+            later = time.monotonic() + PEER_IDLE_S + 1
+            assert peers.let_go_idle(PEER_IDLE_S, later) == 0  # a pull holds it
+            h.port.auto_land = True
+            assert (await h.reply(p.Done, "a")).ok
+            h.send(beat)  # used by a heartbeat since
+            await asyncio.sleep(0.01)
+            assert peers.let_go_idle(PEER_IDLE_S, time.monotonic() + PEER_IDLE_S - 1) == 0
+            (peer,) = h.port.peers
+            assert not peer.removed
+            assert peers.let_go_idle(PEER_IDLE_S, time.monotonic() + PEER_IDLE_S + 1) == 1
+            while not peer.removed:
+                await asyncio.sleep(0.005)
+            assert peers.admitted(("prefill-0", 0)) is None
+            connects = h.port.connects
+            h.pull("b", [4])
+            assert (await h.reply(p.Done, "b")).ok
+            assert h.port.connects == connects + 1
 
     run(main())
 
