@@ -100,6 +100,9 @@ class Job:
     settled: bool = False  # the pipeline ended; only quiescing and the answer remain (no more cancels)
     running: bool = False  # holds one of the max_inflight slots
     caches: Any = None  # the Caches it reads into (counted in caches.users while held)
+    # the generation of the caches its Pull was accepted for (0: none were registered): it reads into those
+    # only, never into caches registered after it arrived (other buffers, maybe another shim's)
+    registration: int = 0
     peer: Any = None  # port.PeerSet: the admitted prefill ranks it reads, once every handshake is through
     peer_entries: list[Any] = field(default_factory=list)  # peers.PeerEntry per rank: handshakes it holds
     read: Any = None  # the port's read handle once posted

@@ -127,6 +127,8 @@ class Pipeline:
             )
             return
         job = self._jobs.add(msg, envelope, session, received, timeout, deadline, self._run)
+        current = self._caches.current  # what ``_foreign`` checked the session against
+        job.registration = current.generation if current is not None else 0
         assert job.task is not None
         job.task.add_done_callback(lambda task: self._cancelled_before_start(job, task))
         self._metrics.in_flight.set(len(self._jobs))
@@ -261,6 +263,14 @@ class Pipeline:
         caches = self._caches.current
         if caches is None:
             raise Refused("caches", "no caches registered (RegisterCaches first)")
+        if caches.generation != job.registration:
+            # registered while the job waited for its first step or its turn: its block ids name the
+            # caches it was accepted for (or none), not these, and these may be another shim's
+            raise Refused(
+                "caches",
+                f"the caches were registered again after this Pull arrived (generation "
+                f"{job.registration or 'none'} then, {caches.generation} now); nothing read",
+            )
         caches.users += 1
         job.caches = caches
         return caches
