@@ -44,6 +44,9 @@ class Caches:
     # a READ into them was answered unsafe and its handles were not released: it may still write, so they are
     # never deregistered nor unmapped (a late write would land in whatever is mapped at that address next)
     written_late: bool = False
+    # being let go (unregistered, replaced, their shim gone): their pulls are being cancelled, so a pull that
+    # would take them now must not (it was never cancelled, and their release would wait for it)
+    retiring: bool = False
 
     owner_session: Any = None  # the jobs.Session that registered them
 
@@ -171,6 +174,11 @@ class CacheRegistry:
             close_caches(caches)
             raise
         self.current = caches
+
+    def retire(self) -> None:
+        """No pull may take the current caches from now on: call before cancelling their pulls."""
+        if self.current is not None:
+            self.current.retiring = True
 
     async def release(self) -> Caches | None:
         """Release the current caches once no job holds them; returns what was released."""

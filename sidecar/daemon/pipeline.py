@@ -263,6 +263,9 @@ class Pipeline:
         caches = self._caches.current
         if caches is None:
             raise Refused("caches", "no caches registered (RegisterCaches first)")
+        if caches.retiring:
+            raise Refused("caches", "the caches are being released (unregistered, registered again, or their "
+                          "shim went away); nothing read")
         if caches.generation != job.registration:
             # registered while the job waited for its first step or its turn: its block ids name the
             # caches it was accepted for (or none), not these, and these may be another shim's

@@ -81,6 +81,7 @@ class Registrations:
             return
         if self._caches.current is not None:
             log.warning("new registration replaces generation %d", self._caches.current.generation)
+            self._caches.retire()
             await self._jobs.cancel_all(Ending(Outcome.FAILED, "caches re-registered by the shim"))
             await self.release()
         try:
@@ -123,6 +124,7 @@ class Registrations:
             reason = "session: the caches were registered by another shim connection"
             self._send(envelope, p.Error(reason=reason, in_reply_to="Unregister"))
             return
+        self._caches.retire()
         await self._jobs.cancel_all(Ending(Outcome.FAILED, "caches unregistered by the shim"))
         await self.release()
         self._send(envelope, p.Unregistered())
@@ -166,6 +168,7 @@ class Registrations:
         current = self._caches.current
         if current is None or current.owner != identity or self._stopping() or self._bound(identity):
             return  # replaced, stopping, or it came back
+        self._caches.retire()
         await self._jobs.cancel_all(
             Ending(Outcome.FAILED, "the shim that registered the caches disconnected")
         )

@@ -67,3 +67,47 @@ def test_a_pull_accepted_for_replaced_caches_never_converts_into_the_new_ones(wh
                 new.close()
 
     run(main())
+
+
+@pytest.mark.parametrize("how", ["unregister", "register", "shim gone"])
+def test_a_pull_arriving_while_the_caches_are_let_go_neither_holds_them_nor_writes(how):
+    """A Pull of the owner taken off its socket after the registration change had cancelled the pulls in
+    flight (here: in the turn the last of them ended, before the change resumed) took the caches being let
+    go, was never cancelled, and the change waited for it: the pull converted into caches the shim had
+    asked to let go, and Unregistered (Registered, the release of a vanished shim's caches) waited out its
+    whole deadline, past the shim's own register timeout."""
+
+    async def main():
+        async with started(owner_grace_s=0.05) as h:
+            old = _canary(h.shm.tensor.numel() * h.shm.tensor.element_size())
+            h.shm.tensor.view(torch.int16).copy_(old)
+            new = _painted(LAYERS * 2 * B * PLANE * 2)
+            try:
+                h.port.handshake_gate = asyncio.Event()
+                h.pull("a")
+                await h.until_stage("a", "handshake")
+                h.sent.clear()
+                h.daemon.jobs.get("a").task.add_done_callback(lambda _t: h.pull("late", timeout_s=3.0))
+                if how == "unregister":
+                    h.send(p.Unregister())
+                    await h.reply(p.Unregistered, timeout=1.0)
+                elif how == "register":
+                    h.send(_register(h, new))
+                    await h.reply(p.Registered, timeout=1.0)
+                else:
+                    h.daemon.registrations.shim_gone(b"shim")
+                    await h.reply(p.Done, "a")
+                    deadline = asyncio.get_running_loop().time() + 1.0
+                    while h.daemon.caches.current is not None or h.port.registrations:
+                        assert asyncio.get_running_loop().time() < deadline, "the caches were not released"
+                        await asyncio.sleep(0.005)
+                h.port.handshake_gate.set()
+                late = await h.reply(p.Done, "late")
+                assert not late.ok, late
+                assert torch.equal(h.shm.tensor.view(torch.int16), old), "written while let go"
+                assert _untouched(new)
+            finally:
+                h.port.handshake_gate.set()
+                new.close()
+
+    run(main())
