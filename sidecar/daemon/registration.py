@@ -69,7 +69,6 @@ class Registrations:
         if self._stopping():
             self._send(envelope, p.Error(reason=SHUTTING_DOWN, in_reply_to="RegisterCaches"))
             return
-        self.cancel_owner_timer()
         try:
             caches = await self._caches.map(session, msg)
         except (Refused, ipc_mod.IpcError, ValueError) as exc:
@@ -89,6 +88,9 @@ class Registrations:
         except Exception as exc:  # noqa: BLE001 - NIXL refused the memory: report, keep serving
             self._refuse(envelope, exc)
             return
+        # Only now: a registration refused above replaced nothing, so a vanished owner's caches must still go
+        # at the end of its grace (a timer that fired meanwhile waited for this turn and finds them replaced).
+        self.cancel_owner_timer()
         self._peers.invalidate()  # prefills admitted against the old caches' format are admitted again
         self._health.caches_registered = True
         self._metrics.registered_bytes.set(caches.nbytes)

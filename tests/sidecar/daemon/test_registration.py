@@ -111,3 +111,26 @@ def test_a_pull_arriving_while_the_caches_are_let_go_neither_holds_them_nor_writ
                 new.close()
 
     run(main())
+
+
+def test_a_refused_registration_does_not_keep_a_vanished_shims_caches():
+    """The owner's completion socket closed (its decoder died): its caches are released after the grace.
+    A RegisterCaches that is then refused (here another shim's, naming a file that is not there) replaced
+    nothing, but it had called the release off: the dead decoder's caches stayed mapped and registered with
+    NIXL until some later registration replaced them."""
+
+    async def main():
+        async with started(owner_grace_s=0.1) as h:
+            h.daemon.registrations.shim_gone(b"shim")
+            h.send(p.Hello(protocol_version=p.PROTOCOL_VERSION, package_version="t"), who=b"shim2")
+            gone = msgspec.structs.replace(h.shm.description.shm, path="/dev/shm/kv-sidecar-test-not-there")
+            buffer = msgspec.structs.replace(h.shm.description, shm=gone)
+            h.send(msgspec.structs.replace(h.register_message(), buffers=[buffer]), who=b"shim2")
+            err = await h.reply(p.Error)
+            assert err.in_reply_to == "RegisterCaches" and err.reason.startswith("shm.path"), err
+            deadline = asyncio.get_running_loop().time() + 1.0
+            while h.daemon.caches.current is not None or h.port.registrations:
+                assert asyncio.get_running_loop().time() < deadline, "the vanished shim's caches were kept"
+                await asyncio.sleep(0.005)
+
+    run(main())
