@@ -609,7 +609,8 @@ class SidecarClient:
         self._events.append(Lost(reason, time.monotonic_ns(), self._epoch))
 
     def _reply_failure(self, data: bytes, epoch: int, reason: str) -> None:
-        """A message that was not sent: a Pull gets a failed Done (of its epoch) so its load ends now.
+        """A message that was not sent: a Pull gets a failed Done (of its epoch) so its load ends now, and
+        holds nothing back (no Abort waits for it, no direct send waits for its answer).
 
         An Abort gets nothing: the load was sent, so the daemon may still be writing; the Lost of its
         connection and what follows (``Gone``, an Abort on the next connection, the deadline) release it.
@@ -619,6 +620,8 @@ class SidecarClient:
         except p.DecodeError:
             return
         if isinstance(msg, p.Pull):
+            if epoch == self._epoch:
+                self._zmq_pulls.discard(msg.req_id)
             self._events.append(
                 Reply(p.Done(req_id=msg.req_id, ok=False, reason=reason), time.monotonic_ns(), epoch)
             )

@@ -469,3 +469,48 @@ def test_client_imports_without_torch_or_vllm() -> None:
         "bad = [m for m in ('torch', 'vllm', 'nixl') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_zmq_pull_that_could_not_be_sent_does_not_hold_back_direct_sends(address: str, tmp_path) -> None:
+    """A Pull too large for the completion socket meets a full ZMQ queue (the daemon reads no ZMQ): it gets
+    a local failed Done, but its req_id stayed among the unanswered ZMQ Pulls, so no Pull, Heartbeat or
+    Abort took the direct path again until a reconnect."""
+    peer = FastPeer(address, f"{tmp_path}/d.sock.done")
+    peer.sock.setsockopt(zmq.RCVHWM, 1)  # for the pipe the client's connection makes: little room here
+    client = SidecarClient(address, hello(), register_msg())
+    try:
+        bind_and_register(peer, client)
+        big = p.pack_block_ids(range(9_000))  # 72 KB: over ZMQ
+        probes: list[str] = []
+        failed: list = []
+        for i in range(40):  # fill the client's ZMQ queue with Pings until a big Pull cannot go out
+            probes.append(f"big{i}")
+            probe = p.Pull(**{**msgspec.structs.asdict(pull(probes[-1])), "remote_block_ids": big,
+                              "local_block_ids": big})
+            for msg in [p.Ping(nonce=n) for n in range(2_000)] + [probe]:
+                while True:
+                    try:
+                        client.send(msg)
+                        break
+                    except NotReady:  # the inbox is full: the I/O thread catches up
+                        time.sleep(0.001)
+            failed += [ev.message for ev in wait_events(client, 1, 0.3) if isinstance(ev, Reply)]
+            if failed:
+                break
+        failed += [ev.message for ev in wait_events(client, 1, 0.3) if isinstance(ev, Reply)]
+        assert failed and all(not m.ok and "send would block" in m.reason for m in failed)
+        arrived: list[str] = []
+        while peer.sock.poll(500):  # the daemon reads again: the big Pulls that went out are answered
+            got = peer.recv()
+            if isinstance(got, p.Pull):
+                peer.send_fast(p.Done(req_id=got.req_id, ok=True))
+                arrived.append(got.req_id)
+        assert sorted(arrived + [m.req_id for m in failed]) == sorted(probes)
+        assert len(wait_events(client, len(arrived))) == len(arrived)
+        direct = client.sent_direct
+        client.send(pull("small"))
+        assert peer.recv_fast().req_id == "small"
+        assert client.sent_direct == direct + 1, "a Pull that never went out still holds back direct sends"
+    finally:
+        client.close()
+        peer.close()
