@@ -538,7 +538,8 @@ class SidecarClient:
     def _drain(self, dealer: zmq.Socket) -> None:
         """Take what the daemon sent before the connection ended, before its loss is reported: a daemon that
         stops answers its last pulls, then closes both sockets, and those answers may still wait unread
-        here (this thread may see the disconnect first). Closing the completion socket unread lost them."""
+        here (this thread may see the disconnect, or a send failing on the completion socket, first).
+        Closing the completion socket unread lost them."""
         while dealer.poll(0):
             self._on_frame(dealer)
         fast = self._fast
@@ -558,6 +559,7 @@ class SidecarClient:
         ZMQ connection: Hello, bind and register again."""
         reason = f"kv-sidecar at {self.address}: completion socket {why}"
         log.warning("%s; saying Hello and registering again", reason)
+        self._drain(dealer)  # a send can find the socket broken before what the daemon sent there is read
         self._close_fast()
         self._lose(reason)
         self._new_connection(dealer)

@@ -296,6 +296,52 @@ def test_answers_the_daemon_sent_before_it_went_are_not_lost_with_the_connection
         peer.close()
 
 
+def test_answers_waiting_when_a_send_finds_the_completion_socket_closed_are_not_lost(
+    address: str, tmp_path
+) -> None:
+    """The daemon answers r, then closes the completion socket (it stops, or cuts the shim off; what it
+    sent stays readable). When the I/O thread's next send there found the socket broken before it read r's
+    Done, it closed the socket unread: r's Done(ok) was dropped and r held as an orphan, then failed."""
+    from vllm_glue.client import _EPOCH, _FAST_DATA
+
+    peer = FastPeer(address, f"{tmp_path}/d.sock.done")
+    w = WorkerHalf(address, pull_timeout_s=30.0, grace_s=1.0, register_timeout_s=5.0)
+    w.client = SidecarClient(address, w._hello, register_msg())
+    try:
+        bind_and_register(peer, w.client)
+        w.start_step(StepOrders(pulls=[order("r", [3])]))
+        assert peer.recv_fast().req_id == "r"
+        client, epoch = w.client, w.client.epoch
+        beat = _FAST_DATA + _EPOCH.pack(epoch) + p.encode(p.Heartbeat(targets=[]))
+        with client._fast_lock:  # the I/O thread sends the first Heartbeat, then waits here: a busy moment
+            client._queued_fast += 2
+            with client._send_lock:
+                client._push.send(beat)
+                client._push.send(beat)
+            assert isinstance(peer.recv_fast(), p.Heartbeat)
+            peer.send_fast(p.Done(req_id="r", ok=True, timings={"end_to_end": 0.001}))
+            peer.fast.close()  # the second Heartbeat finds it closed, before r's Done is read
+            peer.fast = None
+        assert isinstance(peer.recv(), p.Hello)  # the client ended the connection: that send failed
+        assert client.epoch == epoch + 1
+        finished: set[str] = set()
+        failed: set[str] = set()
+
+        def step() -> bool:
+            res = w.transfer_results()
+            finished.update(res.finished)
+            failed.update(res.failed)
+            return "r" in finished
+
+        with contextlib.suppress(AssertionError):
+            wait_until(step, 2.0)
+        assert "r" in finished, f"r's Done was dropped with the connection (orphans: {w.tracker.orphans()})"
+        assert "r" not in failed and w.load_errors() == set()
+    finally:
+        w.shutdown()
+        peer.close()
+
+
 _PEER = textwrap.dedent(
     """
     import socket, sys, time, zmq
