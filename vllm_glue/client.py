@@ -251,9 +251,15 @@ class SidecarClient:
         if self._closed:
             return
         self._closed = True
+        # A full inbox (the I/O thread behind) would drop the stop: wait for room while the thread runs. A
+        # dropped stop left it running until the join gave up, and the context was terminated under it.
+        deadline = time.monotonic() + 5
         with self._send_lock, contextlib.suppress(zmq.ZMQError):
-            self._push.send(_STOP, zmq.NOBLOCK)
-        self._thread.join(timeout=5)
+            while self._thread.is_alive() and time.monotonic() < deadline:
+                if self._push.poll(50, zmq.POLLOUT):
+                    self._push.send(_STOP, zmq.NOBLOCK)
+                    break
+        self._thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1)
         self._push.close(linger=0)
         self._ctx.term()
 

@@ -436,6 +436,39 @@ def test_a_refused_zmq_pull_no_longer_holds_back_direct_sends(address: str, tmp_
         peer.close()
 
 
+def test_close_with_a_full_queue_stops_the_io_thread(address: str, tmp_path) -> None:
+    """close() queued its stop without waiting: when the I/O thread was behind (a full client queue) the stop
+    was dropped, close() waited out its 5 s join, then terminated the context under the running thread,
+    which failed ("Context was terminated")."""
+    import threading
+
+    from vllm_glue.client import _EPOCH, _FAST_DATA
+
+    peer = FastPeer(address, f"{tmp_path}/d.sock.done")
+    client = SidecarClient(address, hello(), register_msg())
+    try:
+        bind_and_register(peer, client)
+        client._fast_lock.acquire()  # the I/O thread sends a Heartbeat, then waits here: a busy moment
+        client._queued_fast += 1
+        with client._send_lock:
+            client._push.send(_FAST_DATA + _EPOCH.pack(client.epoch) + p.encode(p.Heartbeat(targets=[])))
+        threading.Timer(0.5, client._fast_lock.release).start()
+        with pytest.raises(NotReady, match="queue is full"):
+            for n in range(100_000):
+                client.send(p.Ping(nonce=n))
+        t0 = time.monotonic()
+        closing = threading.Thread(target=client.close, daemon=True)
+        closing.start()
+        closing.join(10)
+        took = time.monotonic() - t0
+        assert not closing.is_alive() and not client._thread.is_alive()
+        assert client.state != "failed", client.status_reason
+        assert took < 3.0, f"close() took {took:.1f} s"
+    finally:
+        client.close()
+        peer.close()
+
+
 @pytest.mark.parametrize("how", ["refused", "no such socket", "silent"])
 def test_unusable_completion_socket_falls_back_to_zmq(address: str, tmp_path, how: str) -> None:
     peer = FastPeer(address, f"{tmp_path}/d.sock.done")
