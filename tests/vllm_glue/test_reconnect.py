@@ -278,19 +278,7 @@ def test_answers_the_daemon_sent_before_it_went_are_not_lost_with_the_connection
             peer.fast = None
             peer.sock.close(linger=0)
             time.sleep(0.3)  # the disconnect is waiting for the I/O thread too
-        finished: set[str] = set()
-        failed: set[str] = set()
-
-        def step() -> bool:
-            res = w.transfer_results()
-            finished.update(res.finished)
-            failed.update(res.failed)
-            return "r" in finished
-
-        with contextlib.suppress(AssertionError):
-            wait_until(step, 2.0)
-        assert "r" in finished, f"r's Done was dropped with the connection (orphans: {w.tracker.orphans()})"
-        assert "r" not in failed and w.load_errors() == set()
+        _assert_finished_not_failed(w, "r")
     finally:
         w.shutdown()
         peer.close()
@@ -324,22 +312,29 @@ def test_answers_waiting_when_a_send_finds_the_completion_socket_closed_are_not_
             peer.fast = None
         assert isinstance(peer.recv(), p.Hello)  # the client ended the connection: that send failed
         assert client.epoch == epoch + 1
-        finished: set[str] = set()
-        failed: set[str] = set()
-
-        def step() -> bool:
-            res = w.transfer_results()
-            finished.update(res.finished)
-            failed.update(res.failed)
-            return "r" in finished
-
-        with contextlib.suppress(AssertionError):
-            wait_until(step, 2.0)
-        assert "r" in finished, f"r's Done was dropped with the connection (orphans: {w.tracker.orphans()})"
-        assert "r" not in failed and w.load_errors() == set()
+        _assert_finished_not_failed(w, "r")
     finally:
         w.shutdown()
         peer.close()
+
+
+def _assert_finished_not_failed(w: WorkerHalf, req_id: str) -> None:
+    """``req_id``'s load is reported finished within 2 s, and not failed: its Done(ok) was not lost."""
+    finished: set[str] = set()
+    failed: set[str] = set()
+
+    def step() -> bool:
+        res = w.transfer_results()
+        finished.update(res.finished)
+        failed.update(res.failed)
+        return req_id in finished
+
+    with contextlib.suppress(AssertionError):
+        wait_until(step, 2.0)
+    assert req_id in finished, (
+        f"{req_id}'s Done was dropped with the connection (orphans: {w.tracker.orphans()})"
+    )
+    assert req_id not in failed and w.load_errors() == set()
 
 
 _PEER = textwrap.dedent(

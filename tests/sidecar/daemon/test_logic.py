@@ -137,6 +137,13 @@ class Harness:
             assert time.monotonic() < deadline, f"{remote_request_id} never notified: {self.port.notified}"
             await asyncio.sleep(0.002)
 
+    async def admitted_by(self, beat: p.Heartbeat, key: tuple[str, int] = ("prefill-0", 0)) -> int:
+        """Send ``beat`` and wait until its early handshake admitted ``key``; the port's connects then."""
+        self.send(beat)
+        while not self.daemon.peers.admitted(key):
+            await asyncio.sleep(0.005)
+        return self.port.connects
+
     async def until_stage(self, req_id: str, stage: str, timeout: float = 2.0) -> None:
         deadline = time.monotonic() + timeout
         while self.job_stage(req_id) != stage:
@@ -2264,10 +2271,7 @@ def test_a_heartbeats_peer_is_read_for_a_later_registration_only_after_a_handsha
 
     async def main():
         async with started() as h:
-            h.send(beat)
-            while not h.daemon.peers.admitted(("prefill-0", 0)):
-                await asyncio.sleep(0.005)
-            connects = h.port.connects
+            connects = await h.admitted_by(beat)
             assert h.port.targets[-1].generation == 0
             h.pull("a", remote_registration_generation=generation)
             done = await h.reply(p.Done, "a")
@@ -2349,10 +2353,7 @@ def test_a_heartbeat_naming_the_registration_spares_its_pulls_a_second_handshake
 
     async def main():
         async with started() as h:
-            h.send(beat)
-            while not h.daemon.peers.admitted(("prefill-0", 0)):
-                await asyncio.sleep(0.005)
-            connects = h.port.connects
+            connects = await h.admitted_by(beat)
             assert h.port.targets[-1].generation == 2
             h.pull("a", remote_registration_generation=2)
             assert (await h.reply(p.Done, "a")).ok
