@@ -9,9 +9,9 @@ slots while an earlier one waits, so a large request is not starved by smaller o
 
 Slots a READ could not be stopped in may still be written: they are kept out (``keep_out``), never lent
 again (unless every transfer into them is later released: ``let_in``), and the pool is never re-cut under
-them. Requests are sized against the largest run that can still
-come free (``room``): one that can never fit is refused at once (``PoolTooSmall``), and so is one waiting in
-line when a kept-out run leaves it no room, rather than at its deadline with every pull behind it.
+them. Requests are sized against the largest run that can still come free (``room``): one that can never fit
+is refused at once (``PoolTooSmall``), and so is one waiting in line when a kept-out run leaves it no room,
+rather than at its deadline with every pull behind it.
 """
 
 from __future__ import annotations
