@@ -366,8 +366,8 @@ class Pipeline:
             return
         self._ratelog.log(
             "staging_kept_out", logging.WARNING,
-            "pull %s %s: %d staging slots are held by a read that could not be stopped and are never lent "
-            "again; the pool can no longer hold it (restart the daemon to get them back)",
+            "pull %s %s: %d staging slots are held by a read that could not be stopped, lent to no pull "
+            "until NIXL releases it; the rest of the pool cannot hold this pull (a restart frees them)",
             job.req_id, what, self._staging.kept_out,
         )
 
