@@ -402,12 +402,16 @@ class PairGeometry:
     def _offsets(self) -> None:
         r, loc = self.remote, self.local
         rows_per_region = 2 if self.mode == "direct" else 1
-        per = r.num_blocks * rows_per_region
-        # requests index these rows as int32 (NIXL's descriptor indices): more rows would wrap into others
-        totals = (("region_num_blocks", int(per.sum())), ("local.num_blocks", int(loc.num_blocks.sum())))
+        # requests index these rows as int32 (NIXL's descriptor indices): more rows would wrap into others.
+        # Summed as Python ints: a claimed count near 2**62 wraps int64 (x2, or the sum) back under the bound
+        totals = (
+            ("region_num_blocks", rows_per_region * sum(r.num_blocks.tolist())),
+            ("local.num_blocks", sum(loc.num_blocks.tolist())),
+        )
         for name, rows in totals:
             if rows > _MAX_ROWS:
                 raise GeometryError(name, f"{rows} descriptor rows in all, more than int32 indices reach")
+        per = r.num_blocks * rows_per_region
         self._remote_off = (np.cumsum(per) - per).astype(_I64)
         self._local_off = (np.cumsum(loc.num_blocks) - loc.num_blocks).astype(_I64)
         if self.mode == "direct":

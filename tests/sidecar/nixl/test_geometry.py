@@ -333,6 +333,25 @@ def test_descriptor_rows_past_int32_refused():
     assert e.value.field == "region_num_blocks"
 
 
+@pytest.mark.parametrize(
+    ("mode", "counts"), [("direct", [2**62, 8]), ("plain", [2**62] * 4), ("plain", [2**63 - 1, 2, 8, 8])]
+)
+def test_descriptor_rows_wrapping_int64_refused(mode, counts):
+    """Region counts whose rows overflow int64 (2 * 2**62 in direct, a sum of 2**64 in plain) must not wrap
+    back under the int32 bound: else every layer's rows alias layer 0's (a V half read from the K half) and
+    NIXL is handed a table of 2**62-block regions."""
+    layers = len(counts)
+    rmem = RemoteMem(layers, 8)
+    rmem.meta.region_num_blocks = counts
+    if mode == "direct":
+        plan, local = plan_of(std(), shuf()), LocalMem(2 * layers, 8, HALF).planes()
+    else:
+        plan, local = plan_of(std(), std()), LocalMem(layers, 8, PAGE).blocks()
+    with pytest.raises(GeometryError) as e:
+        PairGeometry(plan, rmem.regions(), local, mode)
+    assert e.value.field == "region_num_blocks"
+
+
 # -- pairing rules ---------------------------------------------------------------------------------
 
 
