@@ -34,10 +34,17 @@ CONNECTOR_VERSIONS = (14, 15)
 LATEST_CONNECTOR_VERSION = 15
 MEM_TYPES = ("DRAM", "VRAM")
 
+# Entries of any list or map in NixlAgentMetadata (regions, their members, packed layouts), checked from the
+# msgpack header before an element is built. A prefill has one region per layer (a head plane or a K/V plane
+# per layer under LHBNC), far below this. Unbounded, 8 MiB of empty arrays in region_members decoded into
+# ~0.5 GB of Python lists (and seconds on the loop) before admission refused the field.
+MAX_REGIONS = 1 << 16
+
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
 HexDigest = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+_Bounded = msgspec.Meta(max_length=MAX_REGIONS)
 
 
 # --- errors ---
@@ -122,25 +129,25 @@ class NixlAgentMetadata(msgspec.Struct, frozen=True, kw_only=True):
 
     engine_id: NonEmptyStr
     agent_metadata: Annotated[bytes, msgspec.Meta(min_length=1)]
-    kv_caches_base_addr: list[NonNegInt]
+    kv_caches_base_addr: Annotated[list[NonNegInt], _Bounded]
     device_id: NonNegInt
     num_blocks: NonNegInt
-    block_lens: list[PosInt]
-    block_strides: list[PosInt]
+    block_lens: Annotated[list[PosInt], _Bounded]
+    block_strides: Annotated[list[PosInt], _Bounded]
     kv_cache_layout: NonEmptyStr
     block_size: PosInt
     ssm_sizes: tuple[NonNegInt, NonNegInt]
     attn_backend_name: NonEmptyStr
     physical_blocks_per_logical_kv_block: PosInt
-    region_num_blocks: list[NonNegInt]
-    region_group_ids: list[int] | None = None
-    region_names: list[str] | None = None
-    region_mem_types: list[str]
+    region_num_blocks: Annotated[list[NonNegInt], _Bounded]
+    region_group_ids: Annotated[list[int], _Bounded] | None = None
+    region_names: Annotated[list[str], _Bounded] | None = None
+    region_mem_types: Annotated[list[str], _Bounded]
     dcp_size: PosInt = 1
     pcp_size: PosInt = 1
     ple_block_len: NonNegInt | None = None
-    region_members: list[list[str]] = []
-    packed_member_layouts: dict[str, tuple[int, int]] = {}
+    region_members: Annotated[list[Annotated[list[str], _Bounded]], _Bounded] = []
+    packed_member_layouts: Annotated[dict[str, tuple[int, int]], _Bounded] = {}
 
     @property
     def num_regions(self) -> int:

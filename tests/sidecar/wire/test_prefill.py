@@ -357,6 +357,43 @@ def test_inconsistent_regions_are_refused(changes: dict, field: str) -> None:
     assert err.value.field == field
 
 
+def _many(field: str, n: int) -> bytes:
+    """Metadata whose ``field`` holds ``n`` entries of a few bytes each: empty arrays, distinct keys, ints."""
+    if field == "region_members":
+        raw = b"\xdd" + n.to_bytes(4, "big") + b"\x90" * n
+    elif field == "packed_member_layouts":
+        raw = b"\xdf" + n.to_bytes(4, "big") + b"".join(b"\xa6%06x\x92\x00\x00" % i for i in range(n))
+    else:
+        raw = b"\xdd" + n.to_bytes(4, "big") + b"\xcd\x01\x00" * n
+    return msgspec.msgpack.encode({**V14_SAMPLE, field: msgspec.Raw(raw)})
+
+
+@pytest.mark.parametrize("field", ["region_members", "packed_member_layouts", "kv_caches_base_addr"])
+def test_oversized_lists_are_refused_before_they_are_built(field: str) -> None:
+    """A reply under the frame bound may still hold a million tiny entries: empty arrays in region_members
+    decoded into ~60 MB of lists per MB of reply (~0.5 GB for 8 MiB, seconds on the loop) before admission
+    refused the field. Lengths are bounded from the msgpack header, so nothing is built."""
+    data = _many(field, 700_000)
+    assert len(data) < w.MAX_HANDSHAKE_REPLY_BYTES
+    tracemalloc.start()
+    try:
+        with pytest.raises(w.WireError) as err:
+            w.decode_agent_metadata(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert err.value.field == field
+    assert peak < 4 << 20, peak
+
+
+def test_many_regions_within_the_bound_decode() -> None:
+    n = w.MAX_REGIONS
+    d = dict(V14_SAMPLE, kv_caches_base_addr=[4096] * n, block_lens=[64] * n, block_strides=[64] * n,
+             region_num_blocks=[8] * n, region_group_ids=[0] * n, region_names=["l"] * n,
+             region_mem_types=["DRAM"] * n)
+    assert w.decode_agent_metadata(msgspec.msgpack.encode(d)).num_regions == n
+
+
 @pytest.mark.parametrize("data", [b"\xc1", msgspec.msgpack.encode([1, 2]), b""])
 def test_undecodable_metadata_names_the_container(data: bytes) -> None:
     with pytest.raises(w.WireError) as err:
