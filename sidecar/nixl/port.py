@@ -347,12 +347,20 @@ class NixlPort:
         return all([self.agent.release(op) for op in read.ops])
 
     def notify(self, peer: Any, remote_request_id: str) -> None:
-        """Tell every prefill rank of ``peer`` to free the request's blocks (``id:n``, n its count)."""
+        """Tell every prefill rank of ``peer`` to free the request's blocks (``id:n``, n its count). A rank
+        that cannot be told does not keep the others from it (each frees its own blocks); the first failure
+        is raised once every rank was tried."""
+        failed: Exception | None = None
         for m in _members(peer):
             if (m.agent_name, remote_request_id) in self._spent:
                 del self._spent[(m.agent_name, remote_request_id)]
                 continue  # a failed read already told it
-            self._notify_one(m, remote_request_id)
+            try:
+                self._notify_one(m, remote_request_id)
+            except Exception as exc:  # noqa: BLE001 - raised below, after the other ranks
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def _notify_one(self, peer: Peer | NotifyOnlyPeer, remote_request_id: str) -> None:
         if isinstance(peer, NotifyOnlyPeer):

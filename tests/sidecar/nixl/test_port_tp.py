@@ -202,3 +202,15 @@ def test_a_rank_failing_with_any_error_keeps_the_posted_reads_and_tells_every_ra
     assert not port.abort(group)  # the daemon's stop: still in flight, so its blocks are not safe yet
     port.notify(PEERS, "req")
     assert sorted(agent.sent) == [(f"agent-{r}", "req", 1) for r in range(3)]
+
+
+def test_a_rank_that_cannot_be_told_does_not_keep_the_next_ranks_from_being_told():
+    """The daemon's own notification of a read never posted (stopped before its post, a lease or generation
+    check failed): the first rank's prefill cannot be reached, and the ranks after it must still be told,
+    each once; the failure is still raised for the caller to log."""
+    agent = UnreachableRank()  # agent-2 cannot be told
+    port = port_with(agent)
+    peers = PeerSet(tuple(reversed(PEERS.peers)))  # the unreachable rank first
+    with pytest.raises(RemoteDisconnected):
+        port.notify(peers, "req")
+    assert sorted(agent.sent) == [("agent-0", "req", 1), ("agent-1", "req", 1)]
