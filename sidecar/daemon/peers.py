@@ -234,10 +234,7 @@ class Peers:
             if stale:
                 # replaced now, even while pulls still read through it (a restarted prefill's new pulls must
                 # not read the old one, nor a reload wait for a quiet moment); removed once they let go
-                if peer is not None and entry.users == 0:
-                    self._remove(peer)
-                elif peer is not None:
-                    self._retiring.add(entry)
+                self._retire(entry)
                 entry = None
         if entry is None:
             entry = self.start(target, caches)
@@ -251,6 +248,18 @@ class Peers:
         if entry.users == 0 and entry in self._retiring and entry.task.done():
             self._retiring.discard(entry)
             self._remove(entry.peer)
+
+    def _retire(self, entry: PeerEntry) -> None:
+        """A replaced entry: its peer removed now if no pull holds it, else once the last lets go; a running
+        handshake's once it is through (``_retire_running``)."""
+        if not entry.task.done():
+            self._retire_running(entry)
+            return
+        peer = entry.peer
+        if peer is not None and entry.users == 0:
+            self._remove(peer)
+        elif peer is not None:
+            self._retiring.add(entry)
 
     def _retire_running(self, entry: PeerEntry) -> None:
         """A running handshake replaced: its peer, if it comes, goes once no pull holds it (``release``)."""
@@ -452,12 +461,19 @@ class Peers:
         are caches to be admitted against) one made just to notify."""
         key = (target.engine_id, target.tp_rank)
         entry = self._entries.get(key)
+        stale = None
+        if entry is not None and not entry.failed and not same_prefill(target, entry.target):
+            # made for another TP or reading rank (its peer owes another "id:n": a decoder restarted at
+            # another TP), or another prefill under this engine id: not told through it
+            stale, entry = entry, None
         if entry is None or entry.failed:
             if caches is None:
                 return  # the prefill's lease frees the blocks
             entry = self.start_unawaited(target, caches)
             if entry is None:
                 return  # as above
+            if stale is not None:  # replaced by the handshake just started: let go as ``acquire`` does
+                self._retire(stale)
         self.notify_when_admitted(entry, remote_request_id)
 
     def close(self) -> None:

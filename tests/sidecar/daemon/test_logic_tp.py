@@ -195,3 +195,36 @@ def test_a_handshake_that_fails_after_the_pull_was_aborted_logs_nothing_unretrie
             await h.stop()
 
     run(main())
+
+
+def test_a_pull_not_taken_is_told_with_the_n_of_the_decoders_tp_now_not_of_a_cached_handshake():
+    """A decoder restarted at TP 2 (the daemon and the prefill stayed up) has its first Pull overtaken by
+    its Abort: the prefill rank is told "id:2", as it now waits for both decoder ranks. Told through the
+    handshake cached for the decoder's TP 1 before, it got "id:1" and freed the blocks at this rank's word
+    while the other decoder rank may still read them."""
+
+    async def main():
+        h = await tp_started(tp=1, rank=0, prefill_heads=2, owner_grace_s=0.05)
+        try:
+            h.pull("a", remote_tp_size=1)
+            assert (await h.reply(p.Done, "a")).ok
+            assert per_rank(h, "r-a") == Counter({(0, 1): 1})
+            h.daemon.registrations.shim_gone(b"shim")
+            while h.daemon.caches.current is not None:
+                await asyncio.sleep(0.005)
+            h.tp = 2  # the new shim's Hello says TP 2, rank 0
+            h.send(p.Hello(protocol_version=p.PROTOCOL_VERSION, package_version="test"), who=b"shim2")
+            h.send(h.register_message(), who=b"shim2")
+            while h.daemon.caches.current is None:
+                await asyncio.sleep(0.005)
+            h.send(p.Abort(req_id="b"), who=b"shim2")
+            assert (await h.reply(p.Aborted, "b")).safe
+            h.pull("b", remote_tp_size=1, who=b"shim2")
+            assert not (await h.reply(p.Done, "b")).ok
+            await until(lambda: per_rank(h, "r-b"))
+            await asyncio.sleep(0.05)
+            assert per_rank(h, "r-b") == Counter({(0, 2): 1})
+        finally:
+            await h.stop()
+
+    run(main())
