@@ -4,6 +4,7 @@ whose agent is loaded only to be notified a ``NotifyOnlyPeer``."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -244,6 +245,10 @@ class RemotePeers:
             told = NotifyOnlyPeer(engine_id, tp_rank, address, name, notif_count)
             self._notify_only[agent_metadata] = told
             self._forget_replaced(engine_id, tp_rank, address, agent_metadata)
+        elif told.notif_count != notif_count:
+            # refused again for a decoder at another TP (restarted, the prefill still up): its notifications
+            # owe that TP's n; the refusals still holding the old load are told with theirs
+            told = self._notify_only[agent_metadata] = dataclasses.replace(told, notif_count=notif_count)
         told.used_at = self._clock()  # a new refusal to tell it of: kept for another lease
         return told
 

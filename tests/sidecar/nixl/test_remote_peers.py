@@ -71,3 +71,18 @@ def test_an_older_generation_than_the_loaded_one_is_a_conflict_and_leaves_the_lo
         _add(peers, "e", b"meta-a", "10.0.0.1:5600", generation=1)
     assert e.value.field == "remote_registration_generation"
     assert peers.peer("e", 0) is newer and not newer.unloaded and agent.loaded == ["agent-a"]
+
+
+def test_a_notify_only_load_found_again_owes_the_n_of_its_new_refusal():
+    """A prefill rank refused for a decoder at TP 1 ("id:1"), then, with the daemon and the prefill still
+    up, for the decoder restarted at TP 2: the load is found again, and its notifications must say "id:2"
+    (the prefill rank now waits for both decoder ranks), not the n of the first refusal. A refusal still
+    being told under the old n keeps it."""
+    agent = Agent({b"meta-a": "agent-a"})
+    peers = RemotePeers(agent, threading.RLock())
+    rank = dict(engine_id="e", tp_rank=0, address="10.0.0.1:5600", agent_metadata=b"meta-a")
+    old = peers.load_notify_only(**rank, notif_count=1)
+    new = peers.load_notify_only(**rank, notif_count=2)
+    assert new.notif_count == 2 and new.agent_name == "agent-a" and agent.loaded == ["agent-a"]
+    assert old.notif_count == 1
+    assert peers.load_notify_only(**rank, notif_count=2) is new
