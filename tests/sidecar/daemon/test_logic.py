@@ -21,7 +21,7 @@ import pytest
 from sidecar.daemon import conversion as conversion_mod
 from sidecar.daemon import reads as reads_module
 from sidecar.daemon.app import Daemon
-from sidecar.daemon.peers import PEER_IDLE_S
+from sidecar.daemon.peers import PEER_IDLE_S, Peers
 from sidecar.nixl.peer_book import PeerBook
 from sidecar.ops.config import Config
 from sidecar.standins.fake_transfer import FakePort
@@ -2632,6 +2632,21 @@ def test_a_pull_admitted_before_a_reload_keeps_its_lease_when_the_new_rules_refu
             done = await h.reply(p.Done, "a")
             assert done.ok, (done.reason, len(h.port.heartbeats) - renewed)
             assert ["r-a"] in h.port.heartbeats[renewed:]
+
+    run(main())
+
+
+def test_the_lease_tick_lets_prefill_ranks_idle_for_peer_idle_s_go(monkeypatch):
+    """The renewals' tick asks ``Peers.let_go_idle`` for PEER_IDLE_S (or the lease and its margin, if longer)
+    each quarter lease, as it does the notify-only loads."""
+    calls = []
+    monkeypatch.setattr(Peers, "let_go_idle", lambda self, idle_s, now=None: calls.append(idle_s) or 0)
+
+    async def main():
+        async with started(lease_s=3.0, lease_margin_s=0.5, heartbeat_interval_s=0.2):
+            while not calls:
+                await asyncio.sleep(0.02)
+            assert calls == [PEER_IDLE_S]
 
     run(main())
 
