@@ -238,8 +238,7 @@ class Peers:
                 entry = None
         if entry is None:
             entry = self.start(target, caches)
-        entry.users += 1
-        entry.used_at = time.monotonic()
+        entry.users += 1  # held, so not idle (``let_go_idle``) until ``release`` marks it used
         return entry, entry.task
 
     def release(self, entry: PeerEntry) -> None:
